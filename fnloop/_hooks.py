@@ -1,0 +1,383 @@
+"""Hooks, ``(state, phase) -> state``, and the combinators that compose them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+
+from fnloop._phase import Phase
+from fnloop._state import TrainState, Unclaimed, replace
+
+__all__ = [
+    "Hook",
+    "Stateful",
+    "chain",
+    "every",
+    "identity",
+    "on",
+    "once",
+    "state_names",
+    "stateful",
+    "when",
+]
+
+_BEFORE_TRAIN = Phase.BEFORE_TRAIN
+_AFTER_TRAIN = Phase.AFTER_TRAIN
+_BEFORE_STEP = Phase.BEFORE_STEP
+_AFTER_STEP = Phase.AFTER_STEP
+
+
+@runtime_checkable
+class Hook(Protocol):
+    """A pure function ``(state, phase) -> state``.
+
+    A hook returns the state unchanged for the phases it ignores. It never
+    mutates the state it is given; it returns a new one (``attrs.evolve``).
+    Memory it needs between calls lives in ``state.hooks[name]`` (see
+    ``stateful``), so it is checkpointed with the rest of the run.
+    """
+
+    def __call__(self, state: TrainState, phase: Phase, /) -> TrainState: ...
+
+
+def identity(state: TrainState, phase: Phase, /) -> TrainState:
+    """The hook that changes nothing; ``chain()`` returns it.
+
+    >>> s = TrainState(max_iter=1)
+    >>> identity(s, Phase.BEFORE_TRAIN) is s
+    True
+    """
+    return state
+
+
+def _describe(hook: object) -> str:
+    name = getattr(hook, "__qualname__", None)
+    if name is not None and callable(hook) and not isinstance(hook, type):
+        return name
+    return repr(hook)
+
+
+def returned(hook: object, phase: Phase, got: object) -> TypeError:
+    """The error for a hook that returned something other than a ``TrainState``."""
+    hint = " (did it forget to `return state`?)" if got is None else ""
+    return TypeError(
+        f"hook {_describe(hook)} returned {got!r:.80} (a {type(got).__name__}) in {phase!r}; "
+        f"a hook must return a TrainState{hint}. Return the state it was given for phases "
+        "it ignores, and a new one (attrs.evolve) where it changes something."
+    )
+
+
+def state_names(hook: object) -> tuple[str, ...]:
+    """The names of the hook states that ``hook`` (and any hook inside it) keeps.
+
+    >>> state_names(chain(stateful("a", 0, lambda s, p, m: (s, m)), identity))
+    ('a',)
+    """
+    return tuple(getattr(hook, "state_names", ()))
+
+
+def _check_unique(hooks: tuple[object, ...]) -> None:
+    seen: dict[str, object] = {}
+    for hook in hooks:
+        for name in state_names(hook):
+            if name in seen:
+                raise ValueError(
+                    f"two hooks keep their state under the name {name!r}: {seen[name]!r} and "
+                    f"{hook!r}. Each stateful hook needs a unique name, or one of the two states "
+                    "would be lost; pass a different name= to one of them."
+                )
+            seen[name] = hook
+
+
+def _check_hook(hook: object, where: str) -> None:
+    if not callable(hook):
+        raise TypeError(
+            f"{where} expected a hook, a callable (state, phase) -> state, "
+            f"but got {hook!r:.80} (a {type(hook).__name__})."
+        )
+
+
+@attrs.frozen(repr=False)
+class Chain:
+    """Several hooks run in order as one; build it with ``chain``."""
+
+    hooks: tuple[Hook, ...]
+
+    def __call__(self, state: TrainState, phase: Phase, /) -> TrainState:
+        for hook in self.hooks:
+            new = hook(state, phase)
+            if type(new) is not TrainState:
+                raise returned(hook, phase, new)
+            state = new
+        return state
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        return tuple(n for h in self.hooks for n in state_names(h))
+
+    def __repr__(self) -> str:
+        return f"chain({', '.join(_describe(h) for h in self.hooks)})"
+
+
+def chain(*hooks: Hook | None) -> Hook:
+    """One hook running ``hooks`` in the order given, in every phase.
+
+    ``None`` entries are skipped, nested chains are flattened, ``chain()`` is
+    ``identity`` and ``chain(h)`` is ``h``, so ``chain`` is associative and
+    ``chain(chain(a, b), c) == chain(a, chain(b, c))``.
+
+    >>> def tick(state, phase):
+    ...     return attrs.evolve(state, extra=(state.extra or 0) + 1)
+    >>> chain(tick, None, tick)(TrainState(max_iter=1), Phase.BEFORE_STEP).extra
+    2
+    >>> chain() is identity
+    True
+
+    Raises:
+        TypeError: an entry is not callable.
+        ValueError: two hooks keep their state under the same name.
+    """
+    flat: list[Hook] = []
+    for hook in hooks:
+        if hook is None or hook is identity:
+            continue
+        _check_hook(hook, "chain()")
+        if isinstance(hook, Chain):
+            flat.extend(hook.hooks)
+        else:
+            flat.append(hook)
+    if not flat:
+        return identity
+    if len(flat) == 1:
+        return flat[0]
+    _check_unique(tuple(flat))
+    return Chain(tuple(flat))
+
+
+def _phases(value: Phase | Collection[Phase]) -> frozenset[Phase]:
+    phases = frozenset([value] if isinstance(value, Phase) else value)
+    if not phases or not all(isinstance(p, Phase) for p in phases):
+        raise TypeError(
+            f"on() expected a Phase or a collection of Phases (got {value!r}); "
+            "for example on(Phase.AFTER_STEP, hook)."
+        )
+    return phases
+
+
+@attrs.frozen(repr=False)
+class On:
+    """``hook`` run in the given phases only; build it with ``on``."""
+
+    phases: frozenset[Phase]
+    hook: Hook
+
+    def __call__(self, state: TrainState, phase: Phase, /) -> TrainState:
+        if phase not in self.phases:
+            return state
+        return self.hook(state, phase)
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        return state_names(self.hook)
+
+    def __repr__(self) -> str:
+        phases = sorted(self.phases, key=lambda p: p.value)
+        shown = repr(phases[0]) if len(phases) == 1 else "{" + ", ".join(map(repr, phases)) + "}"
+        return f"on({shown}, {_describe(self.hook)})"
+
+
+def on(phase: Phase | Collection[Phase], hook: Hook) -> Hook:
+    """``hook`` run in ``phase`` (one phase or several) and skipped in the others.
+
+    >>> from fnloop import testing
+    >>> trace = testing.phase_trace(lambda h: on(Phase.AFTER_STEP, h), max_iter=2)
+    >>> [(p.name, i) for p, i in trace]
+    [('AFTER_STEP', 0), ('AFTER_STEP', 1)]
+    """
+    _check_hook(hook, "on()")
+    return On(_phases(phase), hook)
+
+
+def _positive_int(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if type(value) is not int or value < 1:
+        raise ValueError(
+            f"'{attribute.name}' must be a positive int (got {value!r} that is a {type(value).__name__})."
+        )
+
+
+def _non_negative_int(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if type(value) is not int or value < 0:
+        raise ValueError(
+            f"'{attribute.name}' must be a non-negative int (got {value!r} that is a {type(value).__name__})."
+        )
+
+
+@attrs.frozen(repr=False)
+class Every:
+    """``hook`` run after every ``n``-th step; build it with ``every``."""
+
+    n: int = attrs.field(validator=_positive_int)
+    hook: Hook
+
+    def __call__(self, state: TrainState, phase: Phase, /) -> TrainState:
+        if (state.iteration + 1) % self.n and phase is not _BEFORE_TRAIN and phase is not _AFTER_TRAIN:
+            return state
+        return self.hook(state, phase)
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        return state_names(self.hook)
+
+    def __repr__(self) -> str:
+        return f"every({self.n}, {_describe(self.hook)})"
+
+
+def every(n: int, hook: Hook) -> Hook:
+    """``hook`` run at ``BEFORE_STEP``/``AFTER_STEP`` of iterations ``n-1, 2n-1, ...``.
+
+    That is after every ``n``-th completed step, as detectron2's periodic
+    hooks do. ``BEFORE_TRAIN`` and ``AFTER_TRAIN`` always reach ``hook``, so
+    ``every(200, checkpoint(...))`` also saves when the run ends and a periodic
+    writer flushes at the end. ``every(1, h)`` is ``h``.
+
+    >>> from fnloop import testing
+    >>> trace = testing.phase_trace(lambda h: every(3, on(Phase.AFTER_STEP, h)), max_iter=6)
+    >>> [i for _, i in trace]
+    [2, 5]
+    """
+    _check_hook(hook, "every()")
+    periodic = Every(n, hook)
+    return hook if n == 1 else periodic
+
+
+@attrs.frozen(repr=False)
+class When:
+    """``hook`` run where ``pred(state)`` holds; build it with ``when``."""
+
+    pred: Callable[[TrainState], bool]
+    hook: Hook
+
+    def __call__(self, state: TrainState, phase: Phase, /) -> TrainState:
+        if not self.pred(state):
+            return state
+        return self.hook(state, phase)
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        return state_names(self.hook)
+
+    def __repr__(self) -> str:
+        return f"when({_describe(self.pred)}, {_describe(self.hook)})"
+
+
+def when(pred: Callable[[TrainState], bool], hook: Hook) -> Hook:
+    """``hook`` run in every phase where ``pred(state)`` is true.
+
+    >>> from fnloop import testing
+    >>> odd = lambda h: when(lambda s: s.iteration % 2 == 1, on(Phase.BEFORE_STEP, h))
+    >>> [i for _, i in testing.phase_trace(odd, max_iter=4)]
+    [1, 3]
+    """
+    _check_hook(pred, "when() predicate:")
+    _check_hook(hook, "when()")
+    return When(pred, hook)
+
+
+@attrs.frozen(repr=False)
+class Once:
+    """``hook`` run in the step phases of one iteration; build it with ``once``."""
+
+    iteration: int = attrs.field(validator=_non_negative_int)
+    hook: Hook
+
+    def __call__(self, state: TrainState, phase: Phase, /) -> TrainState:
+        if state.iteration != self.iteration or phase is _BEFORE_TRAIN or phase is _AFTER_TRAIN:
+            return state
+        return self.hook(state, phase)
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        return state_names(self.hook)
+
+    def __repr__(self) -> str:
+        return f"once({self.iteration}, {_describe(self.hook)})"
+
+
+def once(iteration: int, hook: Hook) -> Hook:
+    """``hook`` run at ``BEFORE_STEP`` and ``AFTER_STEP`` of ``iteration`` only.
+
+    ``BEFORE_TRAIN`` and ``AFTER_TRAIN`` do not reach it; combine with ``on``
+    to pick one of the two step phases.
+
+    >>> from fnloop import testing
+    >>> [(p.name, i) for p, i in testing.phase_trace(lambda h: once(1, h), max_iter=3)]
+    [('BEFORE_STEP', 1), ('AFTER_STEP', 1)]
+    """
+    _check_hook(hook, "once()")
+    return Once(iteration, hook)
+
+
+def _hook_name(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if type(value) is not str or not value:
+        raise ValueError(
+            f"'{attribute.name}' must be a non-empty str (got {value!r} that is a {type(value).__name__})."
+        )
+
+
+@attrs.frozen(repr=False)
+class Stateful:
+    """A hook with memory kept in ``state.hooks[name]``; build it with ``stateful``."""
+
+    name: str = attrs.field(validator=_hook_name)
+    init: Any
+    update: Callable[[TrainState, Phase, Any], tuple[TrainState, Any]]
+
+    def __call__(self, state: TrainState, phase: Phase, /) -> TrainState:
+        memory = state.hooks.get(self.name, self)
+        if memory is self:
+            memory = self.init
+        elif type(memory) is Unclaimed:
+            memory = memory.claim(self.init)
+        result = self.update(state, phase, memory)
+        if type(result) is not tuple or len(result) != 2 or type(result[0]) is not TrainState:
+            raise TypeError(
+                f"stateful hook {self.name!r} ({_describe(self.update)}) returned {result!r:.80} in "
+                f"{phase!r}; its update must return a pair (state, memory), state a TrainState."
+            )
+        new, new_memory = result
+        if new_memory is memory and new.hooks.get(self.name) is memory:
+            return new
+        # `hooks` stays a str-keyed mapping, so the validators need not run again.
+        return replace(new, hooks={**new.hooks, self.name: new_memory})
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        return (self.name,)
+
+    def __repr__(self) -> str:
+        return f"stateful({self.name!r}, {_describe(self.update)})"
+
+
+def stateful(
+    name: str, init: Any, update: Callable[[TrainState, Phase, Any], tuple[TrainState, Any]]
+) -> Hook:
+    """A hook whose memory is kept in ``state.hooks[name]``, so checkpoints hold it.
+
+    ``update(state, phase, memory) -> (state, memory)`` sees ``init`` the first
+    time (and after a resume from a checkpoint that holds no state for
+    ``name``). The name must be unique among the hooks of a run; ``chain`` and
+    ``run`` refuse a clash rather than lose a state.
+
+    >>> def count(state, phase, n):
+    ...     return state, n + (phase is Phase.AFTER_STEP)
+    >>> from fnloop import run
+    >>> run(TrainState(max_iter=3), lambda s, b: s, [None] * 3, [stateful("steps", 0, count)]).hooks
+    {'steps': 3}
+
+    Raises:
+        ValueError: ``name`` is empty or not a str.
+    """
+    _check_hook(update, "stateful()")
+    return Stateful(name, init, update)

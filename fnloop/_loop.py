@@ -1,0 +1,249 @@
+"""The fold: drive a step and hooks from ``state.iteration`` to ``state.max_iter``."""
+
+from __future__ import annotations
+
+import time as _time
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, Protocol
+
+from fnloop._hooks import Hook, chain, returned, state_names
+from fnloop._phase import Phase
+from fnloop._state import TrainState, Unclaimed, replace
+
+__all__ = ["BatchesExhausted", "Step", "UnclaimedHookState", "run", "scan"]
+
+_BEFORE_TRAIN = Phase.BEFORE_TRAIN
+_BEFORE_STEP = Phase.BEFORE_STEP
+_AFTER_STEP = Phase.AFTER_STEP
+_AFTER_TRAIN = Phase.AFTER_TRAIN
+
+
+class Step(Protocol):
+    """A pure function ``(state, batch) -> state`` run once per iteration.
+
+    A step may also offer ``donating(state, batch)``: the same function, allowed
+    to reuse the storage of ``state``'s tensors. ``run`` calls it only for
+    states nobody outside the fold can see.
+    """
+
+    def __call__(self, state: TrainState, batch: Any, /) -> TrainState: ...
+
+
+class BatchesExhausted(RuntimeError):
+    """The batch iterable ended before ``max_iter`` was reached."""
+
+
+def _start(state: object, hooks: Sequence[Hook | None] | None) -> Hook:
+    if type(state) is not TrainState:
+        raise TypeError(
+            f"run() expected a fnloop.TrainState as its first argument, got {state!r:.80} "
+            f"(a {type(state).__name__}). Build one with fnloop.TrainState(max_iter=...) or fnloop.init(...)."
+        )
+    if state.iteration > state.max_iter:
+        raise ValueError(
+            f"cannot run from iteration {state.iteration}: it is past max_iter={state.max_iter}. "
+            "To train further, raise max_iter: attrs.evolve(state, max_iter=...)."
+        )
+    if hooks is None:
+        hooks = ()
+    if callable(hooks) and not isinstance(hooks, Sequence):
+        raise TypeError(f"run() expected a sequence of hooks, got a single hook {hooks!r:.80}; pass [hook].")
+    return chain(*hooks)
+
+
+def _stream(batches: Iterable[Any], cursor: Any) -> tuple[Iterator[Any], bool]:
+    iter_from = getattr(batches, "iter_from", None)
+    if iter_from is not None:
+        return iter_from(cursor), True
+    return iter(batches), False
+
+
+def _drop_unclaimed(state: TrainState, hook: Hook) -> TrainState:
+    owned = set(state_names(hook))
+    stray = [n for n, v in state.hooks.items() if type(v) is Unclaimed and n not in owned]
+    if not stray:
+        return state
+    for name in stray:
+        warnings.warn(
+            f"the hook state {name!r} ({state.hooks[name].where}) belongs to no hook of this run; "
+            "it is dropped. If a hook was renamed, give it its old name= to keep its state.",
+            UnclaimedHookState,
+            stacklevel=4,
+        )
+    return replace(state, hooks={n: v for n, v in state.hooks.items() if n not in stray})
+
+
+class UnclaimedHookState(UserWarning):
+    """A hook state from a checkpoint that no hook of the run owns; it is dropped."""
+
+
+def _phase(hook: Hook, state: TrainState, phase: Phase, perform: bool) -> TrainState:
+    new = hook(state, phase)
+    if type(new) is not TrainState:
+        raise returned(hook, phase, new)
+    effects = new.effects
+    if effects:
+        new = replace(new, effects=())
+        if perform:
+            for effect in effects:
+                effect.perform(new)
+    return new
+
+
+def _fold(
+    state: TrainState,
+    step: Step,
+    batches: Iterable[Any],
+    hook: Hook,
+    clock: Callable[[], float],
+    perform: bool,
+    donate: bool,
+) -> Iterator[TrainState]:
+    # `last` is the last consistent state: the input, then the state after
+    # BEFORE_TRAIN, then the state after each completed iteration.
+    last = state
+    try:
+        state = _drop_unclaimed(state, hook)
+        state = last = _phase(hook, replace(state, time=clock()), _BEFORE_TRAIN, perform)
+        stream, resumable = _stream(batches, state.data)
+        donating = getattr(step, "donating", None) if donate else None
+        apply = step
+        while state.iteration < state.max_iter:
+            i = state.iteration
+            state = hook(replace(state, time=clock()), _BEFORE_STEP)
+            if type(state) is not TrainState:
+                raise returned(hook, _BEFORE_STEP, state)
+            before = state.effects
+            if before:
+                state = replace(state, effects=())
+                if perform:
+                    for effect in before:
+                        effect.perform(state)
+            try:
+                batch = next(stream)
+            except StopIteration:
+                raise BatchesExhausted(
+                    f"the batches ran out at iteration {i} (max_iter={state.max_iter}). "
+                    "The fold takes one batch per iteration: give at least max_iter - "
+                    "iteration batches, or a stream that cycles, such as fnloop.data.batches(...)."
+                ) from None
+            if resumable:
+                batch, cursor = batch
+            else:
+                cursor = state.data
+            new = apply(state, batch)
+            if type(new) is not TrainState:
+                raise TypeError(
+                    f"step {step!r:.80} returned {new!r:.80} (a {type(new).__name__}) at iteration {i}; "
+                    "a step must return a TrainState."
+                )
+            state = hook(replace(new, time=clock()), _AFTER_STEP)
+            if type(state) is not TrainState:
+                raise returned(hook, _AFTER_STEP, state)
+            if state.iteration != i:
+                raise RuntimeError(
+                    f"state.iteration changed from {i} to {state.iteration} during iteration {i}; "
+                    "only the fold advances it. To end a run early, lower max_iter instead."
+                )
+            after = state.effects
+            state = last = replace(state, iteration=i + 1, data=cursor, effects=())
+            if after and perform:
+                for effect in after:
+                    effect.perform(state)
+            if donating is not None:
+                # From here on the fold threads states no caller holds.
+                apply = donating
+            yield state
+    except BaseException as exc:
+        at_end = replace(last, time=clock())
+        exc.state = last  # type: ignore[attr-defined]
+        try:
+            _phase(hook, at_end, _AFTER_TRAIN, perform)
+        except BaseException as also:  # noqa: BLE001 - the original exception must win
+            if also is not exc:
+                exc.add_note(f"AFTER_TRAIN hooks then also failed: {type(also).__name__}: {also}")
+        raise
+    try:
+        final = _phase(hook, replace(state, time=clock()), _AFTER_TRAIN, perform)
+    except BaseException as exc:
+        exc.state = state  # type: ignore[attr-defined]
+        raise
+    yield final
+
+
+def scan(
+    state: TrainState,
+    step: Step,
+    batches: Iterable[Any],
+    hooks: Sequence[Hook | None] | None = (),
+    *,
+    clock: Callable[[], float] = _time.perf_counter,
+    effects: bool = True,
+) -> Iterator[TrainState]:
+    """Lazily run ``step`` and ``hooks``, yielding the state after each iteration.
+
+    After the iterations it yields once more: the final state, after
+    ``AFTER_TRAIN``. So ``list(scan(...))[-1]`` is what ``run`` returns. Every
+    yielded state stays valid; nothing is reused in place. Closing the
+    iterator early runs ``AFTER_TRAIN`` with the last yielded state.
+
+    >>> from fnloop import TrainState
+    >>> [s.iteration for s in scan(TrainState(max_iter=2), lambda s, b: s, [0, 1])]
+    [1, 2, 2]
+
+    Args:
+        state: where to start; iterations ``state.iteration .. state.max_iter - 1`` run.
+        step: ``(state, batch) -> state``.
+        batches: any iterable, one batch taken per iteration; a resumable
+            stream (``fnloop.data.batches``) continues from ``state.data``.
+        hooks: hooks (or ``None``s) run in this order in every phase.
+        clock: the driver's clock, read into ``state.time`` at each phase.
+        effects: perform requested effects (``False`` for a dry replay).
+
+    Raises:
+        TypeError: ``state`` is not a TrainState, or a hook/step returns something else.
+        ValueError: ``state.iteration > state.max_iter``, or two hooks share a state name.
+        BatchesExhausted: ``batches`` ended early.
+    """
+    hook = _start(state, hooks)
+    return _fold(state, step, batches, hook, clock, effects, donate=False)
+
+
+def run(
+    state: TrainState,
+    step: Step,
+    batches: Iterable[Any],
+    hooks: Sequence[Hook | None] | None = (),
+    *,
+    clock: Callable[[], float] = _time.perf_counter,
+    effects: bool = True,
+) -> TrainState:
+    """Run ``step`` and ``hooks`` from ``state.iteration`` to ``state.max_iter``.
+
+    Phases: ``BEFORE_TRAIN``; then per iteration ``BEFORE_STEP``, the step,
+    ``AFTER_STEP``; then ``AFTER_TRAIN``. Hooks run in registration order in
+    every phase. ``state.iteration`` is the current index during the step
+    phases and reaches ``max_iter`` only after success, which is how an
+    ``AFTER_TRAIN`` hook tells success from failure.
+
+    On an exception ``AFTER_TRAIN`` still runs, with the last consistent state
+    (the state after the last completed iteration); then the original
+    exception propagates unchanged, carrying that state as ``exc.state``.
+
+    >>> from fnloop import TrainState, record
+    >>> final = run(TrainState(max_iter=3), lambda s, b: record(s, x=b), [1.0, 2.0, 3.0])
+    >>> final.iteration, final.metrics.latest("x")
+    (3, (2, 3.0))
+
+    Args: as ``scan``. The step's ``donating`` variant, where it offers one, is
+    used once the fold owns the state it threads (from the second iteration).
+
+    Returns:
+        The final state, after ``AFTER_TRAIN``.
+    """
+    hook = _start(state, hooks)
+    final = state
+    for final in _fold(state, step, batches, hook, clock, effects, donate=True):  # noqa: B007
+        pass
+    return final

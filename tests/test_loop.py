@@ -1,0 +1,206 @@
+"""The fold: errors, effects, early stop, clocks, resumable streams."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+
+import fnloop as fl
+from fnloop import Phase, TrainState, testing
+
+
+def empty_step(state, batch):
+    return state
+
+
+def test_a_run_past_max_iter_is_refused():
+    with pytest.raises(
+        ValueError,
+        match=r"cannot run from iteration 5: it is past max_iter=3. To train further, "
+        r"raise max_iter",
+    ):
+        fl.run(TrainState(max_iter=3, iteration=5), empty_step, [])
+
+
+def test_a_run_at_max_iter_runs_no_step_but_both_ends():
+    assert testing.phase_trace(max_iter=3, start=3) == [(Phase.BEFORE_TRAIN, 3), (Phase.AFTER_TRAIN, 3)]
+
+
+def test_not_a_state_is_refused():
+    with pytest.raises(TypeError, match=r"run\(\) expected a fnloop.TrainState as its first argument, got 3"):
+        fl.run(3, empty_step, [])  # type: ignore[arg-type]
+
+
+def test_a_single_hook_instead_of_a_list_is_refused_with_the_fix():
+    with pytest.raises(TypeError, match=r"expected a sequence of hooks, got a single hook .*; pass \[hook\]"):
+        fl.run(TrainState(max_iter=1), empty_step, [None], testing.Tag("x"))  # type: ignore[arg-type]
+
+
+def test_running_out_of_batches_is_a_clear_failure_with_the_state():
+    with pytest.raises(
+        fl.BatchesExhausted, match=r"the batches ran out at iteration 2 \(max_iter=5\)"
+    ) as info:
+        fl.run(TrainState(max_iter=5), empty_step, [1, 2])
+    assert info.value.state.iteration == 2
+
+
+def test_a_hook_may_not_move_the_iteration():
+    def jump(state, phase):
+        return attrs.evolve(state, iteration=state.iteration + 1) if phase is Phase.AFTER_STEP else state
+
+    with pytest.raises(
+        RuntimeError, match=r"state.iteration changed from 0 to 1 during iteration 0; only the fold"
+    ):
+        fl.run(TrainState(max_iter=3), empty_step, [None] * 3, [jump])
+
+
+def stop_after_two(state, phase):
+    if phase is Phase.AFTER_STEP and state.iteration == 1:
+        return attrs.evolve(state, max_iter=state.iteration + 1)
+    return state
+
+
+def test_lowering_max_iter_ends_the_run_early_as_a_success():
+    seen = []
+    final = fl.run(
+        TrainState(max_iter=10),
+        empty_step,
+        [None] * 10,
+        [stop_after_two, lambda s, p: (seen.append((p, s.iteration, s.max_iter)), s)[1]],
+    )
+    assert final.iteration == final.max_iter == 2
+    assert seen[-1] == (Phase.AFTER_TRAIN, 2, 2)
+
+
+def test_effects_run_after_the_whole_phase_on_the_finished_state():
+    performed = []
+
+    def save(state, phase):
+        if phase is Phase.AFTER_STEP:
+            return fl.request(state, lambda s: performed.append((s.iteration, s.extra, s.effects)), "save")
+        return state
+
+    def later(state, phase):
+        return attrs.evolve(state, extra="seen by the effect") if phase is Phase.AFTER_STEP else state
+
+    final = fl.run(TrainState(max_iter=2), empty_step, [None] * 2, [save, later])
+    # Requested in AFTER_STEP of step i: performed with iteration == i + 1, after `later` ran, effects cleared.
+    assert performed == [(1, "seen by the effect", ()), (2, "seen by the effect", ())]
+    assert final.effects == ()
+
+
+def test_effects_can_be_turned_off_for_a_dry_replay():
+    performed = []
+    hook = fl.on(Phase.AFTER_STEP, lambda s, p: fl.request(s, performed.append))
+    final = fl.run(TrainState(max_iter=3), empty_step, [None] * 3, [hook], effects=False)
+    assert performed == [] and final.effects == ()
+
+
+def test_the_clock_enters_the_state_at_each_phase():
+    ticks = iter(range(100))
+    seen = []
+    fl.run(
+        TrainState(max_iter=2),
+        empty_step,
+        [None] * 2,
+        [lambda s, p: (seen.append((p.name, s.time)), s)[1]],
+        clock=lambda: float(next(ticks)),
+    )
+    assert seen == [
+        ("BEFORE_TRAIN", 0.0),
+        ("BEFORE_STEP", 1.0),
+        ("AFTER_STEP", 2.0),
+        ("BEFORE_STEP", 3.0),
+        ("AFTER_STEP", 4.0),
+        ("AFTER_TRAIN", 5.0),
+    ]
+
+
+class Stream:
+    """A resumable stream of ints: batch k is k."""
+
+    def iter_from(self, cursor):
+        k = cursor
+        while True:
+            yield k, k + 1
+            k += 1
+
+
+def test_a_resumable_stream_continues_from_the_cursor_in_the_state():
+    got = []
+    step = lambda s, b: (got.append(b), s)[1]  # noqa: E731
+    first = fl.run(TrainState(max_iter=3), step, Stream())
+    assert first.data == 3
+    fl.run(attrs.evolve(first, max_iter=5), step, Stream())
+    assert got == [0, 1, 2, 3, 4]
+
+
+def test_after_train_failure_during_a_failure_keeps_the_original():
+    def broken_end(state, phase):
+        if phase is Phase.AFTER_TRAIN:
+            raise OSError("disk full")
+        return state
+
+    def step(state, batch):
+        raise ZeroDivisionError("loss")
+
+    with pytest.raises(ZeroDivisionError) as info:
+        fl.run(TrainState(max_iter=2), step, [None] * 2, [broken_end])
+    assert "AFTER_TRAIN hooks then also failed: OSError: disk full" in info.value.__notes__[0]
+
+
+def test_closing_a_scan_early_runs_after_train():
+    seen = []
+    hook = fl.on(Phase.AFTER_TRAIN, lambda s, p: (seen.append(s.iteration), s)[1])
+    states = fl.scan(TrainState(max_iter=10), empty_step, [None] * 10, [hook])
+    next(states), next(states)
+    states.close()
+    assert seen == [2]
+
+
+def test_donating_variant_is_used_only_for_states_the_fold_owns():
+    calls = []
+
+    class Step:
+        def __call__(self, state, batch):
+            calls.append(("plain", state.iteration))
+            return state
+
+        def donating(self, state, batch):
+            calls.append(("donating", state.iteration))
+            return state
+
+    fl.run(TrainState(max_iter=3), Step(), [None] * 3)
+    assert calls == [("plain", 0), ("donating", 1), ("donating", 2)]
+    calls.clear()
+    list(fl.scan(TrainState(max_iter=3), Step(), [None] * 3))
+    assert calls == [("plain", 0), ("plain", 1), ("plain", 2)]
+
+
+def _as_is(data, like, where):
+    if type(data) is not type(like):
+        raise ValueError(f"{where}: expected {type(like).__name__}, got {type(data).__name__}")
+    return data
+
+
+def test_unclaimed_hook_states_are_claimed_by_their_hook_or_dropped_with_a_warning():
+    loaded = TrainState(
+        max_iter=2,
+        hooks={
+            "count": fl.Unclaimed(5, _as_is, "ckpt-1.safetensors: hooks['count']"),
+            "gone": fl.Unclaimed(1, _as_is, "ckpt-1.safetensors: hooks['gone']"),
+        },
+    )
+    with pytest.warns(
+        fl.UnclaimedHookState,
+        match=r"the hook state 'gone' \(ckpt-1.safetensors: hooks\['gone'\]\) "
+        r"belongs to no hook of this run; it is dropped",
+    ):
+        final = fl.run(loaded, empty_step, [None] * 2, [testing.counter("count")])
+    assert final.hooks == {"count": 7}
+
+
+def test_a_claimed_state_is_checked_against_the_hooks_initial_state():
+    loaded = TrainState(max_iter=2, hooks={"count": fl.Unclaimed("five", _as_is, "f: hooks['count']")})
+    with pytest.raises(ValueError, match=r"f: hooks\['count'\]: expected int, got str"):
+        fl.run(loaded, empty_step, [None] * 2, [testing.counter("count")])
