@@ -1,0 +1,79 @@
+"""Pure optimizers on dicts of tensors: ``init(params)`` and ``update(grads, state, params, iteration)``.
+
+Everything here can be traced by ``torch.compile(fullgraph=True)`` together
+with the forward and backward pass. States are dicts, tuples and
+``NamedTuple``\\ s of tensors; the iteration and the learning rate are 0-d
+tensors, so a schedule never causes a recompile. The numbers match
+``torch.optim`` and ``torch.optim.lr_scheduler``.
+
+>>> import torch
+>>> from fnloop import optim
+>>> opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(optim.cosine(1e-3, 100)))
+>>> params = {"w": torch.ones(3)}
+>>> state = opt.init(params)
+>>> params, state = opt.update({"w": torch.ones(3)}, state, params, torch.tensor(0))
+"""
+
+from fnloop.optim._base import (
+    EmptyState,
+    GradientTransformation,
+    LearningRate,
+    Optimizer,
+    OptState,
+    Params,
+    Schedule,
+    apply_updates,
+)
+from fnloop.optim._combining import chain, partition
+from fnloop.optim._optimizers import adam, adamw, exclude_bias_and_norm, sgd
+from fnloop.optim._schedules import (
+    constant,
+    cosine,
+    join,
+    linear_warmup,
+    multistep,
+    warmup,
+    warmup_multistep,
+)
+from fnloop.optim._transforms import (
+    ClipByGlobalNormState,
+    ScaleByAdamState,
+    TraceState,
+    add_decayed_weights,
+    clip_by_global_norm,
+    scale_by_adam,
+    scale_by_learning_rate,
+    trace,
+)
+
+__all__ = [
+    "ClipByGlobalNormState",
+    "EmptyState",
+    "GradientTransformation",
+    "LearningRate",
+    "OptState",
+    "Optimizer",
+    "Params",
+    "ScaleByAdamState",
+    "Schedule",
+    "TraceState",
+    "adam",
+    "adamw",
+    "add_decayed_weights",
+    "apply_updates",
+    "chain",
+    "clip_by_global_norm",
+    "constant",
+    "cosine",
+    "exclude_bias_and_norm",
+    "join",
+    "linear_warmup",
+    "multistep",
+    "partition",
+    "scale_by_adam",
+    "scale_by_learning_rate",
+    "sgd",
+    "trace",
+    "warmup",
+    "warmup_multistep",
+]

@@ -1,0 +1,218 @@
+"""The optimizer contract: types, the ``Optimizer`` record and ``apply_updates``.
+
+A gradient transformation is a pair of pure functions, optax style:
+``init(params) -> state`` and ``update(updates, state, params, iteration) ->
+(updates, state)``. An ``Optimizer`` wraps one and adds the last step, turning
+updates into new parameters. Everything here is written so that ``update`` can
+be traced by ``torch.compile(fullgraph=True)``: states are dicts, tuples and
+``NamedTuple``\\ s of tensors, and nothing branches on a tensor's value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple, Protocol, TypeAlias, runtime_checkable
+
+import attrs
+import torch
+
+__all__ = [
+    "EmptyState",
+    "GradientTransformation",
+    "LearningRate",
+    "OptState",
+    "Optimizer",
+    "Params",
+    "Schedule",
+    "apply_updates",
+    "check_keys",
+    "describe",
+    "first_device",
+]
+
+Params: TypeAlias = dict[str, torch.Tensor]
+"""Parameters, gradients or updates: a dict from parameter name to tensor."""
+
+OptState: TypeAlias = Any
+"""An optimizer state: nested dicts, tuples and ``NamedTuple``\\ s of tensors."""
+
+
+class Schedule(Protocol):
+    """A map from the 0-d int64 iteration tensor to a 0-d float tensor, the value at that step.
+
+    Any function of that shape written with torch ops only (``torch.where``, not
+    ``if``) is a schedule, so it traces into a compiled step. The library's
+    (``constant``, ``cosine``, ``warmup``, ...) are frozen records that also
+    pickle and compare equal.
+
+    >>> from fnloop.optim import cosine
+    >>> cosine(0.1, max_iter=10)(torch.tensor(5))
+    tensor(0.0500, dtype=torch.float64)
+    """
+
+    def __call__(self, iteration: torch.Tensor, /) -> torch.Tensor: ...
+
+
+LearningRate: TypeAlias = float | Schedule
+"""A fixed learning rate, or a schedule giving the learning rate of each step."""
+
+
+class EmptyState(NamedTuple):
+    """The state of a transformation that keeps none.
+
+    >>> EmptyState()
+    EmptyState()
+    """
+
+
+@runtime_checkable
+class GradientTransformation(Protocol):
+    """Anything with pure ``init`` and ``update`` functions that turn gradients into updates.
+
+    ``init(params)`` builds the state from the parameters. ``update(updates,
+    state, params, iteration)`` returns the transformed updates and the new
+    state; ``iteration`` is the 0-d int64 index of the current step. Neither
+    may modify its arguments in place, and ``update`` must return a state with
+    the same structure, shapes and dtypes as ``init`` does.
+
+    Library transformations (``clip_by_global_norm``, ``scale_by_adam``, ...)
+    are frozen records with these two methods; an object of your own, or a
+    ``NamedTuple`` of two functions, works as well.
+
+    >>> from fnloop.optim import clip_by_global_norm
+    >>> isinstance(clip_by_global_norm(1.0), GradientTransformation)
+    True
+    """
+
+    def init(self, params: Params, /) -> OptState: ...
+
+    def update(
+        self, updates: Params, state: OptState, params: Params, iteration: torch.Tensor, /
+    ) -> tuple[Params, OptState]: ...
+
+
+def describe(obj: object) -> str:
+    """A short name for ``obj`` in reprs and messages: a function's name, else its repr."""
+    name = getattr(obj, "__qualname__", None)
+    if callable(obj) and isinstance(name, str) and not isinstance(obj, type):
+        return name
+    return repr(obj)
+
+
+def check_keys(what: str, got: Mapping[str, Any], params: Mapping[str, Any], fix: str) -> None:
+    """Raise ``KeyError`` naming the keys ``got`` lacks or has beyond ``params``'s.
+
+    Runs at trace time under ``torch.compile``: it looks at keys only.
+    """
+    if got.keys() == params.keys():
+        return
+    missing = [k for k in params if k not in got]
+    unexpected = [k for k in got if k not in params]
+    raise KeyError(
+        f"{what} must have the same keys as params; missing: {missing}, unexpected: {unexpected}. {fix}"
+    )
+
+
+def first_device(params: Params) -> torch.device:
+    """The device of the first parameter (CPU if there is none): where scalar state lives."""
+    for tensor in params.values():
+        return tensor.device
+    return torch.device("cpu")
+
+
+def zero_count(params: Params) -> torch.Tensor:
+    """A 0-d int64 zero on the device of the first parameter, for step counters."""
+    return torch.zeros((), dtype=torch.int64, device=first_device(params))
+
+
+def apply_updates(params: Params, updates: Params) -> Params:
+    """New parameters ``params[k] + updates[k]``, each in its parameter's dtype.
+
+    Args:
+        params: the current parameters; left untouched.
+        updates: what to add, keyed like ``params``.
+
+    Returns:
+        A new dict of new tensors.
+
+    Raises:
+        KeyError: ``updates`` and ``params`` have different keys.
+
+    >>> apply_updates({"w": torch.ones(2)}, {"w": torch.full((2,), 0.5)})
+    {'w': tensor([1.5000, 1.5000])}
+    """
+    check_keys("updates", updates, params, "Transformations must return one update per parameter.")
+    return {k: (p + updates[k]).to(p.dtype) for k, p in params.items()}
+
+
+_ITERATION = (
+    "update expected iteration as a 0-d int64 tensor, the index of the step (got {got!r:.40} "
+    "that is a {kind}). A Python int would recompile a compiled step every time it changes; "
+    "pass torch.tensor(i)."
+)
+
+_GRADS_FIX = "Compute grads over the same params dict, for example with torch.func.grad(loss)(params, ...)."
+
+
+@attrs.frozen(repr=False)
+class Optimizer:
+    """A gradient transformation plus the step that applies its updates.
+
+    Build one with ``sgd``, ``adam``, ``adamw``, ``chain`` or ``partition``, or
+    wrap your own transformation: ``Optimizer(chain(trace(0.9),
+    scale_by_learning_rate(0.1)))`` is SGD with momentum. It is created outside
+    compiled code; ``init`` and ``update`` may be called inside it.
+
+    Args:
+        transform: turns gradients into the updates added to the parameters;
+            its last stage is usually ``scale_by_learning_rate``.
+
+    >>> from fnloop.optim import sgd
+    >>> opt = sgd(0.5)
+    >>> params = {"w": torch.tensor([1.0, 2.0])}
+    >>> state = opt.init(params)
+    >>> new, state = opt.update({"w": torch.tensor([1.0, 1.0])}, state, params, torch.tensor(0))
+    >>> new
+    {'w': tensor([0.5000, 1.5000])}
+    """
+
+    transform: GradientTransformation
+
+    def init(self, params: Params, /) -> OptState:
+        """The optimizer state for ``params``: tensors only, never aliasing ``params``.
+
+        Args:
+            params: the parameters to optimize, by name.
+
+        Returns:
+            The initial state (dicts, tuples and ``NamedTuple``\\ s of tensors).
+        """
+        return self.transform.init(params)
+
+    def update(
+        self, grads: Params, state: OptState, params: Params, iteration: torch.Tensor, /
+    ) -> tuple[Params, OptState]:
+        """One optimization step: ``(new_params, new_state)``; nothing is modified in place.
+
+        Args:
+            grads: gradients, keyed like ``params``.
+            state: what ``init`` or the previous ``update`` returned.
+            params: the current parameters.
+            iteration: 0-d int64 tensor, the index of this step (0 for the
+                first); schedules read it.
+
+        Returns:
+            The new parameters and the new state, structured like the old ones.
+
+        Raises:
+            KeyError: ``grads`` and ``params`` have different keys.
+            TypeError: ``iteration`` is not a 0-d tensor.
+        """
+        check_keys("grads", grads, params, _GRADS_FIX)
+        if not isinstance(iteration, torch.Tensor) or iteration.ndim != 0:
+            raise TypeError(_ITERATION.format(got=iteration, kind=type(iteration).__name__))
+        updates, state = self.transform.update(grads, state, params, iteration)
+        return apply_updates(params, updates), state
+
+    def __repr__(self) -> str:
+        return f"Optimizer({self.transform!r})"
