@@ -7,7 +7,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
-from fnloop._hooks import Hook, chain, returned, state_names
+from fnloop._hooks import Hook, chain, checked, returned, state_names
 from fnloop._phase import Phase
 from fnloop._state import TrainState, Unclaimed, replace
 
@@ -34,7 +34,7 @@ class BatchesExhausted(RuntimeError):
     """The batch iterable ended before ``max_iter`` was reached."""
 
 
-def _start(state: object, hooks: Sequence[Hook | None] | None) -> Hook:
+def _start(state: object, hooks: Sequence[Hook | None] | None, debug: bool = False) -> Hook:
     if type(state) is not TrainState:
         raise TypeError(
             f"run() expected a fnloop.TrainState as its first argument, got {state!r:.80} "
@@ -49,7 +49,8 @@ def _start(state: object, hooks: Sequence[Hook | None] | None) -> Hook:
         hooks = ()
     if callable(hooks) and not isinstance(hooks, Sequence):
         raise TypeError(f"run() expected a sequence of hooks, got a single hook {hooks!r:.80}; pass [hook].")
-    return chain(*hooks)
+    hook = chain(*hooks)
+    return checked(hook) if debug else hook
 
 
 def _stream(batches: Iterable[Any], cursor: Any) -> tuple[Iterator[Any], bool]:
@@ -180,6 +181,7 @@ def scan(
     *,
     clock: Callable[[], float] = _time.perf_counter,
     effects: bool = True,
+    debug: bool = False,
 ) -> Iterator[TrainState]:
     """Lazily run ``step`` and ``hooks``, yielding the state after each iteration.
 
@@ -200,13 +202,15 @@ def scan(
         hooks: hooks (or ``None``s) run in this order in every phase.
         clock: the driver's clock, read into ``state.time`` at each phase.
         effects: perform requested effects (``False`` for a dry replay).
+        debug: guard every hook with ``fnloop.checked``: a hook that writes
+            into a tensor of the state in place fails, naming the hook.
 
     Raises:
         TypeError: ``state`` is not a TrainState, or a hook/step returns something else.
         ValueError: ``state.iteration > state.max_iter``, or two hooks share a state name.
         BatchesExhausted: ``batches`` ended early.
     """
-    hook = _start(state, hooks)
+    hook = _start(state, hooks, debug)
     return _fold(state, step, batches, hook, clock, effects, donate=False)
 
 
@@ -218,6 +222,7 @@ def run(
     *,
     clock: Callable[[], float] = _time.perf_counter,
     effects: bool = True,
+    debug: bool = False,
 ) -> TrainState:
     """Run ``step`` and ``hooks`` from ``state.iteration`` to ``state.max_iter``.
 
@@ -242,7 +247,7 @@ def run(
     Returns:
         The final state, after ``AFTER_TRAIN``.
     """
-    hook = _start(state, hooks)
+    hook = _start(state, hooks, debug)
     final = state
     for final in _fold(state, step, batches, hook, clock, effects, donate=True):  # noqa: B007
         pass

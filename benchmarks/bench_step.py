@@ -1,0 +1,286 @@
+"""fnloop's compiled step against the loops people write today, side by side, one thread.
+
+    python benchmarks/bench_step.py tiny            # 32->64->10 MLP, batch 32, SGD; one process
+    python benchmarks/bench_step.py wide --procs 3  # 2048-wide 3-layer MLP, batch 64, AdamW; fresh processes
+
+tiny: the eager loop (zero_grad/backward/step), a hand-written compiled functional
+step (forward, backward and an in-place SGD update in one graph), and fnloop end to
+end (the fold, the compiled step and a few hooks), interleaved, median of repeats.
+
+wide: each configuration runs in its own fresh process (the eager loop is bimodal
+here), several times; we report the median step time and the peak RSS measured over
+the timed steps only (the high-water mark is reset after warm-up and compile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+from torch.func import functional_call, grad, grad_and_value
+
+import fnloop as fl
+from fnloop import Phase
+
+torch.set_num_threads(1)
+
+
+# --------------------------------------------------------------------------- tiny
+
+
+def tiny_problem():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    data = [(torch.randn(32, 32), torch.randint(0, 10, (32,))) for _ in range(16)]
+    return model, data
+
+
+def cross_entropy(forward, batch):
+    x, y = batch
+    return torch.nn.functional.cross_entropy(forward(x), y)
+
+
+def tiny_eager(iters):
+    model, data = tiny_problem()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def run(n):
+        for i in range(n):
+            x, y = data[i % len(data)]
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+
+    return run
+
+
+def tiny_handwritten(iters):
+    model, data = tiny_problem()
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+
+    def loss(p, x, y):
+        return torch.nn.functional.cross_entropy(functional_call(model, p, (x,)), y)
+
+    @torch.compile(fullgraph=True)
+    def step(p, x, y):
+        grads = grad(loss)(p, x, y)
+        for k, v in p.items():
+            v.sub_(0.01 * grads[k])
+
+    def run(n):
+        for i in range(n):
+            x, y = data[i % len(data)]
+            step(params, x, y)
+
+    return run
+
+
+def keep_last_loss(state, phase, memory):
+    # A writer's bookkeeping: where the newest loss is, without a host sync.
+    return state, state.metrics.latest("loss")[0]
+
+
+def tiny_fnloop(iters):
+    model, data = tiny_problem()
+    opt = fl.optim.sgd(0.01)
+    step = fl.train_step(model, cross_entropy, opt)
+    hooks = [
+        fl.every(100, fl.on(Phase.AFTER_STEP, fl.stateful("last_loss", -1, keep_last_loss))),
+        fl.every(1000, fl.on(Phase.AFTER_STEP, fl.stateful("checkpoints", 0, lambda s, p, n: (s, n + 1)))),
+        fl.on(Phase.AFTER_TRAIN, fl.identity),
+    ]
+    state = fl.init(model, opt, seed=0, max_iter=iters)
+
+    def run(n):
+        final = fl.run(
+            fl.TrainState(**{**state.__dict__, "max_iter": n}),
+            step,
+            (data[i % len(data)] for i in range(n)),
+            hooks,
+        )
+        assert final.iteration == n
+
+    return run
+
+
+def bench_tiny(iters, repeats):
+    makers = {
+        "eager loop": tiny_eager,
+        "hand-written compiled": tiny_handwritten,
+        "fnloop (fold + hooks)": tiny_fnloop,
+    }
+    runs = {name: make(iters) for name, make in makers.items()}
+    for run in runs.values():
+        run(50)  # compile and warm up
+    times = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            t = time.perf_counter()
+            run(iters)
+            times[name].append((time.perf_counter() - t) / iters * 1e6)
+    med = {name: statistics.median(v) for name, v in times.items()}
+    print(f"tiny MLP 32->64->10, batch 32, SGD, {iters} iterations x {repeats}, one thread")
+    for name, us in med.items():
+        print(f"  {name:24s} {us:8.1f} us/it")
+    ours, eager, hand = med["fnloop (fold + hooks)"], med["eager loop"], med["hand-written compiled"]
+    print(f"  fnloop speed-up over eager: {eager / ours:.2f}x (target >= 2.5x)")
+    print(f"  fnloop / hand-written compiled: {ours / hand:.3f} (target <= 1.10)")
+
+
+# --------------------------------------------------------------------------- wide
+
+WIDTH, BATCH, LR = 2048, 64, 1e-3
+
+
+def wide_problem():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(WIDTH, WIDTH),
+        torch.nn.ReLU(),
+        torch.nn.Linear(WIDTH, WIDTH),
+        torch.nn.ReLU(),
+        torch.nn.Linear(WIDTH, WIDTH),
+    )
+    data = [(torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)) for _ in range(4)]
+    return model, data
+
+
+def mse(forward, batch):
+    x, y = batch
+    return ((forward(x) - y) ** 2).mean()
+
+
+def wide_runner(config):
+    model, data = wide_problem()
+    if config in ("eager", "compile_model"):
+        net = torch.compile(model) if config == "compile_model" else model
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
+
+        def one(i):
+            x, y = data[i % len(data)]
+            opt.zero_grad()
+            ((net(x) - y) ** 2).mean().backward()
+            opt.step()
+
+        return one
+    if config == "handwritten":
+        params = {k: v.detach().clone() for k, v in model.named_parameters()}
+        mu = {k: torch.zeros_like(v) for k, v in params.items()}
+        nu = {k: torch.zeros_like(v) for k, v in params.items()}
+        count = torch.zeros((), dtype=torch.int64)
+        b1, b2, eps, wd = 0.9, 0.999, 1e-8, 0.01
+
+        def loss(p, x, y):
+            return ((functional_call(model, p, (x,)) - y) ** 2).mean()
+
+        @torch.compile(fullgraph=True)
+        def step(p, m, v, t, x, y):
+            grads, value = grad_and_value(loss)(p, x, y)
+            t.add_(1)
+            bc1 = 1 - b1 ** t.double()
+            bc2 = 1 - b2 ** t.double()
+            for k, w in p.items():
+                g = grads[k]
+                m[k].lerp_(g, 1 - b1)
+                v[k].mul_(b2).addcmul_(g, g, value=1 - b2)
+                w.mul_(1 - LR * wd)
+                denom = (v[k] / bc2).sqrt() + eps
+                w.sub_((LR * (m[k] / bc1) / denom).to(w.dtype))
+            return value
+
+        def one(i):
+            x, y = data[i % len(data)]
+            step(params, mu, nu, count, x, y)
+
+        return one
+    if config == "fnloop":
+        opt = fl.optim.adamw(LR)
+        step = fl.train_step(model, mse, opt)
+        holder = {"state": fl.init(model, opt, seed=0, max_iter=10**9)}
+
+        def one(i):
+            # The fold, one iteration at a time, so that warm-up and timing share the code.
+            s = holder.pop("state")
+            holder["state"] = fl.run(
+                fl.TrainState(**{**s.__dict__, "max_iter": s.iteration + 1}), step, [data[i % len(data)]]
+            )
+
+        return one
+    raise ValueError(config)
+
+
+def peak_rss_mb():
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def wide_child(config, steps):
+    one = wide_runner(config)
+    for i in range(5):
+        one(i)
+    with open("/proc/self/clear_refs", "w") as f:  # reset the RSS high-water mark
+        f.write("5")
+    times = []
+    for i in range(steps):
+        t = time.perf_counter()
+        one(i)
+        times.append((time.perf_counter() - t) * 1e3)
+    print(json.dumps({"config": config, "ms": statistics.median(times), "rss_mb": peak_rss_mb()}))
+
+
+def bench_wide(procs, steps):
+    configs = ["eager", "compile_model", "handwritten", "fnloop"]
+    results = {c: [] for c in configs}
+    for _ in range(procs):
+        for config in configs:
+            out = subprocess.run(
+                [sys.executable, __file__, "wide-child", config, "--steps", str(steps)],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            results[config].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    print(f"2048-wide 3-layer MLP, batch 64, AdamW, {procs} fresh processes x {steps} steps, one thread")
+    med = {}
+    for config, rows in results.items():
+        ms = [r["ms"] for r in rows]
+        rss = statistics.median(r["rss_mb"] for r in rows)
+        med[config] = (statistics.median(ms), rss)
+        print(
+            f"  {config:14s} median {med[config][0]:7.1f} ms/step (runs {', '.join(f'{m:.1f}' for m in ms)}),"
+            f" peak RSS {rss:6.0f} MB"
+        )
+    ours, ours_rss = med["fnloop"]
+    print(f"  fnloop / hand-written in-place: {ours / med['handwritten'][0]:.3f} (target <= 1.10)")
+    print(f"  speed-up over eager (median): {med['eager'][0] / ours:.2f}x (target >= 1.2x)")
+    print(f"  speed-up over compile(model) + AdamW: {med['compile_model'][0] / ours:.2f}x (target >= 1.3x)")
+    print(f"  peak RSS / eager: {ours_rss / med['eager'][1]:.3f} (target <= 1.15)")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("which", choices=["tiny", "wide", "wide-child"])
+    parser.add_argument("config", nargs="?")
+    parser.add_argument("--iters", type=int, default=3000)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--procs", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args(argv)
+    if args.which == "tiny":
+        bench_tiny(args.iters, args.repeats)
+    elif args.which == "wide":
+        bench_wide(args.procs, args.steps)
+    else:
+        wide_child(args.config, args.steps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,465 @@
+"""A pure training step built from a model, a loss and an optimizer, compiled as one graph."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+import torch
+import torch._dynamo.utils as _dynamo_utils
+from torch.func import functional_call, grad_and_value
+from torch.utils import _pytree as pytree
+
+from fnloop._state import TrainState, replace
+from fnloop.optim import Optimizer
+
+__all__ = ["EvalStep", "GraphBreakError", "RecompileError", "TrainStep", "eval_step", "init", "train_step"]
+
+LossFn = Callable[[Callable[..., Any], Any], Any]
+"""``loss_fn(model, batch) -> loss`` or ``(loss, metrics)``; ``model`` runs the forward on the state."""
+
+
+class RecompileError(RuntimeError):
+    """The compiled step was compiled again during a run, more often than its budget allows."""
+
+
+class GraphBreakError(RuntimeError):
+    """The step could not be compiled as one graph."""
+
+
+_GRAPH_BREAK = (
+    "the training step must compile into one graph (forward, backward and update together), but "
+    "torch.compile stopped at something it cannot trace; its message follows. Typical causes in "
+    "loss_fn: .item(), print or logging, Python randomness, branching on a tensor's value, or "
+    "building an object inside. Return metrics as tensors instead, or use train_step(..., "
+    "compile=False) to run eagerly."
+)
+
+_RECOMPILED = (
+    "the compiled step was compiled again at iteration {i} ({n} recompiles, budget {budget}). "
+    "Something that the graph depends on changed between steps: a batch of another shape or dtype "
+    "(the last, smaller batch of an epoch? use drop_last=True), a Python number that changes every "
+    "step (pass it as a 0-d tensor), or the model's train/eval mode. Run with TORCH_LOGS=recompiles "
+    "to see the guard that failed, or allow it with train_step(..., recompiles=N)."
+)
+
+
+def init(
+    model: torch.nn.Module, optimizer: Optimizer, *, seed: int, max_iter: int, extra: Any = None
+) -> TrainState:
+    """A state for training ``model`` with ``optimizer`` from iteration 0.
+
+    ``params`` and ``buffers`` are detached copies keyed like
+    ``model.named_parameters()`` and ``model.named_buffers()``; the model itself
+    is never changed by fnloop.
+
+    >>> import fnloop as fl
+    >>> s = fl.init(torch.nn.Linear(3, 2), fl.optim.sgd(0.1), seed=0, max_iter=10)
+    >>> sorted(s.params), s.params["weight"].requires_grad
+    (['bias', 'weight'], False)
+
+    Args:
+        model: the module whose parameters and buffers are trained.
+        optimizer: a pure optimizer (``fnloop.optim``); its ``init`` builds ``opt_state``.
+        seed: the run's seed (``state.rng``); the step's randomness is a function
+            of ``(seed, iteration)``.
+        max_iter: how many steps the run takes.
+        extra: your own data, kept in ``state.extra``.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"init() expected a torch.nn.Module, got {model!r:.80} (a {type(model).__name__}).")
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    return TrainState(
+        max_iter=max_iter,
+        params=params,
+        buffers=buffers,
+        opt_state=optimizer.init(params),
+        rng=seed,
+        extra=extra,
+    )
+
+
+_MASK = (1 << 64) - 1
+
+
+def step_seed(seed: int, iteration: int) -> int:
+    """The seed of step ``iteration`` of a run seeded ``seed`` (splitmix64 of the pair).
+
+    >>> step_seed(0, 1) != step_seed(1, 0)
+    True
+    """
+    z = (seed * 0x9E3779B97F4A7C15 + iteration + 1) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+def _generator(device: torch.device) -> torch.Generator:
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index or 0]
+    return torch.default_generator
+
+
+def _split(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Mapping):
+        loss, metrics = out
+    else:
+        loss, metrics = out, {}
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise TypeError(
+            f"loss_fn must return a scalar loss tensor or (loss, metrics), got {type(loss).__name__} "
+            f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}; reduce the loss to one "
+            "value (for example .mean())."
+        )
+    return loss.reshape(()), dict(metrics)
+
+
+def _micro_batches(batch: Any, n: int) -> list[Any]:
+    flat, spec = pytree.tree_flatten(batch)
+    for leaf in flat:
+        if isinstance(leaf, torch.Tensor) and leaf.shape[0] % n:
+            raise ValueError(
+                f"cannot split a batch of {leaf.shape[0]} rows into accumulate={n} equal micro-batches; "
+                "choose a batch size divisible by accumulate."
+            )
+    chunks = [leaf.chunk(n) if isinstance(leaf, torch.Tensor) else [leaf] * n for leaf in flat]
+    return [pytree.tree_unflatten([c[k] for c in chunks], spec) for k in range(n)]
+
+
+def _kernel(
+    model: torch.nn.Module,
+    loss_fn: LossFn,
+    optimizer: Optimizer,
+    accumulate: int,
+    autocast: torch.dtype | None,
+) -> Callable[..., Any]:
+    """The traced function: forward, backward and update on plain dicts, writing results into its inputs."""
+
+    def loss_of(params: dict, buffers: dict, batch: Any) -> tuple[torch.Tensor, dict]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return functional_call(model, (params, buffers), args, kwargs)
+
+        device = _device(params).type
+        context = torch.autocast(device, dtype=autocast) if autocast else contextlib.nullcontext()
+        with context:
+            loss, metrics = _split(loss_fn(forward, batch))
+        return loss.float(), metrics
+
+    def kernel(params: dict, buffers: dict, opt_state: Any, iteration: torch.Tensor, batch: Any) -> Any:
+        # functional_call writes running statistics into the buffers it is given.
+        new_buffers = {k: v.clone() for k, v in buffers.items()}
+        if accumulate == 1:
+            grads, (loss, metrics) = grad_and_value(loss_of, has_aux=True)(params, new_buffers, batch)
+        else:
+            grads, losses, parts = {}, [], []
+            for micro in _micro_batches(batch, accumulate):
+                g, (l_k, m_k) = grad_and_value(loss_of, has_aux=True)(params, new_buffers, micro)
+                grads = {k: grads[k] + v for k, v in g.items()} if grads else g
+                losses.append(l_k)
+                parts.append(m_k)
+            grads = {k: v / accumulate for k, v in grads.items()}
+            loss = torch.stack(losses).mean()
+            metrics = {k: torch.stack([m[k] for m in parts]).float().mean() for k in parts[0]}
+        new_params, new_opt_state = optimizer.update(grads, opt_state, params, iteration)
+        # Donation: the new values go into the input storage, so the compiled
+        # graph updates in place and keeps no second copy alive.
+        for k, p in params.items():
+            p.copy_(new_params[k])
+        for k, b in buffers.items():
+            b.copy_(new_buffers[k])
+        for old, new in zip(pytree.tree_leaves(opt_state), pytree.tree_leaves(new_opt_state)):
+            old.copy_(new)
+        return loss, {k: v.detach() for k, v in metrics.items()}
+
+    return kernel
+
+
+def _counts(tensors: list[torch.Tensor]) -> list[int]:
+    return [sys.getrefcount(t) for t in tensors]
+
+
+def _exclusive(tensors: list[torch.Tensor]) -> bool:
+    """Whether nothing but one container (and ``tensors`` itself) refers to each tensor."""
+    return all(count <= _BASELINE for count in _counts(tensors))
+
+
+def _device(params: Mapping[str, torch.Tensor]) -> torch.device:
+    for tensor in params.values():
+        return tensor.device
+    return torch.device("cpu")
+
+
+def _holds_containers(state: TrainState, opt_containers: set[int]) -> bool:
+    """Whether ``state.hooks`` or ``state.extra`` keeps one of the containers the step updates.
+
+    A pure hook can keep things only in the state, so this and the tensors'
+    reference counts together find everything that would see a donation.
+    """
+    if not state.hooks and state.extra is None:
+        return False
+    targets = {id(state.params), id(state.buffers), *opt_containers}
+    stack = [state.hooks, state.extra]
+    while stack:
+        node = stack.pop()
+        if id(node) in targets:
+            return True
+        if isinstance(node, Mapping):
+            stack.extend(v for v in node.values() if not isinstance(v, torch.Tensor))
+        elif isinstance(node, (tuple, list)):
+            stack.extend(v for v in node if not isinstance(v, torch.Tensor))
+        elif attrs.has(type(node)):
+            stack.extend(getattr(node, f.name) for f in attrs.fields(type(node)))
+    return False
+
+
+def _containers(tree: Any) -> list[Any]:
+    if isinstance(tree, Mapping):
+        return [tree, *(c for v in tree.values() for c in _containers(v))]
+    if isinstance(tree, (tuple, list)):
+        return [tree, *(c for v in tree for c in _containers(v))]
+    return []
+
+
+def _baseline() -> int:
+    # What one container's reference looks like through `_counts`: measured,
+    # since temporaries and borrowed references depend on the interpreter.
+    held = {"probe": torch.zeros(())}
+    return _counts(list(held.values()))[0]
+
+
+_BASELINE = _baseline()
+
+
+def _cloned(tree: Any) -> Any:
+    return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, tree)
+
+
+@attrs.frozen(eq=False, repr=False)
+class TrainStep:
+    """The pure step ``(state, batch) -> state``; build it with ``train_step``.
+
+    Calling it never touches the tensors of the state it is given. The fold
+    calls ``donating`` instead for states it owns: the same computation, in
+    the same compiled graph, writing the results into the state's own storage.
+    """
+
+    model: torch.nn.Module
+    loss_fn: LossFn
+    optimizer: Optimizer
+    compiled: bool
+    recompiles: int
+    function: Callable[..., Any]
+    _graphs: list[int] = attrs.field(factory=lambda: [0, -1])  # [recompiles seen, graph count after call 1]
+    _counters: dict[torch.device, torch.Tensor] = attrs.field(factory=dict)
+    _opt_cache: list[Any] = attrs.field(factory=list)
+
+    def __call__(self, state: TrainState, batch: Any, /) -> TrainState:
+        fresh = replace(
+            state,
+            params=_cloned(state.params),
+            buffers=_cloned(state.buffers),
+            opt_state=_cloned(state.opt_state),
+        )
+        return self.donating(fresh, batch)
+
+    def donating(self, state: TrainState, batch: Any, /) -> TrainState:
+        """The step, reusing the storage of ``state``'s params, buffers and optimizer state.
+
+        Only for a state nobody else can see. If anything else still refers to
+        one of those tensors (a hook kept a parameter, a metric recorded one), or
+        ``state.hooks``/``extra`` keeps one of their containers, the step copies
+        instead, so what was kept never changes. Otherwise the returned state
+        keeps the same containers, which dynamo's guards check fastest.
+        """
+        params, buffers, opt_state = state.params, state.buffers, state.opt_state
+        leaves, containers = self._flat(opt_state)
+        exclusive = (
+            _exclusive(list(params.values())) and _exclusive(list(buffers.values())) and _exclusive(leaves)
+        )
+        if not exclusive or _holds_containers(state, containers):
+            return self(state, batch)
+        if not self.model.training:
+            self.model.train()
+        i = state.iteration
+        device = leaves[0].device if leaves else _device(params)
+        iteration = self._iteration(device)
+        iteration.fill_(i)
+        before = _dynamo_utils.counters["stats"]["unique_graphs"]
+        # torch.manual_seed seeds every device (~110 us); one generator's own
+        # manual_seed costs ~1 us. The caller's generator state is put back after.
+        generator = _generator(device)
+        saved = generator.get_state()
+        generator.manual_seed(step_seed(state.rng, i))
+        try:
+            loss, metrics = self.function(params, buffers, opt_state, iteration, batch)
+        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as exc:
+            raise GraphBreakError(f"{_GRAPH_BREAK}\n\n{exc}") from exc
+        finally:
+            generator.set_state(saved)
+        self._check_graphs(before, i)
+        # The same containers go on: dynamo's guards pass fastest for the same objects.
+        return replace(state, metrics=state.metrics.record(i, {"loss": loss, **metrics}))
+
+    def _flat(self, opt_state: Any) -> tuple[list[torch.Tensor], set[int]]:
+        # Donation keeps the same opt_state object from step to step, so its
+        # leaves and containers are worked out once per object.
+        cached = self._opt_cache
+        if cached and cached[0] is opt_state:
+            return cached[1], cached[2]
+        leaves = pytree.tree_leaves(opt_state)
+        containers = {id(c) for c in _containers(opt_state)}
+        self._opt_cache[:] = [opt_state, leaves, containers]
+        return leaves, containers
+
+    def _iteration(self, device: torch.device) -> torch.Tensor:
+        # One 0-d tensor per device, refilled each step: the compiled graph reads it only.
+        tensor = self._counters.get(device)
+        if tensor is None:
+            tensor = self._counters[device] = torch.zeros((), dtype=torch.int64, device=device)
+        return tensor
+
+    def _check_graphs(self, before: int, iteration: int) -> None:
+        if not self.compiled:
+            return
+        after = _dynamo_utils.counters["stats"]["unique_graphs"]
+        seen = self._graphs
+        if seen[1] < 0:
+            seen[1] = after
+            return
+        if after != before:
+            seen[0] += 1
+            if seen[0] > self.recompiles:
+                raise RecompileError(_RECOMPILED.format(i=iteration, n=seen[0], budget=self.recompiles))
+
+    def __repr__(self) -> str:
+        return f"train_step({type(self.model).__name__}, {getattr(self.loss_fn, '__name__', self.loss_fn)!r}, {self.optimizer!r})"
+
+
+def _check_positive(name: str, value: object) -> int:
+    if type(value) is not int or value < 1:
+        raise ValueError(f"'{name}' must be a positive int (got {value!r} that is a {type(value).__name__}).")
+    return value
+
+
+def train_step(
+    model: torch.nn.Module,
+    loss_fn: LossFn,
+    optimizer: Optimizer,
+    *,
+    compile: bool = True,
+    donate: bool = True,
+    accumulate: int = 1,
+    autocast: torch.dtype | None = None,
+    recompiles: int = 0,
+) -> Callable[[TrainState, Any], TrainState]:
+    """The pure step ``(state, batch) -> state`` for ``model``, ``loss_fn`` and ``optimizer``.
+
+    Forward, backward and the optimizer update run as one function on the
+    state's tensors (``torch.func.functional_call`` + ``grad_and_value``),
+    compiled as one graph with ``fullgraph=True``. The iteration enters as a
+    0-d tensor, so schedules never recompile. The loss and the metrics
+    ``loss_fn`` returns are recorded in ``state.metrics`` as tensors, at the
+    step's index. Randomness (dropout) is seeded from ``(state.rng, iteration)``
+    for each step, so a step replays identically after a resume.
+
+    >>> import fnloop as fl
+    >>> model = torch.nn.Linear(2, 1)
+    >>> def loss_fn(forward, batch):
+    ...     x, y = batch
+    ...     return ((forward(x) - y) ** 2).mean()
+    >>> step = fl.train_step(model, loss_fn, fl.optim.sgd(0.1), compile=False)
+    >>> state = fl.init(model, fl.optim.sgd(0.1), seed=0, max_iter=1)
+    >>> new = step(state, (torch.ones(4, 2), torch.zeros(4, 1)))
+    >>> new.metrics.names, torch.equal(state.params["weight"], model.weight.detach())
+    (('loss',), True)
+
+    Args:
+        model: the module; only its structure and forward are used, never its tensors.
+        loss_fn: ``loss_fn(forward, batch)``, where ``forward(*args)`` runs the
+            model on the state's params and buffers; returns a scalar loss, or
+            ``(loss, metrics)`` with ``metrics`` a dict of scalar tensors.
+        optimizer: a pure optimizer from ``fnloop.optim``.
+        compile: compile the step with ``torch.compile(fullgraph=True)``.
+        donate: offer the fold an in-place variant for the states it owns
+            (bit-identical results, no second copy of params and optimizer state).
+        accumulate: split each batch into this many micro-batches and average
+            their gradients (one optimizer update per batch).
+        autocast: run the forward under ``torch.autocast`` with this dtype
+            (for example ``torch.bfloat16``).
+        recompiles: how many recompiles a run may take before ``RecompileError``.
+
+    Returns:
+        The step. With ``donate=False`` it has no ``donating`` variant.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"train_step() expected a torch.nn.Module, got {model!r:.80}.")
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(
+            f"train_step() expected a fnloop.optim.Optimizer, got {optimizer!r:.80} "
+            f"(a {type(optimizer).__name__}); build one with fnloop.optim.sgd/adam/adamw."
+        )
+    kernel = _kernel(model, loss_fn, optimizer, _check_positive("accumulate", accumulate), autocast)
+    function = torch.compile(kernel, fullgraph=True, dynamic=False) if compile else kernel
+    step = TrainStep(model, loss_fn, optimizer, compile, recompiles, function)
+    return step if donate else _Undonated(step)
+
+
+@attrs.frozen(repr=False)
+class _Undonated:
+    step: TrainStep
+
+    def __call__(self, state: TrainState, batch: Any, /) -> TrainState:
+        return self.step(state, batch)
+
+    def __repr__(self) -> str:
+        return f"{self.step!r} (no donation)"
+
+
+@attrs.frozen(eq=False, repr=False)
+class EvalStep:
+    """``(state, batch) -> metrics`` with no gradient; build it with ``eval_step``."""
+
+    model: torch.nn.Module
+    function: Callable[..., Any]
+
+    def __call__(self, state: TrainState, batch: Any, /) -> dict[str, torch.Tensor]:
+        was_training = self.model.training
+        if was_training:
+            self.model.eval()
+        try:
+            with torch.no_grad():
+                return self.function(state.params, state.buffers, batch)
+        finally:
+            if was_training:
+                self.model.train()
+
+
+def eval_step(
+    model: torch.nn.Module, fn: Callable[[Callable[..., Any], Any], Any], *, compile: bool = True
+) -> EvalStep:
+    """``(state, batch) -> dict of metric tensors``: ``fn(forward, batch)`` in eval mode, without grad.
+
+    ``forward`` runs ``model`` on the state's params and buffers, which are
+    never written (BatchNorm uses its running statistics in eval mode).
+
+    >>> import fnloop as fl
+    >>> model = torch.nn.Linear(2, 2)
+    >>> evaluate = fl.eval_step(model, lambda f, b: {"out": f(b).sum()}, compile=False)
+    >>> state = fl.init(model, fl.optim.sgd(0.1), seed=0, max_iter=1)
+    >>> sorted(evaluate(state, torch.ones(3, 2)))
+    ['out']
+    """
+
+    def kernel(params: dict, buffers: dict, batch: Any) -> dict[str, torch.Tensor]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return functional_call(model, (params, buffers), args, kwargs)
+
+        out = fn(forward, batch)
+        return dict(out) if isinstance(out, Mapping) else {"value": out}
+
+    function = torch.compile(kernel, fullgraph=True, dynamic=False) if compile else kernel
+    return EvalStep(model, function)

@@ -1,0 +1,404 @@
+"""The pure compiled step: one graph, donation, purity, numbers equal to torch, randomness."""
+
+from __future__ import annotations
+
+import copy
+
+import attrs
+import pytest
+import torch
+import torch._dynamo.utils as dynamo_utils
+
+import fnloop as fl
+from fnloop import Phase, TrainState, testing
+
+torch.manual_seed(0)
+X = torch.randn(96, 8)
+Y = torch.randint(0, 3, (96,))
+BATCHES = [(X[i : i + 16], Y[i : i + 16]) for i in range(0, 96, 16)]
+
+
+def zero() -> float:
+    return 0.0
+
+
+def batches(n: int) -> list:
+    return [BATCHES[i % len(BATCHES)] for i in range(n)]
+
+
+def classify(forward, batch):
+    x, y = batch
+    logits = forward(x)
+    return torch.nn.functional.cross_entropy(logits, y), {"acc": (logits.argmax(1) == y).float().mean()}
+
+
+def mlp(dropout: float) -> torch.nn.Module:
+    torch.manual_seed(1)
+    layers = [torch.nn.Linear(8, 16, bias=False), torch.nn.BatchNorm1d(16), torch.nn.ReLU()]
+    if dropout:
+        layers.append(torch.nn.Dropout(dropout))
+    return torch.nn.Sequential(*layers, torch.nn.Linear(16, 3))
+
+
+SCHEDULE = fl.optim.warmup(fl.optim.cosine(0.05, 200), 10)
+
+
+@pytest.fixture(scope="module")
+def noisy():
+    """A compiled step on a model with BatchNorm and dropout, AdamW with warmup and cosine."""
+    model = mlp(0.3)
+    optimizer = fl.optim.adamw(SCHEDULE, weight_decay=0.05)
+    step = fl.train_step(model, classify, optimizer)
+    return model, optimizer, step, fl.init(model, optimizer, seed=7, max_iter=30)
+
+
+def graphs() -> int:
+    return dynamo_utils.counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.slow
+def test_one_graph_no_recompile_over_a_long_run_with_a_schedule(noisy):
+    _model, _optimizer, step, state = noisy
+    fl.run(attrs.evolve(state, max_iter=2), step, batches(2), clock=zero)  # compiles, once for the module
+    before = graphs()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        final = fl.run(attrs.evolve(state, max_iter=2000), step, batches(2000), clock=zero)
+    assert graphs() == before
+    assert final.iteration == 2000
+    assert final.metrics.latest("loss")[0] == 1999
+
+
+@pytest.mark.slow
+def test_donation_changes_no_bit(noisy):
+    model, optimizer, step, state = noisy
+    undonated = fl.train_step(model, classify, optimizer, donate=False)
+    assert not hasattr(undonated, "donating")
+    donated = fl.run(state, step, batches(30), clock=zero)
+    plain = fl.run(state, undonated, batches(30), clock=zero)
+    lazily = list(fl.scan(state, step, batches(30), clock=zero))[-1]
+    testing.assert_identical(donated, plain)
+    testing.assert_identical(donated, lazily)
+
+
+@pytest.mark.slow
+def test_the_callers_state_and_the_module_are_untouched(noisy):
+    model, _optimizer, step, state = noisy
+    module_before = copy.deepcopy(model.state_dict())
+    snapshot = [(p, t.clone(), t._version) for p, t in fl._tree.leaves(state) if isinstance(t, torch.Tensor)]
+    yielded = []
+    final = None
+    for final in fl.scan(state, step, batches(30), clock=zero):
+        yielded.append(
+            (final, [(p, t.clone()) for p, t in fl._tree.leaves(final) if isinstance(t, torch.Tensor)])
+        )
+    fl.run(state, step, batches(30), clock=zero)
+    for path, value, version in snapshot:
+        tensor = dict(fl._tree.leaves(state))[path]
+        assert tensor._version == version, path
+        assert torch.equal(tensor, value), path
+    for s, copies in yielded:  # every state scan gave out is still what it was
+        current = dict(fl._tree.leaves(s))
+        for path, value in copies:
+            assert torch.equal(current[path], value), path
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, module_before[name]), name
+    assert final is not None and model.training
+
+
+@pytest.mark.slow
+def test_dropout_replays_identically_and_resume_equals_no_resume(noisy):
+    _model, _optimizer, step, state = noisy
+    rng_before = torch.get_rng_state()
+    whole = fl.run(state, step, batches(30), clock=zero)
+    again = fl.run(state, step, batches(30), clock=zero)
+    testing.assert_identical(whole, again)
+    assert torch.equal(torch.get_rng_state(), rng_before), "the step must not move the global generator"
+    midway = list(fl.scan(state, step, batches(30), clock=zero))[12 - 1]
+    assert midway.iteration == 12
+    resumed = fl.run(midway, step, batches(30)[12:], clock=zero)
+    testing.assert_identical(whole, resumed)
+    other_seed = fl.run(attrs.evolve(state, rng=8), step, batches(30), clock=zero)
+    assert fl._tree.first_difference(whole.params, other_seed.params) is not None, (
+        "dropout must follow the seed"
+    )
+
+
+@pytest.mark.slow
+def test_metrics_are_tensors_at_the_steps_index(noisy):
+    _model, _optimizer, step, state = noisy
+    final = fl.run(attrs.evolve(state, max_iter=3), step, batches(3), clock=zero)
+    assert [i for i, _ in final.metrics.history("loss")] == [0, 1, 2]
+    assert all(isinstance(v, torch.Tensor) for _, v in final.metrics.history("acc"))
+
+
+@pytest.fixture(scope="module")
+def plain():
+    model = mlp(0.0)
+    return model
+
+
+def torch_loop(model, optimizer, scheduler, n):
+    for x, y in batches(n):
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+    return model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("ours", "theirs"),
+    [
+        (
+            lambda: fl.optim.sgd(0.05, momentum=0.9, nesterov=True, weight_decay=1e-3),
+            lambda p: (torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3), None),
+        ),
+        (
+            lambda: fl.optim.adamw(fl.optim.cosine(0.01, 100)),
+            lambda p: (
+                o := torch.optim.AdamW(p, lr=0.01),
+                torch.optim.lr_scheduler.CosineAnnealingLR(o, 100),
+            ),
+        ),
+    ],
+    ids=["sgd-nesterov", "adamw-cosine"],
+)
+def test_the_compiled_step_matches_the_torch_loop_including_batchnorm_buffers(plain, ours, theirs):
+    reference = copy.deepcopy(plain)
+    optimizer = ours()
+    final = fl.run(
+        fl.init(plain, optimizer, seed=0, max_iter=100),
+        fl.train_step(plain, classify, optimizer),
+        batches(100),
+        clock=zero,
+    )
+    torch_optimizer, scheduler = theirs(reference.parameters())
+    torch_loop(reference, torch_optimizer, scheduler, 100)
+    for name, p in reference.named_parameters():
+        torch.testing.assert_close(final.params[name], p.detach(), rtol=1e-4, atol=1e-5)
+    for name, b in reference.named_buffers():
+        torch.testing.assert_close(final.buffers[name], b, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_recompile_beyond_the_budget_is_an_error_not_a_silent_fallback():
+    model = torch.nn.Linear(4, 1)
+
+    def mse(forward, batch):
+        x, y = batch
+        return ((forward(x) - y) ** 2).mean()
+
+    step = fl.train_step(model, mse, fl.optim.sgd(0.1))
+    data = [(torch.ones(8, 4), torch.zeros(8, 1))] * 3 + [(torch.ones(5, 4), torch.zeros(5, 1))]
+    with pytest.raises(
+        fl.RecompileError,
+        match=r"compiled again at iteration 3 \(1 recompiles, budget 0\).*"
+        r"drop_last=True",
+    ) as info:
+        fl.run(fl.init(model, fl.optim.sgd(0.1), seed=0, max_iter=4), step, data)
+    assert info.value.state.iteration == 3
+
+
+@pytest.mark.slow
+def test_a_graph_break_is_a_clear_error():
+    model = torch.nn.Linear(4, 1)
+
+    def chatty(forward, batch):
+        loss = forward(batch).mean()
+        if loss.item() > 0:  # a host sync and a Python branch: cannot be one graph
+            return loss * 2
+        return loss
+
+    step = fl.train_step(model, chatty, fl.optim.sgd(0.1))
+    with pytest.raises(fl.GraphBreakError, match=r"must compile into one graph.*\.item\(\)"):
+        fl.run(fl.init(model, fl.optim.sgd(0.1), seed=0, max_iter=1), step, [torch.ones(2, 4)])
+
+
+# The eager step runs the same kernel; these tests need no compile.
+
+
+def linear_problem():
+    model = torch.nn.Linear(4, 2)
+
+    def mse(forward, batch):
+        x, y = batch
+        return ((forward(x) - y) ** 2).mean()
+
+    torch.manual_seed(3)
+    data = [(torch.randn(8, 4), torch.randn(8, 2)) for _ in range(5)]
+    return model, mse, data
+
+
+def test_gradient_accumulation_equals_the_whole_batch():
+    model, mse, data = linear_problem()
+    opt = fl.optim.sgd(0.1)
+    state = fl.init(model, opt, seed=0, max_iter=5)
+    whole = fl.run(state, fl.train_step(model, mse, opt, compile=False), data)
+    halves = fl.run(state, fl.train_step(model, mse, opt, compile=False, accumulate=2), data)
+    for k in whole.params:
+        torch.testing.assert_close(whole.params[k], halves.params[k], rtol=1e-6, atol=1e-7)
+    assert abs(whole.metrics.latest_float("loss")[1] - halves.metrics.latest_float("loss")[1]) < 1e-5
+
+
+def test_accumulate_needs_a_divisible_batch():
+    model, mse, data = linear_problem()
+    step = fl.train_step(model, mse, fl.optim.sgd(0.1), compile=False, accumulate=3)
+    with pytest.raises(
+        ValueError, match=r"cannot split a batch of 8 rows into accumulate=3 equal micro-batches"
+    ):
+        step(fl.init(model, fl.optim.sgd(0.1), seed=0, max_iter=1), data[0])
+
+
+def test_bf16_autocast_trains_float32_params():
+    model, mse, data = linear_problem()
+    opt = fl.optim.sgd(0.1)
+    final = fl.run(
+        fl.init(model, opt, seed=0, max_iter=5),
+        fl.train_step(model, mse, opt, compile=False, autocast=torch.bfloat16),
+        data,
+    )
+    assert final.params["weight"].dtype == torch.float32
+    assert final.metrics.latest("loss")[1].dtype == torch.float32
+    plain = fl.run(
+        fl.init(model, opt, seed=0, max_iter=5), fl.train_step(model, mse, opt, compile=False), data
+    )
+    assert fl._tree.first_difference(final.params, plain.params) is not None  # bf16 really ran
+
+
+@pytest.mark.parametrize("how", [dict, lambda params: params, lambda params: (0, {"deep": params})])
+def test_a_hook_keeping_parameters_never_sees_them_change(how):
+    model, mse, data = linear_problem()
+    opt = fl.optim.sgd(0.1)
+
+    def keep(state, phase):
+        if phase is Phase.AFTER_STEP and state.iteration == 1:
+            return fl.with_hook_state(state, "kept", how(state.params))
+        return state
+
+    state = fl.init(model, opt, seed=0, max_iter=5)
+    at_two = list(fl.scan(state, fl.train_step(model, mse, opt, compile=False), data))[1]
+    final = fl.run(state, fl.train_step(model, mse, opt, compile=False), data, [keep])
+    testing.assert_identical(final.hooks["kept"], how(at_two.params))
+    assert fl._tree.first_difference(final.params, at_two.params) is not None
+
+
+def test_debug_names_a_hook_that_writes_into_the_state():
+    model, mse, data = linear_problem()
+    opt = fl.optim.sgd(0.1)
+
+    def sneaky(state, phase):
+        if phase is Phase.AFTER_STEP:
+            state.params["weight"].mul_(0.5)
+        return state
+
+    state = fl.init(model, opt, seed=0, max_iter=5)
+    with pytest.raises(
+        RuntimeError,
+        match=r"hook .*sneaky wrote into state.params\['weight'\] in place in "
+        r"Phase.AFTER_STEP",
+    ):
+        fl.run(
+            state,
+            fl.train_step(model, mse, opt, compile=False),
+            data,
+            [fl.every(2, testing.Tag("x")), sneaky],
+            debug=True,
+        )
+
+
+def test_init_copies_and_names_like_the_module():
+    model = mlp(0.1)
+    state = fl.init(model, fl.optim.sgd(0.1), seed=3, max_iter=9)
+    assert list(state.params) == [n for n, _ in model.named_parameters()]
+    assert list(state.buffers) == [n for n, _ in model.named_buffers()]
+    assert (state.rng, state.max_iter, state.iteration) == (3, 9, 0)
+    for name, p in model.named_parameters():
+        assert torch.equal(state.params[name], p) and state.params[name].data_ptr() != p.data_ptr()
+
+
+@pytest.mark.parametrize(
+    ("build", "match"),
+    [
+        (lambda: fl.train_step("model", classify, fl.optim.sgd(0.1)), r"expected a torch.nn.Module"),
+        (lambda: fl.train_step(mlp(0), classify, torch.optim.SGD), r"expected a fnloop.optim.Optimizer"),
+        (
+            lambda: fl.train_step(mlp(0), classify, fl.optim.sgd(0.1), accumulate=0),
+            r"'accumulate' must be a positive int",
+        ),
+        (lambda: fl.init(3, fl.optim.sgd(0.1), seed=0, max_iter=1), r"init\(\) expected a torch.nn.Module"),
+    ],
+)
+def test_step_errors(build, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        build()
+
+
+def test_a_loss_that_is_not_a_scalar_is_refused():
+    model, _, data = linear_problem()
+    step = fl.train_step(model, lambda f, b: f(b[0]), fl.optim.sgd(0.1), compile=False)
+    with pytest.raises(
+        TypeError,
+        match=r"loss_fn must return a scalar loss tensor or \(loss, metrics\), got Tensor "
+        r"\(8, 2\); reduce the loss",
+    ):
+        step(fl.init(model, fl.optim.sgd(0.1), seed=0, max_iter=1), data[0])
+
+
+def test_eval_step_reads_the_state_and_changes_nothing():
+    model = mlp(0.5)
+    evaluate = fl.eval_step(
+        model, lambda f, b: {"acc": (f(b[0]).argmax(1) == b[1]).float().mean()}, compile=False
+    )
+    state = fl.init(model, fl.optim.sgd(0.1), seed=0, max_iter=1)
+    snapshot = copy.deepcopy(dict(state.buffers))
+    first, second = evaluate(state, BATCHES[0]), evaluate(state, BATCHES[0])
+    assert torch.equal(first["acc"], second["acc"])  # eval mode: no dropout
+    testing.assert_identical(dict(state.buffers), snapshot)
+    assert model.training
+
+
+def test_step_is_a_good_step_for_the_fold_without_compile():
+    model, mse, data = linear_problem()
+    opt = fl.optim.adam(0.01)
+    state = fl.init(model, opt, seed=0, max_iter=5)
+    step = fl.train_step(model, mse, opt, compile=False)
+    testing.assert_identical(
+        fl.run(state, step, data, clock=zero), list(fl.scan(state, step, data, clock=zero))[-1]
+    )
+    assert isinstance(step, fl.TrainStep) and "train_step(Linear" in repr(step)
+    assert TrainState is type(state)
+
+
+def storage_of_weight(state, phase, seen):
+    if phase is Phase.AFTER_STEP:
+        return state, (*seen, state.params["weight"].data_ptr())
+    return state, seen
+
+
+def test_run_updates_in_place_once_it_owns_the_state_and_scan_never_does():
+    model, mse, data = linear_problem()
+    opt = fl.optim.adam(0.01)
+    state = fl.init(model, opt, seed=0, max_iter=5)
+    step = fl.train_step(model, mse, opt, compile=False)
+    hook = fl.stateful("ptrs", (), storage_of_weight)
+    ran = fl.run(state, step, data, [hook]).hooks["ptrs"]
+    assert ran[0] != state.params["weight"].data_ptr()
+    assert len(set(ran)) == 1, "after the first step, run must write into the same storage"
+    scanned = list(fl.scan(state, step, data, [hook]))[-1].hooks["ptrs"]
+    assert len(set(scanned)) == len(scanned), "scan must give every state its own storage"
+
+
+def test_a_metric_holding_a_parameter_keeps_its_value():
+    model, mse, data = linear_problem()
+    opt = fl.optim.sgd(0.1)
+
+    def log_bias(state, phase):
+        return fl.record(state, bias=state.params["bias"]) if phase is Phase.AFTER_STEP else state
+
+    state = fl.init(model, opt, seed=0, max_iter=5)
+    final = fl.run(state, fl.train_step(model, mse, opt, compile=False), data, [log_bias])
+    states = list(fl.scan(state, fl.train_step(model, mse, opt, compile=False), data, [log_bias]))
+    for (i, logged), s in zip(final.metrics.history("bias"), states):
+        assert torch.equal(logged, s.params["bias"]), i
