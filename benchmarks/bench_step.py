@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -155,25 +156,59 @@ def mse(forward, batch):
     return ((forward(x) - y) ** 2).mean()
 
 
-def wide_runner(config):
+def reset_peak_rss():
+    with open("/proc/self/clear_refs", "w") as f:  # reset the RSS high-water mark
+        f.write("5")
+
+
+def peak_rss_mb():
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+class Clocked:
+    """The batches, timing each iteration by when the next batch is asked for.
+
+    After `warm` batches (compile and warm-up) it resets the RSS high-water mark,
+    so the peak is measured over the timed steps only.
+    """
+
+    def __init__(self, data, warm, timed):
+        self.data, self.warm, self.total = data, warm, warm + timed
+        self.stamps = []
+
+    def __iter__(self):
+        for i in range(self.total):
+            if i == self.warm:
+                reset_peak_rss()
+            self.stamps.append(time.perf_counter())
+            yield self.data[i % len(self.data)]
+        self.stamps.append(time.perf_counter())
+
+    def step_ms(self):
+        return [(b - a) * 1e3 for a, b in zip(self.stamps[self.warm : -1], self.stamps[self.warm + 1 :])]
+
+
+def wide_child(config, steps):
     model, data = wide_problem()
+    batches = Clocked(data, warm=5, timed=steps)
     if config in ("eager", "compile_model"):
         net = torch.compile(model) if config == "compile_model" else model
         opt = torch.optim.AdamW(model.parameters(), lr=LR, foreach=True)
-
-        def one(i):
-            x, y = data[i % len(data)]
+        for x, y in batches:
             opt.zero_grad()
             ((net(x) - y) ** 2).mean().backward()
             opt.step()
-
-        return one
-    if config == "handwritten":
+    elif config == "handwritten":
         params = {k: v.detach().clone() for k, v in model.named_parameters()}
         mu = {k: torch.zeros_like(v) for k, v in params.items()}
         nu = {k: torch.zeros_like(v) for k, v in params.items()}
         count = torch.zeros((), dtype=torch.int64)
         b1, b2, eps, wd = 0.9, 0.999, 1e-8, 0.01
+        model.requires_grad_(False)  # the functional step never reads the module's own tensors
 
         def loss(p, x, y):
             return ((functional_call(model, p, (x,)) - y) ** 2).mean()
@@ -193,52 +228,27 @@ def wide_runner(config):
                 w.sub_((LR * (m[k] / bc1) / denom).to(w.dtype))
             return value
 
-        def one(i):
-            x, y = data[i % len(data)]
+        for x, y in batches:
             step(params, mu, nu, count, x, y)
-
-        return one
-    if config == "fnloop":
+    elif config == "fnloop":
         opt = fl.optim.adamw(LR)
         step = fl.train_step(model, mse, opt)
-        holder = {"state": fl.init(model, opt, seed=0, max_iter=10**9)}
-
-        def one(i):
-            # The fold, one iteration at a time, so that warm-up and timing share the code.
-            s = holder.pop("state")
-            holder["state"] = fl.run(
-                fl.TrainState(**{**s.__dict__, "max_iter": s.iteration + 1}), step, [data[i % len(data)]]
-            )
-
-        return one
-    raise ValueError(config)
+        # The initial state is given up to the run: no copy of it is ever made.
+        final = fl.run(fl.init(model, opt, seed=0, max_iter=batches.total), step, batches, donate_input=True)
+        assert final.iteration == batches.total
+    else:
+        raise ValueError(config)
+    print(json.dumps({"config": config, "ms": statistics.median(batches.step_ms()), "rss_mb": peak_rss_mb()}))
 
 
-def peak_rss_mb():
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def wide_child(config, steps):
-    one = wide_runner(config)
-    for i in range(5):
-        one(i)
-    with open("/proc/self/clear_refs", "w") as f:  # reset the RSS high-water mark
-        f.write("5")
-    times = []
-    for i in range(steps):
-        t = time.perf_counter()
-        one(i)
-        times.append((time.perf_counter() - t) * 1e3)
-    print(json.dumps({"config": config, "ms": statistics.median(times), "rss_mb": peak_rss_mb()}))
-
-
-def bench_wide(procs, steps):
+def bench_wide(procs, steps, pinned):
     configs = ["eager", "compile_model", "handwritten", "fnloop"]
     results = {c: [] for c in configs}
+    env = dict(os.environ)
+    if pinned:
+        # glibc raises its mmap threshold after freeing a large block, then keeps
+        # freed 16 MB scratch buffers in its heap; a pinned threshold returns them.
+        env["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
     for _ in range(procs):
         for config in configs:
             out = subprocess.run(
@@ -246,9 +256,13 @@ def bench_wide(procs, steps):
                 capture_output=True,
                 text=True,
                 check=True,
+                env=env,
             )
             results[config].append(json.loads(out.stdout.strip().splitlines()[-1]))
-    print(f"2048-wide 3-layer MLP, batch 64, AdamW, {procs} fresh processes x {steps} steps, one thread")
+    allocator = "MALLOC_MMAP_THRESHOLD_=1MiB" if pinned else "default glibc malloc"
+    print(
+        f"2048-wide 3-layer MLP, batch 64, AdamW, {procs} fresh processes x {steps} steps, one thread, {allocator}"
+    )
     med = {}
     for config, rows in results.items():
         ms = [r["ms"] for r in rows]
@@ -272,12 +286,13 @@ def main(argv=None):
     parser.add_argument("--iters", type=int, default=3000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--procs", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--pinned-malloc", action="store_true", help="pin glibc's mmap threshold (1 MiB)")
     args = parser.parse_args(argv)
     if args.which == "tiny":
         bench_tiny(args.iters, args.repeats)
     elif args.which == "wide":
-        bench_wide(args.procs, args.steps)
+        bench_wide(args.procs, args.steps, args.pinned_malloc)
     else:
         wide_child(args.config, args.steps)
 

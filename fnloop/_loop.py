@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 import time as _time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -11,7 +14,7 @@ from fnloop._hooks import Hook, chain, checked, returned, state_names
 from fnloop._phase import Phase
 from fnloop._state import TrainState, Unclaimed, replace
 
-__all__ = ["BatchesExhausted", "Step", "UnclaimedHookState", "run", "scan"]
+__all__ = ["BatchesExhausted", "Preempted", "Step", "UnclaimedHookState", "run", "scan"]
 
 _BEFORE_TRAIN = Phase.BEFORE_TRAIN
 _BEFORE_STEP = Phase.BEFORE_STEP
@@ -32,6 +35,59 @@ class Step(Protocol):
 
 class BatchesExhausted(RuntimeError):
     """The batch iterable ended before ``max_iter`` was reached."""
+
+
+class Preempted(SystemExit):
+    """``run`` stopped early because the process received SIGTERM.
+
+    Raised after the current step finished and ``AFTER_TRAIN`` ran (so a
+    checkpoint hook saved the last consistent state, which ``exc.state``
+    holds). A ``SystemExit`` with code ``128 + signal``: uncaught, the process
+    exits with 143, as a process killed by SIGTERM would, and never with 0.
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+
+    def __str__(self) -> str:
+        return f"stopped by {signal.Signals(self.signum).name} after the current step"
+
+
+class _Stop:
+    """The signal the run was asked to stop by, if any; set by the handler."""
+
+    signum: int | None = None
+
+
+@contextlib.contextmanager
+def _signals(enabled: bool) -> Iterator[_Stop | None]:
+    # Handlers live only for the duration of `run`, and only in the main thread
+    # (Python delivers signals there alone). The first signal asks the fold to
+    # stop after the current step; the original handlers are back at once, so
+    # a second Ctrl-C stops the process the usual way.
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield None
+        return
+    stop = _Stop()
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def handler(signum: int, frame: object) -> None:
+        stop.signum = signum
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+    for sig in previous:
+        signal.signal(sig, handler)
+    try:
+        yield stop
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _interruption(signum: int) -> BaseException:
+    return KeyboardInterrupt() if signum == signal.SIGINT else Preempted(signum)
 
 
 def _start(state: object, hooks: Sequence[Hook | None] | None, debug: bool = False) -> Hook:
@@ -100,6 +156,8 @@ def _fold(
     clock: Callable[[], float],
     perform: bool,
     donate: bool,
+    stop: _Stop | None = None,
+    donate_input: bool = False,
 ) -> Iterator[TrainState]:
     # `last` is the last consistent state: the input, then the state after
     # BEFORE_TRAIN, then the state after each completed iteration.
@@ -109,7 +167,7 @@ def _fold(
         state = last = _phase(hook, replace(state, time=clock()), _BEFORE_TRAIN, perform)
         stream, resumable = _stream(batches, state.data)
         donating = getattr(step, "donating", None) if donate else None
-        apply = step
+        apply = donating if donating is not None and donate_input else step
         while state.iteration < state.max_iter:
             i = state.iteration
             state = hook(replace(state, time=clock()), _BEFORE_STEP)
@@ -156,6 +214,10 @@ def _fold(
                 # From here on the fold threads states no caller holds.
                 apply = donating
             yield state
+            if stop is not None and stop.signum is not None:
+                raise _interruption(stop.signum)
+        if stop is not None and stop.signum is not None:
+            raise _interruption(stop.signum)
     except BaseException as exc:
         at_end = replace(last, time=clock())
         exc.state = last  # type: ignore[attr-defined]
@@ -223,6 +285,8 @@ def run(
     clock: Callable[[], float] = _time.perf_counter,
     effects: bool = True,
     debug: bool = False,
+    signals: bool = True,
+    donate_input: bool = False,
 ) -> TrainState:
     """Run ``step`` and ``hooks`` from ``state.iteration`` to ``state.max_iter``.
 
@@ -241,14 +305,31 @@ def run(
     >>> final.iteration, final.metrics.latest("x")
     (3, (2, 3.0))
 
-    Args: as ``scan``. The step's ``donating`` variant, where it offers one, is
-    used once the fold owns the state it threads (from the second iteration).
+    SIGTERM and SIGINT (preemption, Ctrl-C) during ``run`` let the current
+    step finish, then run ``AFTER_TRAIN`` (where a checkpoint hook saves the
+    last consistent state) and raise ``Preempted`` (SIGTERM) or
+    ``KeyboardInterrupt`` (SIGINT), carrying that state as ``exc.state``. A
+    second signal acts as it would without fnloop.
+
+    Args: as ``scan``, and
+
+    * ``signals``: handle SIGTERM/SIGINT as above (main thread only; the
+      handlers are removed when ``run`` returns);
+    * ``donate_input``: the caller gives ``state`` up, as JAX's
+      ``donate_argnums`` does: its tensors may be overwritten from the first
+      step on, which saves one copy of params and optimizer state. Without it
+      the step's ``donating`` variant, where it offers one, is used from the
+      second iteration, once the fold owns the state it threads.
 
     Returns:
         The final state, after ``AFTER_TRAIN``.
     """
     hook = _start(state, hooks, debug)
-    final = state
-    for final in _fold(state, step, batches, hook, clock, effects, donate=True):  # noqa: B007
-        pass
+    final: Any = None
+    with _signals(signals) as stop:
+        fold = _fold(state, step, batches, hook, clock, effects, True, stop, donate_input)
+        # Only the fold (and the caller, if it kept it) holds the input now.
+        del state
+        for final in fold:  # noqa: B007
+            pass
     return final

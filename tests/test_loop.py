@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+
 import attrs
 import pytest
 
@@ -204,3 +207,48 @@ def test_a_claimed_state_is_checked_against_the_hooks_initial_state():
     loaded = TrainState(max_iter=2, hooks={"count": fl.Unclaimed("five", _as_is, "f: hooks['count']")})
     with pytest.raises(ValueError, match=r"f: hooks\['count'\]: expected int, got str"):
         fl.run(loaded, empty_step, [None] * 2, [testing.counter("count")])
+
+
+def signalling_step(signum, at, times=1):
+    def step(state, batch):
+        if state.iteration == at:
+            for _ in range(times):
+                os.kill(os.getpid(), signum)
+        return attrs.evolve(state, extra=(state.extra or 0) + 1)
+
+    return step
+
+
+def test_sigterm_finishes_the_step_runs_after_train_and_never_looks_like_success():
+    seen = []
+    end = fl.on(Phase.AFTER_TRAIN, lambda s, p: (seen.append(s.iteration), s)[1])
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(fl.Preempted) as info:
+        fl.run(TrainState(max_iter=10), signalling_step(signal.SIGTERM, 3), [None] * 10, [end])
+    assert info.value.code == 128 + signal.SIGTERM
+    assert "stopped by SIGTERM after the current step" in str(info.value)
+    assert info.value.state.iteration == 4 and info.value.state.extra == 4  # step 3 finished
+    assert seen == [4]
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_sigint_raises_keyboard_interrupt_with_the_state():
+    with pytest.raises(KeyboardInterrupt) as info:
+        fl.run(TrainState(max_iter=10), signalling_step(signal.SIGINT, 0), [None] * 10)
+    assert info.value.state.iteration == 1
+
+
+def test_a_second_sigint_interrupts_at_once():
+    with pytest.raises(KeyboardInterrupt) as info:
+        fl.run(TrainState(max_iter=10), signalling_step(signal.SIGINT, 2, times=2), [None] * 10)
+    assert info.value.state.iteration == 2  # the step itself was interrupted: last consistent state
+
+
+def test_signals_can_be_left_alone():
+    handler_seen = []
+    previous = signal.signal(signal.SIGTERM, lambda *a: handler_seen.append(1))
+    try:
+        final = fl.run(TrainState(max_iter=5), signalling_step(signal.SIGTERM, 1), [None] * 5, signals=False)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert final.iteration == 5 and handler_seen == [1]
