@@ -1,0 +1,510 @@
+"""Checkpoints: the state, serialized to one safetensors file; atomic, safe, inspectable.
+
+A checkpoint is a safetensors file. Its tensors are stored under their path in
+the state (``state.params['fc.weight']``); everything else is a JSON skeleton
+in the file's metadata, next to the format version and a CRC-32 covering the
+skeleton and every tensor's bytes. Loading runs no code (there is no pickle),
+fills a template built from code (``like=``) strictly, and keeps hook states
+the template does not know as ``fnloop.Unclaimed`` for the run to claim.
+See ``docs/checkpoints.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import io
+import json
+import math
+import os
+import re
+import secrets
+import warnings
+import zlib
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fnloop._codec import (
+    DTYPES,
+    CheckpointError,
+    CheckpointMismatch,
+    DamagedCheckpoint,
+    Record,
+    decode,
+    encode_state,
+    fill_state,
+)
+from fnloop._state import TrainState
+
+__all__ = [
+    "FORMAT_VERSION",
+    "CheckpointError",
+    "CheckpointMismatch",
+    "CheckpointWarning",
+    "DamagedCheckpoint",
+    "Record",
+    "checkpoints",
+    "latest",
+    "load",
+    "path_for",
+    "read_raw",
+    "save",
+]
+
+FORMAT_VERSION = 1
+"""The version of the file layout this fnloop writes; files of another version are refused."""
+
+StrPath = str | os.PathLike[str]
+
+_NAME = re.compile(r"ckpt-(\d{8,})\.safetensors")
+_TEMP = re.compile(r"\..+\.(\d+)\.[0-9a-f]{8}\.tmp")
+_CODES = {code: dtype for dtype, code in DTYPES.items()}
+_MAX_HEADER = 100_000_000  # safetensors' own limit
+_PLACEHOLDER = "crc32:00000000"  # as long as every checksum
+_PIECE = 1 << 24  # the checksum covers each tensor in pieces of this many bytes: part of the format
+_THREADED = 1 << 25  # below this many bytes of tensors, threads cost more than they save
+_POSITIONAL = hasattr(os, "pwrite") and hasattr(os, "preadv")
+_in_flight: set[str] = set()  # temporary names this process is writing now
+
+
+class CheckpointWarning(UserWarning):
+    """``latest`` skipped a damaged checkpoint file; the message names it and says why."""
+
+
+def path_for(directory: StrPath, iteration: int) -> Path:
+    """The file a checkpoint of ``iteration`` has in ``directory``: ``ckpt-{iteration:08d}.safetensors``.
+
+    >>> path_for("run/ckpt", 12).name
+    'ckpt-00000012.safetensors'
+
+    Raises:
+        ValueError: ``iteration`` is not a non-negative int.
+    """
+    if type(iteration) is not int or iteration < 0:
+        raise ValueError(f"'iteration' must be a non-negative int (got {iteration!r}).")
+    return Path(directory) / f"ckpt-{iteration:08d}.safetensors"
+
+
+def checkpoints(directory: StrPath) -> list[Path]:
+    """The checkpoint files in ``directory`` (named as ``path_for`` names them), newest first.
+
+    Temporary files of saves in progress (or interrupted) are not listed.
+    A missing directory has none.
+
+    >>> checkpoints("no/such/directory")
+    []
+    """
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    found = [(int(m[1]), name) for name in names if (m := _NAME.fullmatch(name))]
+    return [Path(directory) / name for _, name in sorted(found, reverse=True)]
+
+
+def save(state: TrainState, path: StrPath) -> Path:
+    """Write ``state`` to ``path`` atomically, creating the directory if needed.
+
+    The file is written under a temporary name in the same directory, flushed
+    to disk, and renamed onto ``path``: a crash at any moment leaves either
+    the old file or the new one, never a mix. Leftovers of interrupted saves
+    in that directory are removed. Tensors are saved from CPU memory; a tensor
+    reached twice is stored once.
+
+    >>> import tempfile
+    >>> state = TrainState(max_iter=10, params={"w": torch.ones(2)})
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     path = save(state, path_for(d, state.iteration))
+    ...     load(path, like=state).params
+    {'w': tensor([1., 1.])}
+
+    Args:
+        state: the state to save; it must have no pending ``effects``.
+        path: the file to write (usually ``path_for(directory, state.iteration)``).
+
+    Returns:
+        ``path``, as a ``pathlib.Path``.
+
+    Raises:
+        TypeError: ``state`` is not a TrainState, or holds something a
+            checkpoint cannot hold (a function, an arbitrary object); the
+            message names its path.
+        ValueError: ``state`` has pending effects.
+        OSError: the file cannot be written; an existing file at ``path`` is untouched.
+    """
+    if type(state) is not TrainState:
+        raise TypeError(f"save() expected a fnloop.TrainState, got {state!r:.80} (a {type(state).__name__}).")
+    if state.effects:
+        labels = [e.label or repr(e.perform) for e in state.effects]
+        raise ValueError(
+            f"cannot save a state with {len(state.effects)} pending effect(s) {labels}: effects carry "
+            "code, which a checkpoint does not hold. Save from an effect (the fold performs effects on "
+            "the state with its effects cleared), or drop them: attrs.evolve(state, effects=())."
+        )
+    skeleton, tensors = encode_state(state)
+    text = json.dumps(skeleton, separators=(",", ":"), allow_nan=False)
+    # Widest items first, so every tensor starts aligned to its item size, as safetensors does.
+    order = sorted(tensors.items(), key=lambda kv: -kv[1].element_size())
+    entries: dict[str, dict[str, Any]] = {}
+    offset = 0
+    for key, tensor in order:
+        size = tensor.numel() * tensor.element_size()
+        entries[key] = {
+            "dtype": DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    views = [_bytes(t) for _, t in order]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(path.parent)
+
+    def write(fd: int) -> None:
+        # The tensors first, so their checksum is known when the header is written in front of them.
+        start = 8 + len(_header(text, entries, _PLACEHOLDER))
+        crcs = _transfer(fd, views, start, _pwrite)
+        header = _header(text, entries, _digest(text, zip(entries, entries.values(), crcs)))
+        _pwrite(fd, memoryview(len(header).to_bytes(8, "little") + header), 0)
+
+    _write_atomically(path, write)
+    return path
+
+
+def _header(skeleton: str, entries: dict[str, dict[str, Any]], checksum: str) -> bytes:
+    metadata = {
+        "fnloop.format": str(FORMAT_VERSION),
+        "fnloop.version": _version(),
+        "fnloop.checksum": checksum,
+        "fnloop.skeleton": skeleton,
+    }
+    header = json.dumps({"__metadata__": metadata, **entries}, separators=(",", ":")).encode()
+    return header + b" " * (-(8 + len(header)) % 8)  # tensors start 8-byte aligned, as safetensors does
+
+
+def _version() -> str:
+    import fnloop  # imported here: fnloop imports this module
+
+    return fnloop.__version__
+
+
+def _bytes(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy; valid while ``tensor`` lives."""
+    size = tensor.numel() * tensor.element_size()
+    if size == 0:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_ubyte * size).from_address(tensor.data_ptr())).cast("B")
+
+
+def _transfer(
+    fd: int, views: list[memoryview], start: int, io: Callable[[int, memoryview, int], None]
+) -> list[list[int]]:
+    """``io`` every view to or from ``fd``, laid out from byte ``start``; the CRC-32s of their pieces.
+
+    The checksum covers each tensor in pieces of ``_PIECE`` bytes. Pieces are
+    independent, so for a large file several threads read or write them and
+    checksum them at once (``os.preadv``, ``os.pwrite`` and ``zlib.crc32`` all
+    release the GIL): the checksum then costs next to nothing.
+    """
+    pieces, offset = [], start
+    for i, view in enumerate(views):
+        pieces += [(i, offset + at, view[at : at + _PIECE]) for at in range(0, len(view), _PIECE)]
+        offset += len(view)
+
+    def one(piece: tuple[int, int, memoryview]) -> int:
+        io(fd, piece[2], piece[1])
+        return zlib.crc32(piece[2])
+
+    workers = min(
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1, 4
+    )
+    if offset - start < _THREADED or workers < 2 or not _POSITIONAL:
+        results = [one(piece) for piece in pieces]
+    else:
+        with ThreadPoolExecutor(workers, thread_name_prefix="fnloop-checkpoint") as pool:
+            results = list(pool.map(one, pieces))
+    crcs: list[list[int]] = [[] for _ in views]
+    for (i, _, _), crc in zip(pieces, results):
+        crcs[i].append(crc)
+    return crcs
+
+
+def _pwrite(fd: int, view: memoryview, offset: int) -> None:
+    if not _POSITIONAL:
+        os.lseek(fd, offset, os.SEEK_SET)
+    done = 0
+    while done < len(view):
+        chunk = view[done:]
+        done += os.pwrite(fd, chunk, offset + done) if _POSITIONAL else os.write(fd, chunk)
+
+
+def _pread(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        if _POSITIONAL:
+            n = os.preadv(fd, [view[done:]], offset + done)
+        else:
+            os.lseek(fd, offset + done, os.SEEK_SET)
+            with open(fd, "rb", buffering=0, closefd=False) as file:
+                n = file.readinto(view[done:]) or 0
+        if n == 0:
+            raise EOFError(f"{len(view) - done} bytes missing at byte {offset + done}")
+        done += n
+
+
+def _digest(skeleton: str, entries: Iterable[tuple[str, dict[str, Any], list[int]]]) -> str:
+    # Over names in sorted order, so a file re-laid out by another safetensors writer still checks.
+    digest = zlib.crc32(skeleton.encode("utf-8", "surrogatepass"))
+    for key, entry, crcs in sorted(entries, key=lambda e: e[0]):
+        line = f"\n{key}\t{entry['dtype']}\t{entry['shape']}\t{' '.join(f'{c:08x}' for c in crcs)}"
+        digest = zlib.crc32(line.encode("utf-8", "surrogatepass"), digest)
+    return f"crc32:{digest:08x}"
+
+
+def _write_atomically(path: Path, write: Callable[[int], None]) -> None:
+    temp_name = f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    temp = path.with_name(temp_name)
+    _in_flight.add(temp_name)
+    try:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+        try:
+            write(fd)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp)
+        raise
+    finally:
+        _in_flight.discard(temp_name)
+    # The rename itself must reach the disk to survive a power loss.
+    with contextlib.suppress(OSError):
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _remove_leftovers(directory: Path) -> None:
+    """Remove temporary files of saves that were interrupted (their process is gone, or is this one)."""
+    for name in os.listdir(directory):
+        match = _TEMP.fullmatch(name)
+        if match is None or name in _in_flight:
+            continue
+        pid = int(match[1])
+        if pid == os.getpid() or not _alive(pid):
+            with contextlib.suppress(OSError):
+                os.unlink(directory / name)
+
+
+def _alive(pid: int) -> bool:
+    if os.name != "posix":  # os.kill(pid, 0) would not just probe there
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
+
+
+def load(path: StrPath, *, like: TrainState) -> TrainState:
+    """The state saved in ``path``, checked against and built like the template ``like``.
+
+    Strict for the record's fields: a missing, unexpected or mismatched entry
+    (kind, dtype, shape, record fields, dict keys, tuple length) is an error
+    naming the file and the entry's path. Records are rebuilt with the
+    template's classes, tensors placed on the template tensor's device.
+    ``metrics`` come from the file as saved. Hook states are lenient, as the
+    seed trainer is: one the template knows (``like.hooks[name]``) is checked
+    against it; one it does not know becomes an ``fnloop.Unclaimed`` that the
+    run's hook of that name claims (or the fold drops, with a warning); a hook
+    of the template with no saved state keeps its template value.
+
+    >>> import tempfile
+    >>> state = TrainState(max_iter=10, iteration=4, hooks={"steps": 4})
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     path = save(state, path_for(d, 4))
+    ...     loaded = load(path, like=TrainState(max_iter=10))
+    >>> loaded.iteration, loaded.hooks["steps"].claim(0)
+    (4, 4)
+
+    Args:
+        path: a file written by ``save``.
+        like: a state built by the same code as the saved one (its values are not used).
+
+    Returns:
+        The saved state.
+
+    Raises:
+        DamagedCheckpoint: the file is missing, unreadable, truncated, corrupted
+            (checksum) or not an fnloop checkpoint.
+        CheckpointMismatch: the file is intact but does not fit ``like``.
+        CheckpointError: the file was written in another format version. All
+            three are ``CheckpointError``\\ s and name the file.
+    """
+    if type(like) is not TrainState:
+        raise TypeError(
+            f"load() expected like= a fnloop.TrainState, got {like!r:.80} (a {type(like).__name__})."
+        )
+    _, raw = _read(path)
+    return fill_state(raw, like, f"{path}: state")
+
+
+def latest(directory: StrPath, *, like: TrainState) -> TrainState | None:
+    """The newest checkpoint in ``directory`` that loads, skipping damaged files; ``None`` if none.
+
+    A damaged file (truncated, corrupted, unreadable) is skipped with a
+    ``CheckpointWarning`` naming it and why. A file that is intact but does
+    not fit ``like``, or is of another format version, raises: resuming from
+    an older checkpoint, or from scratch, would hide that the code changed.
+
+    >>> latest("no/such/directory", like=TrainState(max_iter=1)) is None
+    True
+
+    Resume with ``state = latest(directory, like=state) or state``.
+
+    Raises:
+        CheckpointMismatch: the newest intact checkpoint does not fit ``like``.
+        CheckpointError: the newest intact checkpoint is of another format version.
+    """
+    if type(like) is not TrainState:
+        raise TypeError(f"latest() expected like= a fnloop.TrainState, got {like!r:.80}.")
+    for path in checkpoints(directory):
+        try:
+            return load(path, like=like)
+        except DamagedCheckpoint as exc:
+            warnings.warn(f"skipping a damaged checkpoint: {exc}", CheckpointWarning, stacklevel=2)
+    return None
+
+
+def read_raw(path: StrPath) -> tuple[dict[str, str], Any]:
+    """A checkpoint's metadata and its state as plain data, without a template.
+
+    For tools that inspect checkpoints without the training code (``fnloop
+    inspect`` / ``diff``). The tree is made of dicts, lists, tuples, numbers,
+    strings and CPU tensors; records come back as dicts of their fields
+    (``Record``, with ``.type`` the saved class's name).
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     meta, tree = read_raw(save(TrainState(max_iter=3, extra=(1, 2.5)), path_for(d, 0)))
+    >>> meta["fnloop.format"], tree["max_iter"], tree["extra"]
+    ('1', 3, (1, 2.5))
+
+    Returns:
+        ``(metadata, tree)``: the file's ``fnloop.*`` metadata other than the
+        skeleton (format, version, checksum), and the state's fields.
+
+    Raises:
+        CheckpointError: as ``load``, for everything but the template.
+    """
+    metadata, raw = _read(path)
+    return {k: v for k, v in metadata.items() if k != "fnloop.skeleton"}, raw
+
+
+def _read(path: StrPath) -> tuple[dict[str, str], Any]:
+    try:
+        with open(path, "rb") as file:
+            metadata, tensors = _read_file(file, str(path))
+    except OSError as exc:
+        raise DamagedCheckpoint(f"{path}: cannot read the file: {exc.strerror or exc}") from exc
+    where = f"{path}: state"
+    try:
+        return metadata, decode(json.loads(metadata["fnloop.skeleton"]), tensors, where)
+    except (ValueError, RecursionError) as exc:
+        raise DamagedCheckpoint(
+            f"{path}: the skeleton cannot be read ({type(exc).__name__}: {exc})"
+        ) from None
+
+
+def _damaged(name: str, what: str) -> DamagedCheckpoint:
+    return DamagedCheckpoint(f"{name}: {what}")
+
+
+def _read_file(file: io.BufferedReader, name: str) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    size = os.fstat(file.fileno()).st_size
+    prefix = file.read(8)
+    length = int.from_bytes(prefix, "little")
+    if len(prefix) < 8 or length > min(size - 8, _MAX_HEADER):
+        raise _damaged(name, f"not a checkpoint, or truncated: {size} bytes hold no safetensors header")
+    try:
+        header = json.loads(file.read(length).decode("utf-8"))
+    except (ValueError, RecursionError):
+        raise _damaged(name, "the safetensors header is not valid JSON (corrupted or truncated)") from None
+    if type(header) is not dict or type(header.get("__metadata__")) is not dict:
+        raise _damaged(name, "not an fnloop checkpoint: the safetensors header has no metadata")
+    metadata = header.pop("__metadata__")
+    _check_version(metadata, name)
+    if not all(type(v) is str for v in metadata.values()) or "fnloop.skeleton" not in metadata:
+        raise _damaged(name, "the fnloop metadata is incomplete")
+    entries = sorted((_entry(key, spec, name) for key, spec in header.items()), key=lambda e: e[3])
+    data_size, offset = size - 8 - length, 0
+    for key, _, _, begin, end in entries:
+        if begin != offset:
+            raise _damaged(name, f"tensor {key!r:.60} does not start where the previous one ends")
+        offset = end
+    if offset != data_size:
+        what = "truncated" if offset > data_size else "has bytes after its last tensor"
+        raise _damaged(
+            name, f"{what}: the header describes {offset} bytes of tensors, the file holds {data_size}"
+        )
+    tensors, views, specs = {}, [], {}
+    for key, dtype, shape, begin, end in entries:
+        buffer = torch.empty(end - begin, dtype=torch.uint8)
+        views.append(_bytes(buffer))
+        tensors[key] = buffer.view(dtype).reshape(shape)
+        specs[key] = {"dtype": DTYPES[dtype], "shape": shape}
+    try:
+        crcs = _transfer(file.fileno(), views, 8 + length, _pread)
+    except EOFError:
+        raise _damaged(name, "truncated while its tensors were read") from None
+    if _digest(metadata["fnloop.skeleton"], zip(specs, specs.values(), crcs)) != metadata.get(
+        "fnloop.checksum"
+    ):
+        raise _damaged(
+            name,
+            f"checksum mismatch (stored {metadata.get('fnloop.checksum')!r:.40}): its bytes changed after it "
+            "was written, by a disk, transfer or copy error",
+        )
+    return metadata, tensors
+
+
+def _check_version(metadata: dict[str, Any], name: str) -> None:
+    version = metadata.get("fnloop.format")
+    if version == str(FORMAT_VERSION):
+        return
+    if version is None:
+        raise _damaged(name, "not an fnloop checkpoint: its safetensors metadata has no 'fnloop.format'")
+    if type(version) is str and version.isascii() and version.isdigit() and len(version) < 10:
+        newer = int(version) > FORMAT_VERSION
+        raise CheckpointError(
+            f"{name}: written in checkpoint format {int(version)}, but this fnloop reads format "
+            f"{FORMAT_VERSION} only. "
+            + ("Upgrade fnloop to load it." if newer else "Load it with the fnloop version that wrote it.")
+        )
+    raise _damaged(name, f"unknown checkpoint format {version!r:.40}")
+
+
+def _entry(key: str, spec: Any, name: str) -> tuple[str, torch.dtype, list[int], int, int]:
+    bad = _damaged(name, f"tensor {key!r:.60} has a malformed header entry")
+    if type(spec) is not dict or set(spec) != {"dtype", "shape", "data_offsets"}:
+        raise bad
+    code, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
+    dtype = _CODES.get(code) if type(code) is str else None
+    if dtype is None or type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
+        raise bad
+    if type(offsets) is not list or len(offsets) != 2 or not all(type(o) is int for o in offsets):
+        raise bad
+    begin, end = offsets
+    if not 0 <= begin <= end or end - begin != math.prod(shape) * dtype.itemsize:
+        raise bad
+    return key, dtype, shape, begin, end
