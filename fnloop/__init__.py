@@ -1,12 +1,13 @@
 """fnloop: a training loop for PyTorch in which the whole run is a value."""
 
-from fnloop import data, optim
+from fnloop import checkpoint, data, hooks, optim, replay
 from fnloop._hooks import Hook, chain, checked, every, identity, on, once, state_names, stateful, when
-from fnloop._loop import BatchesExhausted, Step, UnclaimedHookState, run, scan
+from fnloop._loop import BatchesExhausted, Preempted, Step, UnclaimedHookState, run, scan
 from fnloop._metrics import Metrics
 from fnloop._phase import Phase
 from fnloop._state import Effect, TrainState, Unclaimed, hook_state, record, request, with_hook_state
 from fnloop._step import EvalStep, GraphBreakError, RecompileError, TrainStep, eval_step, init, train_step
+from fnloop.checkpoint import load, save
 
 __version__ = "0.1.0"
 
@@ -18,6 +19,7 @@ __all__ = [
     "Hook",
     "Metrics",
     "Phase",
+    "Preempted",
     "RecompileError",
     "Step",
     "TrainState",
@@ -25,19 +27,24 @@ __all__ = [
     "Unclaimed",
     "UnclaimedHookState",
     "chain",
+    "checkpoint",
     "checked",
     "data",
     "eval_step",
     "every",
     "hook_state",
+    "hooks",
     "identity",
     "init",
+    "load",
     "on",
     "optim",
     "once",
     "record",
+    "replay",
     "request",
     "run",
+    "save",
     "scan",
     "state_names",
     "stateful",

@@ -11,7 +11,15 @@ import pytest
 import fnloop
 
 DOCS = "\n".join(p.read_text() for p in (pathlib.Path(__file__).parent.parent / "docs").glob("*.md"))
-MODULES = ["fnloop", "fnloop.data", "fnloop.testing", "fnloop.optim", "fnloop.checkpoint", "fnloop.hooks"]
+MODULES = [
+    "fnloop",
+    "fnloop.data",
+    "fnloop.testing",
+    "fnloop.optim",
+    "fnloop.checkpoint",
+    "fnloop.hooks",
+    "fnloop.replay",
+]
 
 
 def public_names():

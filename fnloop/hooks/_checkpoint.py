@@ -1,0 +1,153 @@
+"""Hooks that save the state: periodically, and when a metric reaches its best."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import attrs
+
+from fnloop._hooks import Hook, stateful
+from fnloop._phase import Phase
+from fnloop._state import TrainState, replace, request
+from fnloop.checkpoint import checkpoints, path_for, save
+
+__all__ = ["Best", "best_checkpoint", "checkpoint"]
+
+
+def _keep(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if value is not None and (type(value) is not int or value < 1):
+        raise ValueError(
+            f"'{attribute.name}' must be a positive int or None to keep every checkpoint "
+            f"(got {value!r} that is a {type(value).__name__})."
+        )
+
+
+def _path(path: str | os.PathLike[str]) -> str:
+    return os.fspath(path)
+
+
+@attrs.frozen(repr=False)
+class Checkpoint:
+    """Save the state into ``directory``; build it with ``checkpoint``."""
+
+    directory: str = attrs.field(converter=_path)
+    keep: int | None = attrs.field(validator=_keep)
+
+    def __call__(self, state: TrainState, phase: Phase, /) -> TrainState:
+        if phase is Phase.AFTER_STEP:
+            # Performed once every hook of the phase has run, on the state the
+            # next iteration starts from (iteration == i + 1).
+            return request(state, self.save, f"checkpoint into {self.directory}")
+        if phase is Phase.AFTER_TRAIN:
+            # The run ended, by success, failure or signal: save the state it
+            # ended with, as this hook sees it, unless that iteration is saved.
+            ended = replace(state, effects=())
+            return request(state, lambda _: self.save_once(ended), f"final checkpoint into {self.directory}")
+        return state
+
+    def save(self, state: TrainState) -> Path:
+        """Write ``state`` as ``ckpt-{iteration}`` and drop the oldest beyond ``keep``."""
+        path = save(state, path_for(self.directory, state.iteration))
+        if self.keep is not None:
+            for old in checkpoints(self.directory)[self.keep :]:
+                old.unlink(missing_ok=True)
+        return path
+
+    def save_once(self, state: TrainState) -> Path:
+        path = path_for(self.directory, state.iteration)
+        return path if path.exists() else self.save(state)
+
+    def __repr__(self) -> str:
+        return f"checkpoint({self.directory!r}, keep={self.keep!r})"
+
+
+def checkpoint(directory: str | os.PathLike[str], keep: int | None = 5) -> Checkpoint:
+    """A hook saving the state into ``directory`` after a step and when the run ends.
+
+    Wrap it to choose the period: ``every(1000, checkpoint("run/ckpt"))``. It
+    acts in two phases:
+
+    * ``AFTER_STEP`` of step ``i``: it requests a save of the state the fold
+      has once every hook of the phase has run, which holds ``iteration ==
+      i + 1``. So the checkpoint is the state a resumed run starts from,
+      wherever the hook sits in the list.
+    * ``AFTER_TRAIN`` (which ``every`` always lets through): it saves the state
+      the run ended with, unless that iteration is saved already. After a
+      failure or a SIGTERM that is the last consistent state, so nothing done
+      since the last period is lost.
+
+    Files are ``ckpt-{iteration:08d}.safetensors``, written atomically; the
+    newest ``keep`` stay (``None`` keeps all). Resume with
+    ``fnloop.checkpoint.latest(directory, like=state)``.
+
+    >>> import tempfile, fnloop as fl
+    >>> folder = tempfile.mkdtemp()
+    >>> final = fl.run(fl.TrainState(max_iter=4), lambda s, b: s, [None] * 4, [fl.every(2, checkpoint(folder))])
+    >>> [p.name for p in fl.checkpoint.checkpoints(folder)]
+    ['ckpt-00000004.safetensors', 'ckpt-00000002.safetensors']
+
+    Raises:
+        ValueError: ``keep`` is not a positive int or ``None``.
+    """
+    return Checkpoint(directory, keep)
+
+
+@attrs.frozen
+class Best:
+    """The best value of a metric so far, and the iteration it was recorded at (-1: none yet)."""
+
+    value: float
+    iteration: int = -1
+
+
+def _improves(mode: str, new: float, old: float) -> bool:
+    return new < old if mode == "min" else new > old
+
+
+def best_checkpoint(
+    directory: str | os.PathLike[str], metric: str, mode: str = "min", *, name: str | None = None
+) -> Hook:
+    """A hook keeping ``directory/best.safetensors``: the state where ``metric`` was best.
+
+    At ``AFTER_STEP`` it looks at ``metric``; when a new value was recorded in
+    this step and beats the best so far (lower for ``mode="min"``, higher for
+    ``"max"``), it saves the state. The best value lives in the state
+    (``state.hooks[name]``, a ``Best``), so it survives a resume: a resumed
+    run does not overwrite a better checkpoint with a worse one. Reading the
+    value syncs with the device, but only in steps that recorded it.
+
+    >>> import tempfile, fnloop as fl
+    >>> losses = [3.0, 1.0, 2.0]
+    >>> step = lambda s, b: fl.record(s, val=losses[s.iteration])
+    >>> final = fl.run(fl.TrainState(max_iter=3), step, [None] * 3, [best_checkpoint(tempfile.mkdtemp(), "val")])
+    >>> final.hooks["best:val"]
+    Best(value=1.0, iteration=1)
+
+    Args:
+        directory: where ``best.safetensors`` goes.
+        metric: the name of a recorded metric.
+        mode: ``"min"`` or ``"max"``.
+        name: the hook state's name (default ``"best:<metric>"``).
+
+    Raises:
+        ValueError: ``mode`` is neither ``"min"`` nor ``"max"``.
+    """
+    if mode not in ("min", "max"):
+        raise ValueError(f"best_checkpoint() mode must be 'min' or 'max' (got {mode!r}).")
+    target = Path(directory) / "best.safetensors"
+    start = Best(math.inf if mode == "min" else -math.inf)
+
+    def update(state: TrainState, phase: Phase, best: Best) -> tuple[TrainState, Best]:
+        if phase is not Phase.AFTER_STEP or metric not in state.metrics.series:
+            return state, best
+        iteration, value = state.metrics.latest_float(metric)
+        if iteration != state.iteration or not _improves(mode, value, best.value):
+            return state, best
+        return request(state, lambda s: save(s, target), f"best {metric} into {target}"), Best(
+            value, iteration
+        )
+
+    update.__qualname__ = f"best_checkpoint({os.fspath(directory)!r}, {metric!r}, {mode!r})"
+    return stateful(name or f"best:{metric}", start, update)
