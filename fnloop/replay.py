@@ -211,7 +211,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     batches, hooks)`` for a fresh run: the template state, the step, the
     resumable batch stream and the hooks, as the training script builds them.
     """
-    parser = argparse.ArgumentParser(prog="fnloop replay", description="Replay a job against its fingerprint log.")
+    parser = argparse.ArgumentParser(
+        prog="fnloop replay", description="Replay a job against its fingerprint log."
+    )
     parser.add_argument("job", help="module:function returning (state, step, batches, hooks)")
     parser.add_argument("--log", required=True, help="the fingerprint log the run wrote")
     parser.add_argument("--checkpoint", help="start from this checkpoint instead of the job's fresh state")
