@@ -7,6 +7,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
+from fnloop._messages import got
 from fnloop._phase import Phase
 from fnloop._state import TrainState, Unclaimed, replace
 
@@ -203,16 +204,12 @@ def on(phase: Phase | Collection[Phase], hook: Hook) -> Hook:
 
 def _positive_int(instance: object, attribute: attrs.Attribute, value: object) -> None:
     if type(value) is not int or value < 1:
-        raise ValueError(
-            f"'{attribute.name}' must be a positive int (got {value!r} that is a {type(value).__name__})."
-        )
+        raise ValueError(f"'{attribute.name}' must be a positive int ({got(value)}).")
 
 
 def _non_negative_int(instance: object, attribute: attrs.Attribute, value: object) -> None:
     if type(value) is not int or value < 0:
-        raise ValueError(
-            f"'{attribute.name}' must be a non-negative int (got {value!r} that is a {type(value).__name__})."
-        )
+        raise ValueError(f"'{attribute.name}' must be a non-negative int ({got(value)}).")
 
 
 @attrs.frozen(repr=False)
@@ -322,9 +319,7 @@ def once(iteration: int, hook: Hook) -> Hook:
 
 def _hook_name(instance: object, attribute: attrs.Attribute, value: object) -> None:
     if type(value) is not str or not value:
-        raise ValueError(
-            f"'{attribute.name}' must be a non-empty str (got {value!r} that is a {type(value).__name__})."
-        )
+        raise ValueError(f"'{attribute.name}' must be a non-empty str ({got(value)}).")
 
 
 @attrs.frozen(repr=False)

@@ -9,6 +9,8 @@ from collections.abc import Iterable, Mapping
 import attrs
 import torch
 
+from fnloop._messages import got
+
 __all__ = ["Metrics", "Scalar"]
 
 Scalar = int | float | torch.Tensor
@@ -19,16 +21,14 @@ Entry = tuple[int, Scalar]
 
 def _positive_int(instance: object, attribute: attrs.Attribute, value: object) -> None:
     if type(value) is not int or value < 1:
-        raise ValueError(
-            f"'{attribute.name}' must be a positive int (got {value!r} that is a {type(value).__name__})."
-        )
+        raise ValueError(f"'{attribute.name}' must be a positive int ({got(value)}).")
 
 
 def _series_mapping(instance: object, attribute: attrs.Attribute, value: object) -> None:
     if not isinstance(value, Mapping):
         raise TypeError(
             f"'{attribute.name}' must be a mapping from metric name to a tuple of "
-            f"(iteration, value) pairs (got {value!r} that is a {type(value).__name__})."
+            f"(iteration, value) pairs ({got(value)})."
         )
 
 

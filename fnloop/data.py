@@ -15,6 +15,8 @@ import attrs
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
+from fnloop._messages import got
+
 __all__ = ["Batch", "Batches", "batches"]
 
 Batch = Any
@@ -120,7 +122,7 @@ def _int(low: int) -> Callable[[object, attrs.Attribute, object], None]:
         if type(value) is not int:
             raise TypeError(
                 f"fnloop.data.batches: '{attribute.name}' must be an int >= {low} "
-                f"(got {value!r} that is a {type(value).__name__}). Pass a Python int, e.g. int({value!r})."
+                f"({got(value)}). Pass a Python int, e.g. int({value!r})."
             )
         if value < low:
             raise ValueError(
@@ -133,17 +135,14 @@ def _int(low: int) -> Callable[[object, attrs.Attribute, object], None]:
 def _seed(instance: object, attribute: attrs.Attribute, value: object) -> None:
     if type(value) is not int:
         raise TypeError(
-            f"fnloop.data.batches: 'seed' must be an int (got {value!r} that is a {type(value).__name__}). "
+            f"fnloop.data.batches: 'seed' must be an int ({got(value)}). "
             "The order of epoch e is a function of (seed, e); pass the run's seed, e.g. seed=0."
         )
 
 
 def _bool(instance: object, attribute: attrs.Attribute, value: object) -> None:
     if type(value) is not bool:
-        raise TypeError(
-            f"fnloop.data.batches: '{attribute.name}' must be a bool "
-            f"(got {value!r} that is a {type(value).__name__})."
-        )
+        raise TypeError(f"fnloop.data.batches: '{attribute.name}' must be a bool ({got(value)}).")
 
 
 def _collate(instance: object, attribute: attrs.Attribute, value: object) -> None:
@@ -325,7 +324,7 @@ class _IndexLists:
 def _cursor(cursor: object, where: str) -> int:
     if type(cursor) is not int:
         raise TypeError(
-            f"Batches.{where}: cursor must be an int (got {cursor!r} that is a {type(cursor).__name__}). "
+            f"Batches.{where}: cursor must be an int ({got(cursor)}). "
             "It counts the global batches already consumed: state.data, 0 at the start of a run."
         )
     if cursor < 0:

@@ -119,7 +119,7 @@ def test_different_names_keep_both_states():
 @pytest.mark.parametrize(
     ("build", "match"),
     [
-        (lambda: fl.every(0, named_hook), r"'n' must be a positive int \(got 0 that is a int\)"),
+        (lambda: fl.every(0, named_hook), r"'n' must be a positive int \(got 0 that is an int\)"),
         (lambda: fl.every(2.5, named_hook), r"'n' must be a positive int \(got 2.5 that is a float\)"),
         (lambda: fl.once(-1, named_hook), r"'iteration' must be a non-negative int"),
         (lambda: fl.on("after", named_hook), r"on\(\) expected a Phase or a collection of Phases"),

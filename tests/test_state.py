@@ -29,7 +29,7 @@ def test_fields_are_keyword_only_and_frozen():
 @pytest.mark.parametrize("bad", [-1, 1.0, "3", True, None])
 def test_int_fields_refuse_bad_values_on_construction_and_evolve(field, bad):
     kwargs = {"max_iter": 3, field: bad}
-    with pytest.raises(ValueError, match=rf"'{field}' must be a non-negative int \(got .* that is a "):
+    with pytest.raises(ValueError, match=rf"'{field}' must be a non-negative int \(got .* that is an? "):
         TrainState(**kwargs)
     with pytest.raises(ValueError, match=rf"'{field}' must be a non-negative int"):
         attrs.evolve(TrainState(max_iter=3), **{field: bad})
@@ -37,7 +37,7 @@ def test_int_fields_refuse_bad_values_on_construction_and_evolve(field, bad):
 
 def test_iteration_message_reads_like_attrs():
     with pytest.raises(
-        ValueError, match=r"^'iteration' must be a non-negative int \(got -1 that is a int\)\.$"
+        ValueError, match=r"^'iteration' must be a non-negative int \(got -1 that is an int\)\.$"
     ):
         TrainState(max_iter=3, iteration=-1)
 

@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 import attrs
 import torch
 
+from fnloop._messages import got
 from fnloop.optim._base import (
     GradientTransformation,
     Optimizer,
@@ -201,7 +202,7 @@ def partition(
     inner = {}
     for label, transform in transforms.items():
         if type(label) is not str:
-            raise TypeError(f"partition labels must be str (got {label!r} that is a {type(label).__name__}).")
+            raise TypeError(f"partition labels must be str ({got(label)}).")
         transform = transform.transform if isinstance(transform, Optimizer) else transform
         _check_transform(transform, f"partition entry {label!r}")
         inner[label] = transform

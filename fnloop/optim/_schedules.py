@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
+from fnloop._messages import got
 from fnloop.optim._base import Schedule
 
 __all__ = ["constant", "cosine", "join", "linear_warmup", "multistep", "warmup", "warmup_multistep"]
@@ -26,7 +27,7 @@ def _as_iteration(iteration: torch.Tensor | int) -> torch.Tensor:
 
 def _float(name: str, value: object) -> float:
     if type(value) not in (int, float) or not math.isfinite(value):  # type: ignore[arg-type]
-        raise TypeError(f"'{name}' must be a finite float (got {value!r} that is a {type(value).__name__}).")
+        raise TypeError(f"'{name}' must be a finite float ({got(value)}).")
     return float(value)  # type: ignore[arg-type]
 
 
@@ -34,7 +35,7 @@ def _count(name: str, value: object, *, positive: bool = False) -> int:
     low = 1 if positive else 0
     if type(value) is not int or value < low:
         kind = "positive" if positive else "non-negative"
-        raise ValueError(f"'{name}' must be a {kind} int (got {value!r} that is a {type(value).__name__}).")
+        raise ValueError(f"'{name}' must be a {kind} int ({got(value)}).")
     return value
 
 
@@ -42,7 +43,7 @@ def _check_schedule(name: str, value: object) -> Schedule:
     if not callable(value):
         raise TypeError(
             f"'{name}' must be a schedule, a function iteration -> value such as "
-            f"fnloop.optim.cosine(...) (got {value!r:.80} that is a {type(value).__name__})."
+            f"fnloop.optim.cosine(...) ({got(value)})."
         )
     return value  # type: ignore[return-value]
 

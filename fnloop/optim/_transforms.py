@@ -15,6 +15,7 @@ from typing import NamedTuple
 import attrs
 import torch
 
+from fnloop._messages import got
 from fnloop.optim._base import (
     EmptyState,
     GradientTransformation,
@@ -43,7 +44,7 @@ _STATE_FIX = "Pass the state that init() or the previous update() returned for t
 def _number(name: str, value: object, *, low: float = 0.0, below: float | None = None) -> float:
     """``value`` as a float, checked to lie in ``[low, below)``; the error names ``name``."""
     if type(value) not in (int, float) or not math.isfinite(value):  # type: ignore[arg-type]
-        raise TypeError(f"'{name}' must be a finite float (got {value!r} that is a {type(value).__name__}).")
+        raise TypeError(f"'{name}' must be a finite float ({got(value)}).")
     value = float(value)  # type: ignore[arg-type]
     if value < low or (below is not None and value >= below):
         upper = f" and below {below}" if below is not None else ""
