@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from fnloop._hooks import Hook, chain, checked, returned, state_names
 from fnloop._phase import Phase
-from fnloop._state import TrainState, Unclaimed, replace
+from fnloop._state import Effect, TrainState, Unclaimed, replace
 
 __all__ = ["BatchesExhausted", "Preempted", "Step", "UnclaimedHookState", "run", "scan"]
 
@@ -55,17 +55,21 @@ class Preempted(SystemExit):
 
 
 class _Stop:
-    """The signal the run was asked to stop by, if any; set by the handler."""
+    """The signal the run was asked to stop by, if any, and how many came; set by the handler."""
 
     signum: int | None = None
+    count: int = 0
+
+
+_FORCE = 3
+"""The Ctrl-C that stops a run at once, wherever it is (the state may then be torn)."""
 
 
 @contextlib.contextmanager
 def _signals(enabled: bool) -> Iterator[_Stop | None]:
     # Handlers live only for the duration of `run`, and only in the main thread
-    # (Python delivers signals there alone). The first signal asks the fold to
-    # stop after the current step; the original handlers are back at once, so
-    # a second Ctrl-C stops the process the usual way.
+    # (Python delivers signals there alone). Signals ask the fold to stop after
+    # the current step; a third Ctrl-C stops at once.
     if not enabled or threading.current_thread() is not threading.main_thread():
         yield None
         return
@@ -73,9 +77,15 @@ def _signals(enabled: bool) -> Iterator[_Stop | None]:
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
 
     def handler(signum: int, frame: object) -> None:
-        stop.signum = signum
-        for sig, old in previous.items():
-            signal.signal(sig, old)
+        # Deferred to the end of the step: an in-place step cut between two
+        # kernels would leave a state that is neither the old nor the new one.
+        stop.count += 1
+        if stop.signum is None:
+            stop.signum = signum
+        if signum == signal.SIGINT and stop.count >= _FORCE:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
+            raise KeyboardInterrupt
 
     for sig in previous:
         signal.signal(sig, handler)
@@ -84,6 +94,14 @@ def _signals(enabled: bool) -> Iterator[_Stop | None]:
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
+
+
+_TORN = (
+    "fnloop: the step failed while it was updating the state in place (donation), so no "
+    "consistent state is left in memory and exc.state is None; AFTER_TRAIN ran without "
+    "performing effects, so no checkpoint of a half-updated state was written. Resume from the "
+    "last checkpoint, or use train_step(..., donate=False) to keep the previous state intact."
+)
 
 
 def _interruption(signum: int) -> BaseException:
@@ -135,6 +153,11 @@ class UnclaimedHookState(UserWarning):
     """A hook state from a checkpoint that no hook of the run owns; it is dropped."""
 
 
+def _perform(effects: tuple[Effect, ...], began: TrainState, ended: TrainState) -> None:
+    for effect in effects:
+        effect.perform(replace(began, effects=()) if effect.start else ended)
+
+
 def _phase(hook: Hook, state: TrainState, phase: Phase, perform: bool) -> TrainState:
     new = hook(state, phase)
     if type(new) is not TrainState:
@@ -143,8 +166,7 @@ def _phase(hook: Hook, state: TrainState, phase: Phase, perform: bool) -> TrainS
     if effects:
         new = replace(new, effects=())
         if perform:
-            for effect in effects:
-                effect.perform(new)
+            _perform(effects, state, new)
     return new
 
 
@@ -170,15 +192,15 @@ def _fold(
         apply = donating if donating is not None and donate_input else step
         while state.iteration < state.max_iter:
             i = state.iteration
-            state = hook(replace(state, time=clock()), _BEFORE_STEP)
+            began = replace(state, time=clock())
+            state = hook(began, _BEFORE_STEP)
             if type(state) is not TrainState:
                 raise returned(hook, _BEFORE_STEP, state)
             before = state.effects
             if before:
                 state = replace(state, effects=())
                 if perform:
-                    for effect in before:
-                        effect.perform(state)
+                    _perform(before, began, state)
             try:
                 batch = next(stream)
             except StopIteration:
@@ -197,7 +219,8 @@ def _fold(
                     f"step {step!r:.80} returned {new!r:.80} (a {type(new).__name__}) at iteration {i}; "
                     "a step must return a TrainState."
                 )
-            state = hook(replace(new, time=clock()), _AFTER_STEP)
+            began = replace(new, time=clock())
+            state = hook(began, _AFTER_STEP)
             if type(state) is not TrainState:
                 raise returned(hook, _AFTER_STEP, state)
             if state.iteration != i:
@@ -208,8 +231,7 @@ def _fold(
             after = state.effects
             state = last = replace(state, iteration=i + 1, data=cursor, effects=())
             if after and perform:
-                for effect in after:
-                    effect.perform(state)
+                _perform(after, began, state)
             if donating is not None:
                 # From here on the fold threads states no caller holds.
                 apply = donating
@@ -219,10 +241,16 @@ def _fold(
         if stop is not None and stop.signum is not None:
             raise _interruption(stop.signum)
     except BaseException as exc:
+        torn = getattr(exc, "torn", False)
+        if torn:
+            # The step failed after it began to overwrite the state in place:
+            # the last consistent state is gone from memory. AFTER_TRAIN still
+            # runs, but nothing it asks for is performed (no torn checkpoint).
+            exc.add_note(_TORN)
         at_end = replace(last, time=clock())
-        exc.state = last  # type: ignore[attr-defined]
+        exc.state = None if torn else last  # type: ignore[attr-defined]
         try:
-            _phase(hook, at_end, _AFTER_TRAIN, perform)
+            _phase(hook, at_end, _AFTER_TRAIN, perform and not torn)
         except BaseException as also:  # noqa: BLE001 - the original exception must win
             if also is not exc:
                 exc.add_note(f"AFTER_TRAIN hooks then also failed: {type(also).__name__}: {also}")

@@ -8,6 +8,7 @@ from typing import Any
 import attrs
 import torch
 
+from fnloop._messages import got
 from fnloop._metrics import Metrics, Scalar
 
 __all__ = ["Effect", "TrainState", "Unclaimed", "hook_state", "record", "request", "with_hook_state"]
@@ -15,32 +16,22 @@ __all__ = ["Effect", "TrainState", "Unclaimed", "hook_state", "record", "request
 
 def _non_negative_int(instance: object, attribute: attrs.Attribute, value: object) -> None:
     if type(value) is not int or value < 0:
-        raise ValueError(
-            f"'{attribute.name}' must be a non-negative int (got {value!r} that is a {type(value).__name__})."
-        )
+        raise ValueError(f"'{attribute.name}' must be a non-negative int ({got(value)}).")
 
 
 def _tensor_mapping(instance: object, attribute: attrs.Attribute, value: object) -> None:
     if not isinstance(value, Mapping):
-        raise TypeError(
-            f"'{attribute.name}' must be a mapping from name to tensor "
-            f"(got {value!r:.80} that is a {type(value).__name__})."
-        )
+        raise TypeError(f"'{attribute.name}' must be a mapping from name to tensor ({got(value)}).")
 
 
 def _str_mapping(instance: object, attribute: attrs.Attribute, value: object) -> None:
     if not isinstance(value, Mapping) or not all(type(k) is str for k in value):
-        raise TypeError(
-            f"'{attribute.name}' must be a mapping keyed by hook name (str) "
-            f"(got {value!r:.80} that is a {type(value).__name__})."
-        )
+        raise TypeError(f"'{attribute.name}' must be a mapping keyed by hook name (str) ({got(value)}).")
 
 
 def _number(instance: object, attribute: attrs.Attribute, value: object) -> None:
     if type(value) not in (int, float):
-        raise TypeError(
-            f"'{attribute.name}' must be a float (got {value!r} that is a {type(value).__name__})."
-        )
+        raise TypeError(f"'{attribute.name}' must be a float ({got(value)}).")
 
 
 def _effects(instance: object, attribute: attrs.Attribute, value: object) -> None:
@@ -59,15 +50,20 @@ class Effect:
     (``fnloop.request``) instead of writing itself. The fold calls
     ``perform(state)`` after every hook of that phase has run, with the state
     as it stands then (effects cleared), so what is written is the whole
-    phase's result wherever the requesting hook sits in the chain.
+    phase's result wherever the requesting hook sits in the chain. With
+    ``start=True`` it gets the state as the phase began instead: at
+    ``AFTER_TRAIN``, the last consistent state, before any hook's end-of-run
+    changes.
 
     Args:
-        perform: called once with the finished state; its return value is ignored.
-        label: a name for messages and for ``run(..., effects=False)`` listings.
+        perform: called once with the state; its return value is ignored.
+        label: a name for messages.
+        start: perform with the state the phase began with.
     """
 
     perform: Callable[[TrainState], object]
     label: str = ""
+    start: bool = False
 
 
 @attrs.frozen
@@ -154,14 +150,19 @@ def record(state: TrainState, **values: Scalar) -> TrainState:
     return attrs.evolve(state, metrics=state.metrics.record(state.iteration, values))
 
 
-def request(state: TrainState, perform: Callable[[TrainState], object], label: str = "") -> TrainState:
+def request(
+    state: TrainState, perform: Callable[[TrainState], object], label: str = "", *, start: bool = False
+) -> TrainState:
     """``state`` with an effect requested for the end of the current phase.
+
+    ``perform`` gets the state as the phase ends, or with ``start=True`` as it
+    began (see ``Effect``).
 
     >>> s = request(TrainState(max_iter=1), print, "print")
     >>> [e.label for e in s.effects]
     ['print']
     """
-    return attrs.evolve(state, effects=(*state.effects, Effect(perform, label)))
+    return attrs.evolve(state, effects=(*state.effects, Effect(perform, label, start)))
 
 
 _MISSING: Any = object()

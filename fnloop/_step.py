@@ -9,10 +9,10 @@ from typing import Any
 
 import attrs
 import torch
-import torch._dynamo.utils as _dynamo_utils
 from torch.func import functional_call, grad_and_value
 from torch.utils import _pytree as pytree
 
+from fnloop._messages import got
 from fnloop._state import TrainState, replace
 from fnloop.optim import Optimizer
 
@@ -24,6 +24,20 @@ LossFn = Callable[[Callable[..., Any], Any], Any]
 
 class RecompileError(RuntimeError):
     """The compiled step was compiled again during a run, more often than its budget allows."""
+
+
+def _graph_count() -> int:
+    # Imported on use: torch._dynamo costs over a second to import, and an
+    # eager step or a command-line tool needs none of it.
+    import torch._dynamo.utils
+
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+def _graph_break_errors() -> tuple[type[BaseException], ...]:
+    import torch._dynamo.exc
+
+    return (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError)
 
 
 class GraphBreakError(RuntimeError):
@@ -288,16 +302,23 @@ class TrainStep:
         device = leaves[0].device if leaves else _device(params)
         iteration = self._iteration(device)
         iteration.fill_(i)
-        before = _dynamo_utils.counters["stats"]["unique_graphs"]
+        before = _graph_count() if self.compiled else 0
         # torch.manual_seed seeds every device (~110 us); one generator's own
         # manual_seed costs ~1 us. The caller's generator state is put back after.
         generator = _generator(device)
         saved = generator.get_state()
         generator.manual_seed(step_seed(state.rng, i))
+        donated = [*params.values(), *buffers.values(), *leaves]
+        versions = [t._version for t in donated]
         try:
             loss, metrics = self.function(params, buffers, opt_state, iteration, batch)
-        except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError) as exc:
-            raise GraphBreakError(f"{_GRAPH_BREAK}\n\n{exc}") from exc
+        except BaseException as exc:
+            if self.compiled and isinstance(exc, _graph_break_errors()):
+                raise GraphBreakError(f"{_GRAPH_BREAK}\n\n{exc}") from exc
+            # Stopped after writing into the state (an error or a forced Ctrl-C
+            # between two kernels)? Then that state is torn; the fold must know.
+            exc.torn = any(t._version != v for t, v in zip(donated, versions))  # type: ignore[attr-defined]
+            raise
         finally:
             generator.set_state(saved)
         self._check_graphs(before, i)
@@ -325,7 +346,7 @@ class TrainStep:
     def _check_graphs(self, before: int, iteration: int) -> None:
         if not self.compiled:
             return
-        after = _dynamo_utils.counters["stats"]["unique_graphs"]
+        after = _graph_count()
         seen = self._graphs
         if seen[1] < 0:
             seen[1] = after
@@ -341,7 +362,7 @@ class TrainStep:
 
 def _check_positive(name: str, value: object) -> int:
     if type(value) is not int or value < 1:
-        raise ValueError(f"'{name}' must be a positive int (got {value!r} that is a {type(value).__name__}).")
+        raise ValueError(f"'{name}' must be a positive int ({got(value)}).")
     return value
 
 

@@ -238,10 +238,16 @@ def test_sigint_raises_keyboard_interrupt_with_the_state():
     assert info.value.state.iteration == 1
 
 
-def test_a_second_sigint_interrupts_at_once():
+def test_a_second_sigint_still_waits_for_the_end_of_the_step():
     with pytest.raises(KeyboardInterrupt) as info:
         fl.run(TrainState(max_iter=10), signalling_step(signal.SIGINT, 2, times=2), [None] * 10)
-    assert info.value.state.iteration == 2  # the step itself was interrupted: last consistent state
+    assert info.value.state.iteration == 3  # step 2 finished
+
+
+def test_a_third_sigint_stops_at_once():
+    with pytest.raises(KeyboardInterrupt) as info:
+        fl.run(TrainState(max_iter=10), signalling_step(signal.SIGINT, 2, times=3), [None] * 10)
+    assert info.value.state.iteration == 2  # the step itself was cut: the last consistent state
 
 
 def test_signals_can_be_left_alone():

@@ -402,3 +402,45 @@ def test_a_metric_holding_a_parameter_keeps_its_value():
     states = list(fl.scan(state, fl.train_step(model, mse, opt, compile=False), data, [log_bias]))
     for (i, logged), s in zip(final.metrics.history("bias"), states):
         assert torch.equal(logged, s.params["bias"]), i
+
+
+def test_a_step_cut_while_writing_in_place_leaves_no_torn_state_anywhere(tmp_path):
+    model, mse, data = linear_problem()
+    opt = fl.optim.sgd(0.1)
+    step = fl.train_step(model, mse, opt, compile=False)
+    real = step.function
+    calls = []
+
+    def cut_midway(params, buffers, opt_state, iteration, batch):
+        calls.append(int(iteration))
+        if len(calls) == 3:  # the third step: write one tensor, then stop, as a kernel boundary would
+            params["weight"].add_(1.0)
+            raise KeyboardInterrupt
+        return real(params, buffers, opt_state, iteration, batch)
+
+    object.__setattr__(step, "function", cut_midway)
+    state = fl.init(model, opt, seed=0, max_iter=5)
+    with pytest.raises(KeyboardInterrupt) as info:
+        fl.run(state, step, data, [fl.every(100, fl.hooks.checkpoint(tmp_path))])
+    assert info.value.state is None
+    assert "no consistent state is left in memory" in info.value.__notes__[0]
+    assert fl.checkpoint.checkpoints(tmp_path) == []  # AFTER_TRAIN wrote no half-updated state
+
+
+def test_a_step_that_fails_before_writing_keeps_the_last_consistent_state():
+    model, mse, data = linear_problem()
+    opt = fl.optim.sgd(0.1)
+    step = fl.train_step(model, mse, opt, compile=False)
+    real = step.function
+
+    def fail_early(params, buffers, opt_state, iteration, batch):
+        if int(iteration) == 2:
+            raise ValueError("bad batch")
+        return real(params, buffers, opt_state, iteration, batch)
+
+    object.__setattr__(step, "function", fail_early)
+    state = fl.init(model, opt, seed=0, max_iter=5)
+    with pytest.raises(ValueError, match="bad batch") as info:
+        fl.run(state, step, data)
+    reference = list(fl.scan(state, fl.train_step(model, mse, opt, compile=False), data))[1]
+    testing.assert_identical(info.value.state.params, reference.params)
