@@ -95,14 +95,21 @@ HOOKS = {
 def test_resume_from_any_step_equals_the_uninterrupted_run(hooks, position, k):
     _model, _optimizer, step, _ = job()
     with tempfile.TemporaryDirectory() as tmp:
-        chain = [HOOKS[h]() if h != "best" else fl.hooks.best_checkpoint(tmp, "norm", "max") for h in hooks]
-        chain.insert(position, fl.hooks.checkpoint(f"{tmp}/ckpt", keep=None))
-        zero = lambda: 0.0  # noqa: E731
-        whole = fl.run(fresh_template(), step, stream(), chain, clock=zero)
 
-        saved = fl.load(fl.checkpoint.path_for(f"{tmp}/ckpt", k), like=fresh_template())
+        def chain(directory):
+            made = [
+                HOOKS[h]() if h != "best" else fl.hooks.best_checkpoint(directory, "norm", "max")
+                for h in hooks
+            ]
+            made.insert(position, fl.hooks.checkpoint(f"{directory}/ckpt", keep=None))
+            return made
+
+        zero = lambda: 0.0  # noqa: E731
+        whole = fl.run(fresh_template(), step, stream(), chain(f"{tmp}/whole"), clock=zero)
+
+        saved = fl.load(fl.checkpoint.path_for(f"{tmp}/whole/ckpt", k), like=fresh_template())
         assert saved.iteration == k and saved.data == k
-        resumed = fl.run(saved, step, stream(), chain, clock=zero)
+        resumed = fl.run(saved, step, stream(), chain(f"{tmp}/resumed"), clock=zero)
         testing.assert_identical(resumed, whole)
 
 

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from pathlib import Path
 
 import attrs
 
 from fnloop._hooks import Hook, stateful
+from fnloop._messages import got
 from fnloop._phase import Phase
-from fnloop._state import TrainState, replace, request
-from fnloop.checkpoint import checkpoints, path_for, save
+from fnloop._state import TrainState, request
+from fnloop.checkpoint import CheckpointWarning, checkpoints, path_for, save
 
 __all__ = ["Best", "best_checkpoint", "checkpoint"]
 
@@ -19,8 +21,7 @@ __all__ = ["Best", "best_checkpoint", "checkpoint"]
 def _keep(instance: object, attribute: attrs.Attribute, value: object) -> None:
     if value is not None and (type(value) is not int or value < 1):
         raise ValueError(
-            f"'{attribute.name}' must be a positive int or None to keep every checkpoint "
-            f"(got {value!r} that is a {type(value).__name__})."
+            f"'{attribute.name}' must be a positive int or None to keep every checkpoint ({got(value)})."
         )
 
 
@@ -42,16 +43,37 @@ class Checkpoint:
             return request(state, self.save, f"checkpoint into {self.directory}")
         if phase is Phase.AFTER_TRAIN:
             # The run ended, by success, failure or signal: save the state it
-            # ended with, as this hook sees it, unless that iteration is saved.
-            ended = replace(state, effects=())
-            return request(state, lambda _: self.save_once(ended), f"final checkpoint into {self.directory}")
+            # ended with, as the fold entered AFTER_TRAIN (before any hook's
+            # end-of-run changes), unless that iteration is saved already.
+            return request(state, self.save_once, f"final checkpoint into {self.directory}", start=True)
         return state
 
     def save(self, state: TrainState) -> Path:
-        """Write ``state`` as ``ckpt-{iteration}`` and drop the oldest beyond ``keep``."""
-        path = save(state, path_for(self.directory, state.iteration))
+        """Write ``state`` as ``ckpt-{iteration}``; keep the newest ``keep`` up to it.
+
+        Checkpoints of later iterations belong to a run this one replaces (it
+        was restarted from an older state): they are renamed ``*.abandoned``,
+        with a warning, so that ``latest`` resumes this run.
+        """
+        iteration = state.iteration
+        path = save(state, path_for(self.directory, iteration))
+        older = []
+        for other in checkpoints(self.directory):
+            number = _iteration_of(other)
+            if number > iteration:
+                aside = other.with_name(other.name + ".abandoned")
+                other.replace(aside)
+                warnings.warn(
+                    f"{other} is newer than the state just saved (iteration {iteration}): it belongs to "
+                    f"a run this one replaces, and is renamed {aside.name} so that latest() resumes "
+                    "this run. Save forks into a directory of their own.",
+                    CheckpointWarning,
+                    stacklevel=2,
+                )
+            elif number < iteration:
+                older.append(other)
         if self.keep is not None:
-            for old in checkpoints(self.directory)[self.keep :]:
+            for old in older[self.keep - 1 :]:
                 old.unlink(missing_ok=True)
         return path
 
@@ -61,6 +83,10 @@ class Checkpoint:
 
     def __repr__(self) -> str:
         return f"checkpoint({self.directory!r}, keep={self.keep!r})"
+
+
+def _iteration_of(path: Path) -> int:
+    return int(path.name.removeprefix("ckpt-").split(".")[0])
 
 
 def checkpoint(directory: str | os.PathLike[str], keep: int | None = 5) -> Checkpoint:
