@@ -101,6 +101,16 @@ def _check_hook(hook: object, where: str) -> None:
         )
 
 
+class _Wrapper:
+    """A combinator around one ``hook``: it keeps the state names of the hook it wraps."""
+
+    hook: Hook
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        return state_names(self.hook)
+
+
 @attrs.frozen(repr=False)
 class Chain:
     """Several hooks run in order as one; build it with ``chain``."""
@@ -169,7 +179,7 @@ def _phases(value: Phase | Collection[Phase]) -> frozenset[Phase]:
 
 
 @attrs.frozen(repr=False)
-class On:
+class On(_Wrapper):
     """``hook`` run in the given phases only; build it with ``on``."""
 
     phases: frozenset[Phase]
@@ -179,10 +189,6 @@ class On:
         if phase not in self.phases:
             return state
         return self.hook(state, phase)
-
-    @property
-    def state_names(self) -> tuple[str, ...]:
-        return state_names(self.hook)
 
     def __repr__(self) -> str:
         phases = sorted(self.phases, key=lambda p: p.value)
@@ -213,7 +219,7 @@ def _non_negative_int(instance: object, attribute: attrs.Attribute, value: objec
 
 
 @attrs.frozen(repr=False)
-class Every:
+class Every(_Wrapper):
     """``hook`` run after every ``n``-th step; build it with ``every``."""
 
     n: int = attrs.field(validator=_positive_int)
@@ -223,10 +229,6 @@ class Every:
         if (state.iteration + 1) % self.n and phase is not _BEFORE_TRAIN and phase is not _AFTER_TRAIN:
             return state
         return self.hook(state, phase)
-
-    @property
-    def state_names(self) -> tuple[str, ...]:
-        return state_names(self.hook)
 
     def __repr__(self) -> str:
         return f"every({self.n}, {_describe(self.hook)})"
@@ -251,7 +253,7 @@ def every(n: int, hook: Hook) -> Hook:
 
 
 @attrs.frozen(repr=False)
-class When:
+class When(_Wrapper):
     """``hook`` run where ``pred(state)`` holds; build it with ``when``."""
 
     pred: Callable[[TrainState], bool]
@@ -261,10 +263,6 @@ class When:
         if not self.pred(state):
             return state
         return self.hook(state, phase)
-
-    @property
-    def state_names(self) -> tuple[str, ...]:
-        return state_names(self.hook)
 
     def __repr__(self) -> str:
         return f"when({_describe(self.pred)}, {_describe(self.hook)})"
@@ -284,7 +282,7 @@ def when(pred: Callable[[TrainState], bool], hook: Hook) -> Hook:
 
 
 @attrs.frozen(repr=False)
-class Once:
+class Once(_Wrapper):
     """``hook`` run in the step phases of one iteration; build it with ``once``."""
 
     iteration: int = attrs.field(validator=_non_negative_int)
@@ -294,10 +292,6 @@ class Once:
         if state.iteration != self.iteration or phase is _BEFORE_TRAIN or phase is _AFTER_TRAIN:
             return state
         return self.hook(state, phase)
-
-    @property
-    def state_names(self) -> tuple[str, ...]:
-        return state_names(self.hook)
 
     def __repr__(self) -> str:
         return f"once({self.iteration}, {_describe(self.hook)})"
@@ -386,7 +380,7 @@ def _versions(state: TrainState) -> list[tuple[str, Any, int]]:
 
 
 @attrs.frozen(repr=False)
-class Checked:
+class Checked(_Wrapper):
     """``hook``, failing loudly if it writes into a tensor of the state it is given."""
 
     hook: Hook
@@ -402,10 +396,6 @@ class Checked:
                     "yielded state. Build a new tensor (x = x + 1, not x += 1) and return a new state."
                 )
         return out
-
-    @property
-    def state_names(self) -> tuple[str, ...]:
-        return state_names(self.hook)
 
     def __repr__(self) -> str:
         return f"checked({_describe(self.hook)})"
