@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -12,6 +13,7 @@ import torch
 from torch.func import functional_call, grad_and_value
 from torch.utils import _pytree as pytree
 
+from fnloop._loop import Step
 from fnloop._messages import got
 from fnloop._state import TrainState, replace
 from fnloop.optim import Optimizer
@@ -26,12 +28,18 @@ class RecompileError(RuntimeError):
     """The compiled step was compiled again during a run, more often than its budget allows."""
 
 
-def _graph_count() -> int:
-    # Imported on use: torch._dynamo costs over a second to import, and an
-    # eager step or a command-line tool needs none of it.
+@functools.cache
+def _dynamo_counters() -> Any:
+    # Imported on first use: torch._dynamo costs over a second to import, and
+    # an eager step or a command-line tool needs none of it. The counters
+    # object itself stays the same when someone clears it.
     import torch._dynamo.utils
 
-    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    return torch._dynamo.utils.counters
+
+
+def _graph_count() -> int:
+    return int(_dynamo_counters()["stats"]["unique_graphs"])
 
 
 def _graph_break_errors() -> tuple[type[BaseException], ...]:
@@ -376,7 +384,7 @@ def train_step(
     accumulate: int = 1,
     autocast: torch.dtype | None = None,
     recompiles: int = 0,
-) -> Callable[[TrainState, Any], TrainState]:
+) -> Step:
     """The pure step ``(state, batch) -> state`` for ``model``, ``loss_fn`` and ``optimizer``.
 
     Forward, backward and the optimizer update run as one function on the

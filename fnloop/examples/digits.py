@@ -179,8 +179,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         final = fl.run(state, step, batches, hooks)
     except (fl.Preempted, KeyboardInterrupt) as stop:
         # SIGTERM or Ctrl-C: run() finished the current step and let the checkpoint hook save it.
-        at = stop.state.iteration  # type: ignore[union-attr]
-        print(f"stopped at iteration {at}, saved in {ckpt}: run the same command to resume", file=sys.stderr)
+        # (A third Ctrl-C stops mid-step: then no state is left to save; the last checkpoint stands.)
+        ended = getattr(stop, "state", None)
+        where = (
+            f"at iteration {ended.iteration}, saved"
+            if ended is not None
+            else "mid-step; resume from the last checkpoint"
+        )
+        print(f"stopped {where} in {ckpt}: run the same command to resume", file=sys.stderr)
         sys.exit(stop.code if isinstance(stop, fl.Preempted) else 130)  # 128 + signal, as a shell reports
     print(f"test accuracy: {evaluate(final):.4f}")
 
