@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -13,12 +12,13 @@ import torch
 from torch.func import functional_call, grad_and_value
 from torch.utils import _pytree as pytree
 
+from fnloop._donation import exclusive, holds_containers, opt_containers
 from fnloop._loop import Step
 from fnloop._messages import got
 from fnloop._state import TrainState, replace
 from fnloop.optim import Optimizer
 
-__all__ = ["EvalStep", "GraphBreakError", "RecompileError", "TrainStep", "eval_step", "init", "train_step"]
+__all__ = ["GraphBreakError", "RecompileError", "TrainStep", "init", "train_step"]
 
 LossFn = Callable[[Callable[..., Any], Any], Any]
 """``loss_fn(model, batch) -> loss`` or ``(loss, metrics)``; ``model`` runs the forward on the state."""
@@ -200,60 +200,10 @@ def _kernel(
     return kernel
 
 
-def _counts(tensors: list[torch.Tensor]) -> list[int]:
-    return [sys.getrefcount(t) for t in tensors]
-
-
-def _exclusive(tensors: list[torch.Tensor]) -> bool:
-    """Whether nothing but one container (and ``tensors`` itself) refers to each tensor."""
-    return all(count <= _BASELINE for count in _counts(tensors))
-
-
 def _device(params: Mapping[str, torch.Tensor]) -> torch.device:
     for tensor in params.values():
         return tensor.device
     return torch.device("cpu")
-
-
-def _holds_containers(state: TrainState, opt_containers: set[int]) -> bool:
-    """Whether ``state.hooks`` or ``state.extra`` keeps one of the containers the step updates.
-
-    A pure hook can keep things only in the state, so this and the tensors'
-    reference counts together find everything that would see a donation.
-    """
-    if not state.hooks and state.extra is None:
-        return False
-    targets = {id(state.params), id(state.buffers), *opt_containers}
-    stack = [state.hooks, state.extra]
-    while stack:
-        node = stack.pop()
-        if id(node) in targets:
-            return True
-        if isinstance(node, Mapping):
-            stack.extend(v for v in node.values() if not isinstance(v, torch.Tensor))
-        elif isinstance(node, (tuple, list)):
-            stack.extend(v for v in node if not isinstance(v, torch.Tensor))
-        elif attrs.has(type(node)):
-            stack.extend(getattr(node, f.name) for f in attrs.fields(type(node)))
-    return False
-
-
-def _containers(tree: Any) -> list[Any]:
-    if isinstance(tree, Mapping):
-        return [tree, *(c for v in tree.values() for c in _containers(v))]
-    if isinstance(tree, (tuple, list)):
-        return [tree, *(c for v in tree for c in _containers(v))]
-    return []
-
-
-def _baseline() -> int:
-    # What one container's reference looks like through `_counts`: measured,
-    # since temporaries and borrowed references depend on the interpreter.
-    held = {"probe": torch.zeros(())}
-    return _counts(list(held.values()))[0]
-
-
-_BASELINE = _baseline()
 
 
 def _cloned(tree: Any) -> Any:
@@ -299,10 +249,8 @@ class TrainStep:
         """
         params, buffers, opt_state = state.params, state.buffers, state.opt_state
         leaves, containers = self._flat(opt_state)
-        exclusive = (
-            _exclusive(list(params.values())) and _exclusive(list(buffers.values())) and _exclusive(leaves)
-        )
-        if not exclusive or _holds_containers(state, containers):
+        owned = exclusive(list(params.values())) and exclusive(list(buffers.values())) and exclusive(leaves)
+        if not owned or holds_containers(state, containers):
             return self(state, batch)
         if not self.model.training:
             self.model.train()
@@ -340,7 +288,7 @@ class TrainStep:
         if cached and cached[0] is opt_state:
             return cached[1], cached[2]
         leaves = pytree.tree_leaves(opt_state)
-        containers = {id(c) for c in _containers(opt_state)}
+        containers = {id(c) for c in opt_containers(opt_state)}
         self._opt_cache[:] = [opt_state, leaves, containers]
         return leaves, containers
 
@@ -446,49 +394,3 @@ class _Undonated:
 
     def __repr__(self) -> str:
         return f"{self.step!r} (no donation)"
-
-
-@attrs.frozen(eq=False, repr=False)
-class EvalStep:
-    """``(state, batch) -> metrics`` with no gradient; build it with ``eval_step``."""
-
-    model: torch.nn.Module
-    function: Callable[..., Any]
-
-    def __call__(self, state: TrainState, batch: Any, /) -> dict[str, torch.Tensor]:
-        was_training = self.model.training
-        if was_training:
-            self.model.eval()
-        try:
-            with torch.no_grad():
-                return self.function(state.params, state.buffers, batch)
-        finally:
-            if was_training:
-                self.model.train()
-
-
-def eval_step(
-    model: torch.nn.Module, fn: Callable[[Callable[..., Any], Any], Any], *, compile: bool = True
-) -> EvalStep:
-    """``(state, batch) -> dict of metric tensors``: ``fn(forward, batch)`` in eval mode, without grad.
-
-    ``forward`` runs ``model`` on the state's params and buffers, which are
-    never written (BatchNorm uses its running statistics in eval mode).
-
-    >>> import fnloop as fl
-    >>> model = torch.nn.Linear(2, 2)
-    >>> evaluate = fl.eval_step(model, lambda f, b: {"out": f(b).sum()}, compile=False)
-    >>> state = fl.init(model, fl.optim.sgd(0.1), seed=0, max_iter=1)
-    >>> sorted(evaluate(state, torch.ones(3, 2)))
-    ['out']
-    """
-
-    def kernel(params: dict, buffers: dict, batch: Any) -> dict[str, torch.Tensor]:
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            return functional_call(model, (params, buffers), args, kwargs)
-
-        out = fn(forward, batch)
-        return dict(out) if isinstance(out, Mapping) else {"value": out}
-
-    function = torch.compile(kernel, fullgraph=True, dynamic=False) if compile else kernel
-    return EvalStep(model, function)
