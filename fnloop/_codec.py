@@ -4,12 +4,10 @@
 dicts, attrs records, NamedTuples and tensors) into a JSON-able *skeleton*
 whose every node says what it is, with the tensors set aside under their path.
 ``decode`` reads a skeleton back *without* the code that made it: records come
-back as ``Record`` dicts. ``fill`` then checks that plain tree against a
-template built from code (type, shape, dtype, keys and lengths at every path)
-and rebuilds it with the template's types, as equinox's ``tree_deserialise``
-does. ``encode_state`` and ``fill_state`` apply the checkpoint's policy to a
-whole ``TrainState``: no effects, strict fields, self-describing metrics and
-lenient hook states. Nothing here touches a file; ``fnloop.checkpoint`` does.
+back as ``Record`` dicts. ``fnloop._fill`` then checks that plain tree against
+a template built from code, and ``fnloop._state_codec`` applies the
+checkpoint's policy to a whole ``TrainState``. Nothing here touches a file;
+``fnloop.checkpoint`` does.
 """
 
 from __future__ import annotations
@@ -21,21 +19,20 @@ from typing import Any
 import attrs
 import torch
 
-from fnloop._metrics import Metrics
 from fnloop._phase import Phase
-from fnloop._state import TrainState, Unclaimed
+from fnloop._state import Unclaimed
 
 __all__ = [
     "DTYPES",
+    "SAVABLE",
     "CheckpointError",
     "CheckpointMismatch",
     "DamagedCheckpoint",
     "Record",
     "decode",
     "encode",
-    "fill",
-    "encode_state",
-    "fill_state",
+    "is_namedtuple",
+    "with_article",
 ]
 
 
@@ -92,15 +89,20 @@ SAVABLE = (
     "attrs records, NamedTuples and dense tensors of the dtypes safetensors knows"
 )
 _FIX_SAVE = "Keep code and other objects out of the state: store the data they are built from."
-FIX_TEMPLATE = "Build like= with the same code and configuration as the run that wrote the checkpoint."
 
 
 def _type_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _is_namedtuple(value: object) -> bool:
+def is_namedtuple(value: object) -> bool:
+    """Whether ``value`` is a NamedTuple (a tuple whose class has ``_fields``)."""
     return isinstance(value, tuple) and hasattr(type(value), "_fields")
+
+
+def with_article(noun: str) -> str:
+    """``noun`` after "a" or "an", for messages: ``with_article("int")`` is ``'an int'``."""
+    return f"{'an' if noun[:1] in 'aeiouAEIOU' else 'a'} {noun}"
 
 
 class _Encoder:
@@ -126,7 +128,7 @@ class _Encoder:
         if attrs.has(kind):
             fields = [(f.name, getattr(value, f.name)) for f in attrs.fields(kind)]
             return {"kind": "record", "type": _type_name(kind), "fields": self.pairs(fields, path, ".")}
-        if _is_namedtuple(value):
+        if is_namedtuple(value):
             fields = list(zip(kind._fields, value))
             return {"kind": "namedtuple", "type": _type_name(kind), "fields": self.pairs(fields, path, ".")}
         if isinstance(value, Mapping):
@@ -140,7 +142,7 @@ class _Encoder:
         if isinstance(value, (list, tuple)):
             items = [self.node(v, f"{path}[{i}]") for i, v in enumerate(value)]
             return {"kind": "list" if isinstance(value, list) else "tuple", "items": items}
-        what = "a function" if inspect.isroutine(value) else _a(kind.__name__)
+        what = "a function" if inspect.isroutine(value) else with_article(kind.__name__)
         raise TypeError(f"{path}: cannot save {what} ({value!r:.60}); {SAVABLE}. {_FIX_SAVE}")
 
     def pairs(self, items: Any, path: str, style: str) -> list[list[Any]]:
@@ -261,264 +263,3 @@ def _decode_tensor(node: dict[str, Any], tensors: Mapping[str, torch.Tensor], wh
     ):
         raise _malformed(where, f"tensor {key!r:.60} is described differently in the skeleton and the header")
     return tensor
-
-
-def describe(value: Any) -> str:
-    """A short phrase for ``value``'s kind, for error messages."""
-    if isinstance(value, torch.Tensor):
-        return f"a {str(value.dtype).removeprefix('torch.')} tensor of shape {tuple(value.shape)}"
-    if type(value) is Record:
-        what = "NamedTuple" if value.kind == "namedtuple" else "record"
-        return f"a {what} {value.type.rsplit('.', 1)[-1]} with fields {list(value)}"
-    if attrs.has(type(value)):
-        return f"a record {type(value).__qualname__}"
-    if _is_namedtuple(value):
-        return f"a NamedTuple {type(value).__qualname__}"
-    if isinstance(value, (list, tuple)):
-        return f"a {type(value).__name__} of length {len(value)}"
-    if isinstance(value, Mapping):
-        return "a dict"
-    return "None" if value is None else f"{_a(type(value).__name__)} ({value!r:.40})"
-
-
-def _a(noun: str) -> str:
-    return f"{'an' if noun[:1] in 'aeiouAEIOU' else 'a'} {noun}"
-
-
-def mismatch(where: str, what: str) -> CheckpointMismatch:
-    """The error for an entry of the file that does not fit the template at ``where``."""
-    return CheckpointMismatch(f"{where}: {what}. {FIX_TEMPLATE}")
-
-
-def _expected(like: Any, data: Any, where: str) -> CheckpointMismatch:
-    return mismatch(where, f"expected {describe(like)}, got {describe(data)}")
-
-
-def _check_names(got: list[Any], want: list[Any], where: str, style: str) -> None:
-    if set(got) == set(want):
-        return
-    missing = [n for n in want if n not in got]
-    unexpected = [n for n in got if n not in want]
-    step = (lambda n: f".{n}") if style == "." else (lambda n: f"[{n!r}]")
-    entry = "field" if style == "." else "entry"
-    if missing:
-        first, what = missing[0], f"{entry} in the template but missing from the file"
-    else:
-        first, what = unexpected[0], f"{entry} in the file but not in the template"
-    raise mismatch(
-        where + step(first), f"{what} (missing from the file: {missing}; not in the template: {unexpected})"
-    )
-
-
-def _build(cls: type, make: Any, where: str) -> Any:
-    try:
-        return make()
-    except Exception as exc:  # a user's validator may raise anything; name the entry
-        raise mismatch(where, f"the saved fields do not make a {cls.__qualname__}: {exc}") from exc
-
-
-def fill(data: Any, like: Any, where: str) -> Any:
-    """``data`` (a plain decoded tree) checked against the template ``like`` and rebuilt with its types.
-
-    Strict at every path: the same kinds, the same record fields and dict
-    keys, the same tuple and list lengths, tensors of the same dtype and shape
-    (placed on the template tensor's device). A float in the template also
-    accepts an int. Dict entries keep the file's order.
-
-    >>> fill({"w": torch.ones(2)}, {"w": torch.zeros(2)}, "f: state")
-    {'w': tensor([1., 1.])}
-    >>> try:
-    ...     fill({"w": torch.ones(3)}, {"w": torch.zeros(2)}, "f: state")
-    ... except CheckpointMismatch as e:
-    ...     print(str(e).split(". ")[0])
-    f: state['w']: expected shape (2,), got (3,)
-
-    Raises:
-        CheckpointMismatch: ``data`` does not fit ``like``; the message names the path.
-    """
-    kind = type(like)
-    if isinstance(like, torch.Tensor):
-        return _fill_tensor(data, like, where)
-    if like is None or kind is bool or kind is str or kind is int or kind is Phase:
-        if type(data) is not kind:
-            raise _expected(like, data, where)
-        return data
-    if kind is float:
-        if type(data) is not float and type(data) is not int:
-            raise _expected(like, data, where)
-        return data
-    if attrs.has(kind):
-        if type(data) is not Record or data.kind != "record":
-            raise _expected(like, data, where)
-        fields = attrs.fields(kind)
-        _check_names(list(data), [f.name for f in fields], where, ".")
-        values = {f.name: fill(data[f.name], getattr(like, f.name), f"{where}.{f.name}") for f in fields}
-        return _build(kind, lambda: _make_attrs(kind, fields, values), where)
-    if _is_namedtuple(like):
-        if type(data) is not Record or data.kind != "namedtuple":
-            raise _expected(like, data, where)
-        _check_names(list(data), list(like._fields), where, ".")
-        values = {n: fill(data[n], v, f"{where}.{n}") for n, v in zip(like._fields, like)}
-        return _build(kind, lambda: kind(**values), where)
-    if isinstance(like, Mapping):
-        if type(data) is not dict:
-            raise _expected(like, data, where)
-        _check_names(list(data), list(like), where, "[")
-        out = {k: fill(v, like[k], f"{where}[{k!r}]") for k, v in data.items()}
-        return out if kind is dict else _build(kind, lambda: kind(out), where)
-    if isinstance(like, (list, tuple)):
-        plain = list if isinstance(like, list) else tuple
-        if type(data) is not plain:
-            raise _expected(like, data, where)
-        if not like and kind is plain:
-            # An empty template is a collection that starts empty and grows (a
-            # hook's log): it takes the saved entries as they are, if plain data.
-            return _plain(data, where)
-        if len(data) != len(like):
-            raise mismatch(
-                where, f"expected a {plain.__name__} of length {len(like)}, got length {len(data)}"
-            )
-        items = [fill(d, t, f"{where}[{i}]") for i, (d, t) in enumerate(zip(data, like))]
-        return plain(items) if kind is plain else _build(kind, lambda: kind(items), where)
-    raise mismatch(where, f"the template holds {describe(like)}, which no checkpoint can hold; {SAVABLE}")
-
-
-def _plain(data: Any, where: str) -> Any:
-    stack = [data]
-    while stack:
-        node = stack.pop()
-        if type(node) is Record:
-            raise mismatch(
-                where,
-                f"a saved {node.type} record cannot be rebuilt here: the template's sequence is "
-                "empty, so it gives no type for its entries. Keep plain data (numbers, strings, "
-                "tensors, tuples, dicts) in a collection that starts empty",
-            )
-        if isinstance(node, (list, tuple)):
-            stack.extend(node)
-        elif isinstance(node, dict):
-            stack.extend(node.values())
-    return data
-
-
-def _make_attrs(cls: type, fields: Any, values: dict[str, Any]) -> Any:
-    # Through __init__, so the class's validators run, as attrs.evolve does.
-    new = cls(**{f.alias: values[f.name] for f in fields if f.init})
-    for f in fields:
-        if not f.init:
-            object.__setattr__(new, f.name, values[f.name])
-    return new
-
-
-def _fill_tensor(data: Any, like: torch.Tensor, where: str) -> torch.Tensor:
-    if not isinstance(data, torch.Tensor):
-        raise _expected(like, data, where)
-    if data.dtype != like.dtype:
-        got, want = (str(d).removeprefix("torch.") for d in (data.dtype, like.dtype))
-        raise mismatch(where, f"expected dtype {want}, got {got}")
-    if data.shape != like.shape:
-        raise mismatch(where, f"expected shape {tuple(like.shape)}, got {tuple(data.shape)}")
-    if data.device != like.device:
-        data = data.to(like.device)
-    if isinstance(like, torch.nn.Parameter):
-        return torch.nn.Parameter(data, requires_grad=like.requires_grad)
-    return data.requires_grad_() if like.requires_grad and data.is_floating_point() else data
-
-
-STATE_FIELDS = tuple(f.name for f in attrs.fields(TrainState) if f.name != "effects")
-"""The fields of TrainState a checkpoint holds: all but ``effects``, which carry code."""
-
-
-def encode_state(state: TrainState) -> tuple[Any, dict[str, torch.Tensor]]:
-    """The skeleton and tensors of ``state`` (``encode`` of its fields but ``effects``)."""
-    return encode(
-        Record({n: getattr(state, n) for n in STATE_FIELDS}, kind="record", type="fnloop.TrainState")
-    )
-
-
-def fill_state(raw: Any, like: TrainState, where: str) -> TrainState:
-    """The state that ``raw`` (a decoded checkpoint) holds, built like the template ``like``.
-
-    Strict for the record's fields (``fill``); ``metrics`` as saved (its
-    tensors on the device of ``like``'s parameters); hook states ``like`` knows
-    strictly, the others as ``Unclaimed``, and ``like``'s other hooks as they are.
-
-    Raises:
-        CheckpointMismatch: an entry does not fit ``like``; the message names it.
-    """
-    if type(raw) is not Record or raw.kind != "record":
-        raise mismatch(where, f"expected a TrainState record, got {describe(raw)}")
-    missing = [n for n in STATE_FIELDS if n not in raw]
-    unexpected = [n for n in raw if n not in STATE_FIELDS]
-    if missing or unexpected:
-        first = (missing or unexpected)[0]
-        raise mismatch(
-            f"{where}.{first}",
-            f"TrainState fields differ (missing from the file: {missing}; unknown here: {unexpected}); "
-            "the file was written by another version of fnloop",
-        )
-    values: dict[str, Any] = {}
-    for name in STATE_FIELDS:
-        at = f"{where}.{name}"
-        if name == "metrics":
-            values[name] = _metrics(raw[name], at, _device(like))
-        elif name == "hooks":
-            values[name] = _hooks(raw[name], like.hooks, at)
-        else:
-            values[name] = fill(raw[name], getattr(like, name), at)
-    try:
-        return TrainState(**values)
-    except (TypeError, ValueError) as exc:
-        raise mismatch(where, f"the saved fields do not make a TrainState: {exc}") from exc
-
-
-def _device(like: TrainState) -> torch.device:
-    for tensor in (*like.params.values(), *like.buffers.values()):
-        if isinstance(tensor, torch.Tensor):
-            return tensor.device
-    return torch.device("cpu")
-
-
-def _metrics(data: Any, where: str, device: torch.device) -> Metrics:
-    """Metrics are self-describing: names and entries come from the file, not the template."""
-    if type(data) is not Record or set(data) != {"window", "series"} or type(data["series"]) is not dict:
-        raise mismatch(where, f"expected a Metrics record (window, series), got {describe(data)}")
-    series: dict[str, Any] = {}
-    for name, entries in data["series"].items():
-        at = f"{where}.series[{name!r}]"
-        if type(entries) is not tuple:
-            raise mismatch(at, f"expected a tuple of (iteration, value) pairs, got {describe(entries)}")
-        out = []
-        for i, entry in enumerate(entries):
-            ok = type(entry) is tuple and len(entry) == 2 and type(entry[0]) is int
-            value = entry[1] if ok else None
-            if not ok or not (type(value) in (int, float) or isinstance(value, torch.Tensor)):
-                raise mismatch(f"{at}[{i}]", f"expected an (iteration, value) pair, got {describe(entry)}")
-            if isinstance(value, torch.Tensor) and value.device != device:
-                value = value.to(device)
-            out.append((entry[0], value))
-        series[name] = tuple(out)
-    try:
-        return Metrics(window=data["window"], series=series)
-    except (TypeError, ValueError) as exc:
-        raise mismatch(where, f"the saved fields do not make a Metrics: {exc}") from exc
-
-
-_ABSENT: Any = object()
-
-
-def _hooks(data: Any, like: Any, where: str) -> dict[str, Any]:
-    """Known hook states strictly; unknown ones as ``Unclaimed``; absent ones from the template."""
-    if type(data) is not dict or not all(type(k) is str for k in data):
-        raise mismatch(where, f"expected a dict of hook states keyed by name, got {describe(data)}")
-    hooks: dict[str, Any] = {}
-    for name, value in data.items():
-        template = like.get(name, _ABSENT)
-        at = f"{where}[{name!r}]"
-        if template is _ABSENT or type(template) is Unclaimed:
-            hooks[name] = Unclaimed(data=value, decode=fill, where=at)
-        else:
-            hooks[name] = fill(value, template, at)
-    for name, value in like.items():
-        hooks.setdefault(name, value)
-    return hooks

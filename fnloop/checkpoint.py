@@ -7,18 +7,19 @@ skeleton and every tensor's bytes. Loading runs no code (there is no pickle),
 fills a template built from code (``like=``) strictly, and keeps hook states
 the template does not know as ``fnloop.Unclaimed`` for the run to claim.
 See ``docs/checkpoints.md``.
+
+This module moves the bytes and checks the checksum; the file's header is
+``fnloop._safetensors``, the skeleton ``fnloop._codec``, the state's policy
+``fnloop._state_codec`` and the atomic write ``fnloop._atomic``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import io
 import json
-import math
 import os
 import re
-import secrets
 import warnings
 import zlib
 from collections.abc import Callable, Iterable
@@ -28,17 +29,11 @@ from typing import Any
 
 import torch
 
-from fnloop._codec import (
-    DTYPES,
-    CheckpointError,
-    CheckpointMismatch,
-    DamagedCheckpoint,
-    Record,
-    decode,
-    encode_state,
-    fill_state,
-)
+from fnloop._atomic import remove_leftovers, write_atomically
+from fnloop._codec import DTYPES, CheckpointError, CheckpointMismatch, DamagedCheckpoint, Record, decode
+from fnloop._safetensors import FORMAT_VERSION, PLACEHOLDER, damaged, header, layout, read_header
 from fnloop._state import TrainState
+from fnloop._state_codec import encode_state, fill_state
 
 __all__ = [
     "FORMAT_VERSION",
@@ -55,20 +50,12 @@ __all__ = [
     "save",
 ]
 
-FORMAT_VERSION = 1
-"""The version of the file layout this fnloop writes; files of another version are refused."""
-
 StrPath = str | os.PathLike[str]
 
 _NAME = re.compile(r"ckpt-(\d{8,})\.safetensors")
-_TEMP = re.compile(r"\..+\.(\d+)\.[0-9a-f]{8}\.tmp")
-_CODES = {code: dtype for dtype, code in DTYPES.items()}
-_MAX_HEADER = 100_000_000  # safetensors' own limit
-_PLACEHOLDER = "crc32:00000000"  # as long as every checksum
 _PIECE = 1 << 24  # the checksum covers each tensor in pieces of this many bytes: part of the format
 _THREADED = 1 << 25  # below this many bytes of tensors, threads cost more than they save
 _POSITIONAL = hasattr(os, "pwrite") and hasattr(os, "preadv")
-_in_flight: set[str] = set()  # temporary names this process is writing now
 
 
 class CheckpointWarning(UserWarning):
@@ -147,49 +134,21 @@ def save(state: TrainState, path: StrPath) -> Path:
         )
     skeleton, tensors = encode_state(state)
     text = json.dumps(skeleton, separators=(",", ":"), allow_nan=False)
-    # Widest items first, so every tensor starts aligned to its item size, as safetensors does.
-    order = sorted(tensors.items(), key=lambda kv: -kv[1].element_size())
-    entries: dict[str, dict[str, Any]] = {}
-    offset = 0
-    for key, tensor in order:
-        size = tensor.numel() * tensor.element_size()
-        entries[key] = {
-            "dtype": DTYPES[tensor.dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
-    views = [_bytes(t) for _, t in order]
+    entries = layout(tensors)
+    views = [_bytes(tensors[key]) for key in entries]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    _remove_leftovers(path.parent)
+    remove_leftovers(path.parent)
 
     def write(fd: int) -> None:
         # The tensors first, so their checksum is known when the header is written in front of them.
-        start = 8 + len(_header(text, entries, _PLACEHOLDER))
+        start = len(header(text, entries, PLACEHOLDER))
         crcs = _transfer(fd, views, start, _pwrite)
-        header = _header(text, entries, _digest(text, zip(entries, entries.values(), crcs)))
-        _pwrite(fd, memoryview(len(header).to_bytes(8, "little") + header), 0)
+        checksum = _digest(text, zip(entries, entries.values(), crcs))
+        _pwrite(fd, memoryview(header(text, entries, checksum)), 0)
 
-    _write_atomically(path, write)
+    write_atomically(path, write)
     return path
-
-
-def _header(skeleton: str, entries: dict[str, dict[str, Any]], checksum: str) -> bytes:
-    metadata = {
-        "fnloop.format": str(FORMAT_VERSION),
-        "fnloop.version": _version(),
-        "fnloop.checksum": checksum,
-        "fnloop.skeleton": skeleton,
-    }
-    header = json.dumps({"__metadata__": metadata, **entries}, separators=(",", ":")).encode()
-    return header + b" " * (-(8 + len(header)) % 8)  # tensors start 8-byte aligned, as safetensors does
-
-
-def _version() -> str:
-    import fnloop  # imported here: fnloop imports this module
-
-    return fnloop.__version__
 
 
 def _bytes(tensor: torch.Tensor) -> memoryview:
@@ -263,57 +222,6 @@ def _digest(skeleton: str, entries: Iterable[tuple[str, dict[str, Any], list[int
         line = f"\n{key}\t{entry['dtype']}\t{entry['shape']}\t{' '.join(f'{c:08x}' for c in crcs)}"
         digest = zlib.crc32(line.encode("utf-8", "surrogatepass"), digest)
     return f"crc32:{digest:08x}"
-
-
-def _write_atomically(path: Path, write: Callable[[int], None]) -> None:
-    temp_name = f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    temp = path.with_name(temp_name)
-    _in_flight.add(temp_name)
-    try:
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
-        try:
-            write(fd)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temp)
-        raise
-    finally:
-        _in_flight.discard(temp_name)
-    # The rename itself must reach the disk to survive a power loss.
-    with contextlib.suppress(OSError):
-        fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def _remove_leftovers(directory: Path) -> None:
-    """Remove temporary files of saves that were interrupted (their process is gone, or is this one)."""
-    for name in os.listdir(directory):
-        match = _TEMP.fullmatch(name)
-        if match is None or name in _in_flight:
-            continue
-        pid = int(match[1])
-        if pid == os.getpid() or not _alive(pid):
-            with contextlib.suppress(OSError):
-                os.unlink(directory / name)
-
-
-def _alive(pid: int) -> bool:
-    if os.name != "posix":  # os.kill(pid, 0) would not just probe there
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True
-    return True
 
 
 def load(path: StrPath, *, like: TrainState) -> TrainState:
@@ -426,37 +334,8 @@ def _read(path: StrPath) -> tuple[dict[str, str], Any]:
         ) from None
 
 
-def _damaged(name: str, what: str) -> DamagedCheckpoint:
-    return DamagedCheckpoint(f"{name}: {what}")
-
-
 def _read_file(file: io.BufferedReader, name: str) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
-    size = os.fstat(file.fileno()).st_size
-    prefix = file.read(8)
-    length = int.from_bytes(prefix, "little")
-    if len(prefix) < 8 or length > min(size - 8, _MAX_HEADER):
-        raise _damaged(name, f"not a checkpoint, or truncated: {size} bytes hold no safetensors header")
-    try:
-        header = json.loads(file.read(length).decode("utf-8"))
-    except (ValueError, RecursionError):
-        raise _damaged(name, "the safetensors header is not valid JSON (corrupted or truncated)") from None
-    if type(header) is not dict or type(header.get("__metadata__")) is not dict:
-        raise _damaged(name, "not an fnloop checkpoint: the safetensors header has no metadata")
-    metadata = header.pop("__metadata__")
-    _check_version(metadata, name)
-    if not all(type(v) is str for v in metadata.values()) or "fnloop.skeleton" not in metadata:
-        raise _damaged(name, "the fnloop metadata is incomplete")
-    entries = sorted((_entry(key, spec, name) for key, spec in header.items()), key=lambda e: e[3])
-    data_size, offset = size - 8 - length, 0
-    for key, _, _, begin, end in entries:
-        if begin != offset:
-            raise _damaged(name, f"tensor {key!r:.60} does not start where the previous one ends")
-        offset = end
-    if offset != data_size:
-        what = "truncated" if offset > data_size else "has bytes after its last tensor"
-        raise _damaged(
-            name, f"{what}: the header describes {offset} bytes of tensors, the file holds {data_size}"
-        )
+    metadata, start, entries = read_header(file, name)
     tensors, views, specs = {}, [], {}
     for key, dtype, shape, begin, end in entries:
         buffer = torch.empty(end - begin, dtype=torch.uint8)
@@ -464,47 +343,15 @@ def _read_file(file: io.BufferedReader, name: str) -> tuple[dict[str, str], dict
         tensors[key] = buffer.view(dtype).reshape(shape)
         specs[key] = {"dtype": DTYPES[dtype], "shape": shape}
     try:
-        crcs = _transfer(file.fileno(), views, 8 + length, _pread)
+        crcs = _transfer(file.fileno(), views, start, _pread)
     except EOFError:
-        raise _damaged(name, "truncated while its tensors were read") from None
+        raise damaged(name, "truncated while its tensors were read") from None
     if _digest(metadata["fnloop.skeleton"], zip(specs, specs.values(), crcs)) != metadata.get(
         "fnloop.checksum"
     ):
-        raise _damaged(
+        raise damaged(
             name,
             f"checksum mismatch (stored {metadata.get('fnloop.checksum')!r:.40}): its bytes changed after it "
             "was written, by a disk, transfer or copy error",
         )
     return metadata, tensors
-
-
-def _check_version(metadata: dict[str, Any], name: str) -> None:
-    version = metadata.get("fnloop.format")
-    if version == str(FORMAT_VERSION):
-        return
-    if version is None:
-        raise _damaged(name, "not an fnloop checkpoint: its safetensors metadata has no 'fnloop.format'")
-    if type(version) is str and version.isascii() and version.isdigit() and len(version) < 10:
-        newer = int(version) > FORMAT_VERSION
-        raise CheckpointError(
-            f"{name}: written in checkpoint format {int(version)}, but this fnloop reads format "
-            f"{FORMAT_VERSION} only. "
-            + ("Upgrade fnloop to load it." if newer else "Load it with the fnloop version that wrote it.")
-        )
-    raise _damaged(name, f"unknown checkpoint format {version!r:.40}")
-
-
-def _entry(key: str, spec: Any, name: str) -> tuple[str, torch.dtype, list[int], int, int]:
-    bad = _damaged(name, f"tensor {key!r:.60} has a malformed header entry")
-    if type(spec) is not dict or set(spec) != {"dtype", "shape", "data_offsets"}:
-        raise bad
-    code, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
-    dtype = _CODES.get(code) if type(code) is str else None
-    if dtype is None or type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
-        raise bad
-    if type(offsets) is not list or len(offsets) != 2 or not all(type(o) is int for o in offsets):
-        raise bad
-    begin, end = offsets
-    if not 0 <= begin <= end or end - begin != math.prod(shape) * dtype.itemsize:
-        raise bad
-    return key, dtype, shape, begin, end

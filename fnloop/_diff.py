@@ -1,0 +1,183 @@
+"""``fnloop diff A B``: where two checkpoints differ, leaf by leaf, and by how much.
+
+Tensors are compared bit for bit (a NaN equals itself, ``-0.0`` differs from
+``0.0``); ``--atol`` lets floats and float tensors differ a little. A long
+series of plain data that differs in many places is reported in one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from fnloop._raw import Row, children, dtype_name, many, read, short, table, tensor_stats
+from fnloop.checkpoint import Record
+
+__all__ = ["run"]
+
+_COLLAPSE = 4  # a series (list or tuple of plain data) with more differences is reported in one line
+
+
+def _plain_sequence(node: Any) -> bool:
+    """Whether ``node`` is a list or tuple of numbers, strings, tensors and such lists or tuples."""
+    if not isinstance(node, (list, tuple)):
+        return False
+    return all(_plain_sequence(c) if isinstance(c, (list, tuple)) else not isinstance(c, dict) for c in node)
+
+
+class _Diff:
+    """The differences found walking two raw trees side by side."""
+
+    def __init__(self, atol: float | None, ignore: Sequence[str]) -> None:
+        self.atol = atol
+        self.ignore = [p if p.startswith("state") else "state." + p for p in ignore]
+        self.leaves = 0
+        self.differ = 0
+        self.close = 0  # leaves that differ by at most atol
+        self.only = {"A": 0, "B": 0}
+        self.max_diff = 0.0
+        self.lines: list[Row] = []
+
+    def skipped(self, path: str) -> bool:
+        return any(path == p or path.startswith((p + ".", p + "[")) for p in self.ignore)
+
+    def walk(self, a: Any, b: Any, path: str) -> None:
+        if self.skipped(path):
+            return
+        ka, kb = children(a), children(b)
+        if ka is None and kb is None:
+            self.leaves += 1
+            self.leaf(a, b, path)
+            return
+        same_type = type(a) is type(b) and (type(a) is not Record or (a.kind, a.type) == (b.kind, b.type))
+        if ka is None or kb is None or isinstance(a, dict) != isinstance(b, dict) or not (ka or kb):
+            self.leaves += 1  # a leaf against a container, or two empty containers (one leaf, as in inspect)
+            if not same_type:
+                self.different(path, f"{_kind(a)} != {_kind(b)}")
+            return
+        if not same_type:  # a note; the entries are compared below
+            self.lines.append((path, f"{_kind(a)} != {_kind(b)}"))
+        before = (len(self.lines), self.leaves, self.differ, dict(self.only), self.max_diff)
+        self.max_diff = 0.0
+        steps_a, steps_b = dict(ka), dict(kb)
+        for step, child in ka:
+            if step in steps_b:
+                self.walk(child, steps_b[step], path + step)
+            elif not self.skipped(path + step):
+                self.one_side("A", path + step, child)
+        for step, child in kb:
+            if step not in steps_a and not self.skipped(path + step):
+                self.one_side("B", path + step, child)
+        if len(self.lines) - before[0] > _COLLAPSE and _plain_sequence(a) and _plain_sequence(b):
+            self.lines[before[0] :] = [(path, self.collapsed(*before[1:4]))]
+        self.max_diff = max(self.max_diff, before[4])
+
+    def collapsed(self, leaves: int, differ: int, only: dict[str, int]) -> str:
+        what = f"{self.differ - differ} of {self.leaves - leaves} leaves differ"
+        if self.max_diff:
+            what += f", max abs diff {self.max_diff:.4g}"
+        for side in "AB":
+            if self.only[side] > only[side]:
+                what += f"; {many(self.only[side] - only[side], 'entry', 'entries')} only in {side}"
+        return what
+
+    def one_side(self, side: str, path: str, value: Any) -> None:
+        self.only[side] += 1
+        self.lines.append((path, f"only in {side}: {short(value, 60)}"))
+
+    def different(self, path: str, what: str) -> None:
+        self.differ += 1
+        self.lines.append((path, what))
+
+    def leaf(self, a: Any, b: Any, path: str) -> None:
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            what, diff = _tensor_difference(a, b)
+        elif type(a) is float and type(b) is float:
+            same = repr(a) == repr(b)  # bit for bit: -0.0 differs from 0.0, nan equals nan
+            what, diff = (None, None) if same else (f"{a!r} != {b!r}", _abs_diff(a, b))
+        else:
+            same = type(a) is type(b) and a == b
+            what, diff = (None, None) if same else (f"{short(a, 40)} != {short(b, 40)}", None)
+        if what is None:
+            return
+        if diff is not None:
+            if self.atol is not None and diff <= self.atol:
+                self.close += 1
+                return
+            self.max_diff = max(self.max_diff, diff)
+        self.different(path, what)
+
+    def summary(self) -> str:
+        within = f" ({self.close} within atol {self.atol:g})" if self.close else ""
+        if not self.lines:
+            how = "bit for bit" if self.atol is None else f"within atol {self.atol:g}"
+            return f"identical: {self.leaves} leaves, {how}{within}"
+        largest = f", max abs diff {self.max_diff:.4g}" if self.max_diff else ""
+        return (
+            f"different: {self.differ} of {self.leaves} leaves differ{largest}{within}; "
+            f"{many(self.only['A'], 'entry', 'entries')} only in A, {self.only['B']} only in B"
+        )
+
+
+def _abs_diff(a: float, b: float) -> float:
+    d = abs(float(a) - float(b))
+    return math.inf if math.isnan(d) else d
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{dtype_name(value)} {tuple(value.shape)}"
+    if type(value) is Record:
+        return f"{value.type.rsplit('.', 1)[-1]} record"
+    if isinstance(value, (dict, list, tuple)):
+        return f"{type(value).__name__} of {len(value)}"
+    return type(value).__name__
+
+
+_INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # every itemsize a checkpoint holds
+
+
+def _tensor_difference(a: torch.Tensor, b: torch.Tensor) -> tuple[str | None, float | None]:
+    """A description of how ``a`` and ``b`` differ (``None``: the same bits) and their max abs difference."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return f"{_kind(a)} != {_kind(b)}", None
+    if a.numel() == 0:
+        return None, 0.0
+    bits = _INTS[a.element_size()]  # compare the bits: NaNs equal themselves, -0.0 differs from 0.0
+    n = int((a.contiguous().view(bits) != b.contiguous().view(bits)).sum())
+    if n == 0:
+        return None, 0.0
+    if a.is_complex():
+        gap = (a.to(torch.complex128) - b.to(torch.complex128)).abs()
+    else:
+        x, y = a.to(torch.float64), b.to(torch.float64)
+        gap = (x - y).abs()
+        gap = torch.where(torch.isnan(x) & torch.isnan(y), 0.0, gap)
+    gap = torch.nan_to_num(gap, nan=math.inf)
+    diff = float(gap.max())
+    if a.numel() == 1:
+        va, vb = (tensor_stats(t)["value"] for t in (a, b))
+        what = f"{_kind(a)}: {va!r} != {vb!r}"
+    else:
+        where = tuple(int(i) for i in torch.nonzero(gap == diff)[0])
+        what = f"{_kind(a)}: {n} of {a.numel()} elements differ, max abs diff {diff:.4g} (largest at {where})"
+    # Integer tensors (counters, indices) are exact, as Python ints are: no tolerance, no "max abs diff".
+    return what, diff if a.is_floating_point() or a.is_complex() else None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print how the checkpoints ``args.a`` and ``args.b`` differ; return 0 if they do not, else 1."""
+    path_a, _, a = read(args.a)
+    path_b, _, b = read(args.b)
+    print(f"A: {path_a} (iteration {short(a.get('iteration'))})")
+    print(f"B: {path_b} (iteration {short(b.get('iteration'))})")
+    found = _Diff(args.atol, args.ignore)
+    found.walk(a, b, "state")
+    for line in table(found.lines, indent=""):
+        print(line)
+    print(found.summary())
+    return 1 if found.lines else 0

@@ -1,0 +1,120 @@
+"""What a checkpoint holds of a ``TrainState``, and how the state comes back.
+
+``encode_state`` encodes every field but ``effects`` (they carry code).
+``fill_state`` rebuilds the state like a template: its fields strictly
+(``fnloop._fill.fill``), ``metrics`` as saved (they describe themselves), and
+hook states leniently: the ones the template knows strictly, the others as
+``Unclaimed`` for the run's hooks to claim.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+from fnloop._codec import Record, encode
+from fnloop._fill import describe, fill, mismatch
+from fnloop._metrics import Metrics
+from fnloop._state import TrainState, Unclaimed
+
+__all__ = ["STATE_FIELDS", "encode_state", "fill_state"]
+
+STATE_FIELDS = tuple(f.name for f in attrs.fields(TrainState) if f.name != "effects")
+"""The fields of TrainState a checkpoint holds: all but ``effects``, which carry code."""
+
+
+def encode_state(state: TrainState) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The skeleton and tensors of ``state`` (``encode`` of its fields but ``effects``)."""
+    return encode(
+        Record({n: getattr(state, n) for n in STATE_FIELDS}, kind="record", type="fnloop.TrainState")
+    )
+
+
+def fill_state(raw: Any, like: TrainState, where: str) -> TrainState:
+    """The state that ``raw`` (a decoded checkpoint) holds, built like the template ``like``.
+
+    Strict for the record's fields (``fill``); ``metrics`` as saved (its
+    tensors on the device of ``like``'s parameters); hook states ``like`` knows
+    strictly, the others as ``Unclaimed``, and ``like``'s other hooks as they are.
+
+    Raises:
+        CheckpointMismatch: an entry does not fit ``like``; the message names it.
+    """
+    if type(raw) is not Record or raw.kind != "record":
+        raise mismatch(where, f"expected a TrainState record, got {describe(raw)}")
+    missing = [n for n in STATE_FIELDS if n not in raw]
+    unexpected = [n for n in raw if n not in STATE_FIELDS]
+    if missing or unexpected:
+        first = (missing or unexpected)[0]
+        raise mismatch(
+            f"{where}.{first}",
+            f"TrainState fields differ (missing from the file: {missing}; unknown here: {unexpected}); "
+            "the file was written by another version of fnloop",
+        )
+    values: dict[str, Any] = {}
+    for name in STATE_FIELDS:
+        at = f"{where}.{name}"
+        if name == "metrics":
+            values[name] = _metrics(raw[name], at, _device(like))
+        elif name == "hooks":
+            values[name] = _hooks(raw[name], like.hooks, at)
+        else:
+            values[name] = fill(raw[name], getattr(like, name), at)
+    try:
+        return TrainState(**values)
+    except (TypeError, ValueError) as exc:
+        raise mismatch(where, f"the saved fields do not make a TrainState: {exc}") from exc
+
+
+def _device(like: TrainState) -> torch.device:
+    for tensor in (*like.params.values(), *like.buffers.values()):
+        if isinstance(tensor, torch.Tensor):
+            return tensor.device
+    return torch.device("cpu")
+
+
+def _metrics(data: Any, where: str, device: torch.device) -> Metrics:
+    """Metrics are self-describing: names and entries come from the file, not the template."""
+    if type(data) is not Record or set(data) != {"window", "series"} or type(data["series"]) is not dict:
+        raise mismatch(where, f"expected a Metrics record (window, series), got {describe(data)}")
+    series: dict[str, Any] = {}
+    for name, entries in data["series"].items():
+        at = f"{where}.series[{name!r}]"
+        if type(entries) is not tuple:
+            raise mismatch(at, f"expected a tuple of (iteration, value) pairs, got {describe(entries)}")
+        out = []
+        for i, entry in enumerate(entries):
+            ok = type(entry) is tuple and len(entry) == 2 and type(entry[0]) is int
+            value = entry[1] if ok else None
+            if not ok or not (type(value) in (int, float) or isinstance(value, torch.Tensor)):
+                raise mismatch(f"{at}[{i}]", f"expected an (iteration, value) pair, got {describe(entry)}")
+            if isinstance(value, torch.Tensor) and value.device != device:
+                value = value.to(device)
+            out.append((entry[0], value))
+        series[name] = tuple(out)
+    try:
+        return Metrics(window=data["window"], series=series)
+    except (TypeError, ValueError) as exc:
+        raise mismatch(where, f"the saved fields do not make a Metrics: {exc}") from exc
+
+
+_ABSENT: Any = object()
+
+
+def _hooks(data: Any, like: Any, where: str) -> dict[str, Any]:
+    """Known hook states strictly; unknown ones as ``Unclaimed``; absent ones from the template."""
+    if type(data) is not dict or not all(type(k) is str for k in data):
+        raise mismatch(where, f"expected a dict of hook states keyed by name, got {describe(data)}")
+    hooks: dict[str, Any] = {}
+    for name, value in data.items():
+        template = like.get(name, _ABSENT)
+        at = f"{where}[{name!r}]"
+        if template is _ABSENT or type(template) is Unclaimed:
+            hooks[name] = Unclaimed(data=value, decode=fill, where=at)
+        else:
+            hooks[name] = fill(value, template, at)
+    for name, value in like.items():
+        hooks.setdefault(name, value)
+    return hooks
