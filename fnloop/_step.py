@@ -15,6 +15,7 @@ from torch.utils import _pytree as pytree
 from fnloop._donation import exclusive, holds_containers, opt_containers
 from fnloop._loop import Step
 from fnloop._messages import got
+from fnloop._pool import ScalarPool
 from fnloop._state import TrainState, replace
 from fnloop.optim import Optimizer
 
@@ -228,6 +229,8 @@ class TrainStep:
     _graphs: list[int] = attrs.field(factory=lambda: [0, -1])  # [recompiles seen, graph count after call 1]
     _counters: dict[torch.device, torch.Tensor] = attrs.field(factory=dict)
     _opt_cache: list[Any] = attrs.field(factory=list)
+    # The recorded loss and metrics live in long-lived homes: see fnloop/_pool.py.
+    _pool: ScalarPool = attrs.field(factory=ScalarPool)
 
     def __call__(self, state: TrainState, batch: Any, /) -> TrainState:
         fresh = replace(
@@ -279,7 +282,9 @@ class TrainStep:
             generator.set_state(saved)
         self._check_graphs(before, i)
         # The same containers go on: dynamo's guards pass fastest for the same objects.
-        return replace(state, metrics=state.metrics.record(i, {"loss": loss, **metrics}))
+        keep = self._pool.keep
+        recorded = {"loss": keep(loss), **{name: keep(value) for name, value in metrics.items()}}
+        return replace(state, metrics=state.metrics.record(i, recorded))
 
     def _flat(self, opt_state: Any) -> tuple[list[torch.Tensor], set[int]]:
         # Donation keeps the same opt_state object from step to step, so its

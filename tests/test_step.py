@@ -444,3 +444,22 @@ def test_a_step_that_fails_before_writing_keeps_the_last_consistent_state():
         fl.run(state, step, data)
     reference = list(fl.scan(state, fl.train_step(model, mse, opt, compile=False), data))[1]
     testing.assert_identical(info.value.state.params, reference.params)
+
+
+def test_recorded_metrics_never_change_though_their_storage_is_reused():
+    model, mse, data = linear_problem()
+    opt = fl.optim.adam(0.01)
+    step = fl.train_step(model, mse, opt, compile=False)
+    state = attrs.evolve(fl.init(model, opt, seed=0, max_iter=60), metrics=fl.Metrics(window=3))
+    stream = [data[i % len(data)] for i in range(60)]
+    seen = []
+    for s in fl.scan(state, step, stream):  # every state is kept: nothing may be reused under it
+        seen.append((s, [float(v) for _, v in s.metrics.history("loss")]))
+    for s, values in seen:
+        assert [float(v) for _, v in s.metrics.history("loss")] == values
+    kept = seen[-1][0]
+    del seen
+    final = fl.run(attrs.evolve(kept, max_iter=200), step, [data[i % len(data)] for i in range(140)])
+    homes = len(step._pool._homes)
+    assert homes <= 60 + 3 + 8, homes  # the states of the scan were let go: their homes came back
+    assert [i for i, _ in final.metrics.history("loss")] == [197, 198, 199]
