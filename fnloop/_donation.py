@@ -21,13 +21,25 @@ from fnloop._state import TrainState
 __all__ = ["exclusive", "holds_containers", "opt_containers"]
 
 
-def _counts(tensors: list[torch.Tensor]) -> list[int]:
-    return [sys.getrefcount(t) for t in tensors]
-
-
 def exclusive(tensors: list[torch.Tensor]) -> bool:
     """Whether nothing but one container (and ``tensors`` itself) refers to each tensor."""
-    return all(count <= _BASELINE for count in _counts(tensors))
+    # The builtin on the loop's own name, never through a Python function of
+    # ours: dynamo's frame hook, once installed, adds a reference to the
+    # arguments of Python calls, which would change what a count means.
+    for tensor in tensors:  # noqa: SIM110 - no generator frame between the count and the loop
+        if sys.getrefcount(tensor) > _BASELINE:
+            return False
+    return True
+
+
+def _baseline() -> int:
+    held = {"probe": torch.zeros(())}
+    for tensor in list(held.values()):
+        return sys.getrefcount(tensor)
+    raise AssertionError("unreachable")
+
+
+_BASELINE = _baseline()
 
 
 def holds_containers(state: TrainState, containers: set[int]) -> bool:
@@ -60,13 +72,3 @@ def opt_containers(tree: Any) -> list[Any]:
     if isinstance(tree, (tuple, list)):
         return [tree, *(c for v in tree for c in opt_containers(v))]
     return []
-
-
-def _baseline() -> int:
-    # What one container's reference looks like through `_counts`: measured,
-    # since temporaries and borrowed references depend on the interpreter.
-    held = {"probe": torch.zeros(())}
-    return _counts(list(held.values()))[0]
-
-
-_BASELINE = _baseline()

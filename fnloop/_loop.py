@@ -97,8 +97,9 @@ def _signals(enabled: bool) -> Iterator[_Stop | None]:
 
 
 _TORN = (
-    "fnloop: the step failed while it was updating the state in place (donation), so no "
-    "consistent state is left in memory and exc.state is None; AFTER_TRAIN ran without "
+    "fnloop: this failed while the state was being updated in place (donation: in the step, or "
+    "in an AFTER_STEP hook right after it), so no consistent state is left in memory and "
+    "exc.state is None; AFTER_TRAIN ran without "
     "performing effects, so no checkpoint of a half-updated state was written. Resume from the "
     "last checkpoint, or use train_step(..., donate=False) to keep the previous state intact."
 )
@@ -182,8 +183,11 @@ def _fold(
     donate_input: bool = False,
 ) -> Iterator[TrainState]:
     # `last` is the last consistent state: the input, then the state after
-    # BEFORE_TRAIN, then the state after each completed iteration.
+    # BEFORE_TRAIN, then the state after each completed iteration. Between a
+    # donating step and the next such state, `last` shares tensors the step
+    # overwrote: a failure there leaves no consistent state in memory.
     last = state
+    mixed = False
     try:
         state = _drop_unclaimed(state, hook)
         state = last = _phase(hook, replace(state, time=clock()), _BEFORE_TRAIN, perform)
@@ -214,6 +218,7 @@ def _fold(
             else:
                 cursor = state.data
             new = apply(state, batch)
+            mixed = apply is donating
             if type(new) is not TrainState:
                 raise TypeError(
                     f"step {step!r:.80} returned {new!r:.80} (a {type(new).__name__}) at iteration {i}; "
@@ -230,6 +235,7 @@ def _fold(
                 )
             after = state.effects
             state = last = replace(state, iteration=i + 1, data=cursor, effects=())
+            mixed = False
             if after and perform:
                 _perform(after, began, state)
             if donating is not None:
@@ -241,11 +247,12 @@ def _fold(
         if stop is not None and stop.signum is not None:
             raise _interruption(stop.signum)
     except BaseException as exc:
-        torn = getattr(exc, "torn", False)
+        torn = mixed or getattr(exc, "torn", False)
         if torn:
-            # The step failed after it began to overwrite the state in place:
-            # the last consistent state is gone from memory. AFTER_TRAIN still
-            # runs, but nothing it asks for is performed (no torn checkpoint).
+            # The state was being overwritten in place when this failed (in the
+            # step, or in an AFTER_STEP hook after a donating step): the last
+            # consistent state is gone from memory. AFTER_TRAIN still runs, but
+            # nothing it asks for is performed (no checkpoint of a mixed state).
             exc.add_note(_TORN)
         at_end = replace(last, time=clock())
         exc.state = None if torn else last  # type: ignore[attr-defined]

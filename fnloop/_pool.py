@@ -23,17 +23,14 @@ _LOOK_AHEAD = 8
 """Homes tried per value before a new one is made: homes free up in the order they were used."""
 
 
-def _count(tensor: torch.Tensor) -> int:
-    return sys.getrefcount(tensor)
-
-
 def _baseline() -> int:
-    # A home held by the pool's list alone, seen through `_count` from a local
-    # name, exactly as `keep` looks: measured, since temporaries and borrowed
-    # references differ between interpreters.
+    # A home held by the pool's list alone, counted exactly as `keep` counts:
+    # the builtin on a local name, never through a Python function of ours
+    # (dynamo's frame hook, once installed, adds a reference to the arguments
+    # of Python calls). Measured, since interpreters count temporaries apart.
     homes = [torch.zeros(())]
     home = homes[0]
-    return _count(home)
+    return sys.getrefcount(home)
 
 
 _FREE = _baseline()
@@ -61,7 +58,7 @@ class ScalarPool:
             self._next = (index + 1) % len(homes)
             home = homes[index]
             if (
-                _count(home) <= _FREE
+                sys.getrefcount(home) <= _FREE
                 and home.dtype == value.dtype
                 and home.shape == value.shape
                 and home.device == value.device

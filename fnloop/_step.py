@@ -280,7 +280,11 @@ class TrainStep:
             raise
         finally:
             generator.set_state(saved)
-        self._check_graphs(before, i)
+        try:
+            self._check_graphs(before, i)
+        except RecompileError as exc:
+            exc.torn = True  # type: ignore[attr-defined]  # the recompiled graph already ran, in place
+            raise
         # The same containers go on: dynamo's guards pass fastest for the same objects.
         keep = self._pool.keep
         recorded = {"loss": keep(loss), **{name: keep(value) for name, value in metrics.items()}}
