@@ -343,8 +343,10 @@ def run(
     SIGTERM and SIGINT (preemption, Ctrl-C) during ``run`` let the current
     step finish, then run ``AFTER_TRAIN`` (where a checkpoint hook saves the
     last consistent state) and raise ``Preempted`` (SIGTERM) or
-    ``KeyboardInterrupt`` (SIGINT), carrying that state as ``exc.state``. A
-    second signal acts as it would without fnloop.
+    ``KeyboardInterrupt`` (SIGINT), carrying that state as ``exc.state``.
+    Further signals also wait for the end of the step; a third Ctrl-C stops at
+    once (then, with donation, no consistent state is left: ``exc.state`` is
+    ``None``).
 
     Args: as ``scan``, and
 
