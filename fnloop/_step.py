@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -13,6 +12,7 @@ from torch.func import functional_call, grad_and_value
 from torch.utils import _pytree as pytree
 
 from fnloop._donation import exclusive, holds_containers, opt_containers
+from fnloop._jit import Flat, Jit, OverBudget, TraceError
 from fnloop._loop import Step
 from fnloop._messages import got
 from fnloop._pool import ScalarPool
@@ -29,44 +29,24 @@ class RecompileError(RuntimeError):
     """The compiled step was compiled again during a run, more often than its budget allows."""
 
 
-@functools.cache
-def _dynamo_counters() -> Any:
-    # Imported on first use: torch._dynamo costs over a second to import, and
-    # an eager step or a command-line tool needs none of it. The counters
-    # object itself stays the same when someone clears it.
-    import torch._dynamo.utils
-
-    return torch._dynamo.utils.counters
-
-
-def _graph_count() -> int:
-    return int(_dynamo_counters()["stats"]["unique_graphs"])
-
-
-def _graph_break_errors() -> tuple[type[BaseException], ...]:
-    import torch._dynamo.exc
-
-    return (torch._dynamo.exc.Unsupported, torch._dynamo.exc.UserError)
-
-
 class GraphBreakError(RuntimeError):
     """The step could not be compiled as one graph."""
 
 
 _GRAPH_BREAK = (
     "the training step must compile into one graph (forward, backward and update together), but "
-    "torch.compile stopped at something it cannot trace; its message follows. Typical causes in "
-    "loss_fn: .item(), print or logging, Python randomness, branching on a tensor's value, or "
-    "building an object inside. Return metrics as tensors instead, or use train_step(..., "
+    "tracing it stopped where Python needs a tensor's value; the tracer's message follows. Typical "
+    "causes in loss_fn: .item(), float(tensor), or branching on a tensor's value (if loss > 0). "
+    "Return metrics as tensors instead, use torch.where for branches, or use train_step(..., "
     "compile=False) to run eagerly."
 )
 
 _RECOMPILED = (
-    "the compiled step was compiled again at iteration {i} ({n} recompiles, budget {budget}). "
-    "Something that the graph depends on changed between steps: a batch of another shape or dtype "
-    "(the last, smaller batch of an epoch? use drop_last=True), a Python number that changes every "
-    "step (pass it as a 0-d tensor), or the model's train/eval mode. Run with TORCH_LOGS=recompiles "
-    "to see the guard that failed, or allow it with train_step(..., recompiles=N)."
+    "the compiled step would be compiled again at iteration {i} ({n} recompiles, budget {budget}): "
+    "{change}. The step is traced once per signature (the structure of the state and batch, and "
+    "each tensor's shape, strides, dtype and device). A batch of another shape (the last, smaller "
+    "batch of an epoch? use drop_last=True) or a changed state compiles a new graph. Nothing of this "
+    "iteration ran. Allow it with train_step(..., recompiles=N)."
 )
 
 
@@ -201,6 +181,86 @@ def _kernel(
     return kernel
 
 
+_TENSOR = "tensor"
+
+
+def _flat_batch(batch: Any) -> tuple[list[torch.Tensor], Hashable]:
+    """The batch's tensors, and a hashable structure with its other (static) values."""
+    kind = type(batch)
+    if kind is torch.Tensor:
+        return [batch], _TENSOR
+    if (kind is tuple or kind is list) and all(type(x) is torch.Tensor for x in batch):
+        return list(batch), (kind, len(batch))
+    leaves, spec = pytree.tree_flatten(batch)
+    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+    static = tuple(_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves)
+    try:
+        hash(static)
+    except TypeError:
+        odd = next(leaf for leaf in static if leaf is not _TENSOR and not _hashable(leaf))
+        raise TypeError(
+            f"a compiled step takes batches of tensors and static values (ints, strings...); this "
+            f"batch holds {got(odd)}, which can be neither. Convert it to a tensor, or use "
+            "train_step(..., compile=False)."
+        ) from None
+    return tensors, (spec, static)
+
+
+def _hashable(value: object) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _unflat_batch(tensors: Sequence[torch.Tensor], structure: Any) -> Any:
+    if structure is _TENSOR:
+        return tensors[0]
+    first, second = structure
+    if first is tuple or first is list:
+        return first(tensors)
+    it = iter(tensors)
+    return pytree.tree_unflatten([next(it) if leaf is _TENSOR else leaf for leaf in second], first)
+
+
+def _jit_kernel(kernel: Callable[..., Any], budget: int) -> Jit:
+    """The kernel as a function of flat tensors: params, buffers, optimizer state, iteration, batch."""
+
+    def make(structure: Any) -> tuple[Flat, list[str]]:
+        pkeys, bkeys, ospec, bstructure = structure
+        names: list[str] = []
+        a, b = len(pkeys), len(pkeys) + len(bkeys)
+        c = b + ospec.num_leaves
+
+        def flat(*leaves: torch.Tensor) -> list[torch.Tensor]:
+            params = dict(zip(pkeys, leaves[:a]))
+            buffers = dict(zip(bkeys, leaves[a:b]))
+            opt_state = pytree.tree_unflatten(list(leaves[b:c]), ospec)
+            batch = _unflat_batch(leaves[c + 1 :], bstructure)
+            loss, metrics = kernel(params, buffers, opt_state, leaves[c], batch)
+            names[:] = metrics
+            return [loss, *metrics.values()]
+
+        return flat, names
+
+    return Jit(make, budget)
+
+
+def _leaf_name(structure: Any, index: int) -> str:
+    pkeys, bkeys, ospec, _ = structure
+    if index < len(pkeys):
+        return f"params[{pkeys[index]!r}]"
+    index -= len(pkeys)
+    if index < len(bkeys):
+        return f"buffers[{bkeys[index]!r}]"
+    index -= len(bkeys)
+    if index < ospec.num_leaves:
+        return f"opt_state leaf {index}"
+    index -= ospec.num_leaves
+    return "the iteration" if index == 0 else f"the batch's tensor {index - 1}"
+
+
 def _device(params: Mapping[str, torch.Tensor]) -> torch.device:
     for tensor in params.values():
         return tensor.device
@@ -226,7 +286,9 @@ class TrainStep:
     compiled: bool
     recompiles: int
     function: Callable[..., Any]
-    _graphs: list[int] = attrs.field(factory=lambda: [0, -1])  # [recompiles seen, graph count after call 1]
+    """The kernel, ``(params, buffers, opt_state, iteration, batch) -> (loss, metrics)``, run eagerly."""
+    jit: Jit | None = None
+    """The kernel traced and compiled, when ``compiled``."""
     _counters: dict[torch.device, torch.Tensor] = attrs.field(factory=dict)
     _opt_cache: list[Any] = attrs.field(factory=list)
     # The recorded loss and metrics live in long-lived homes: see fnloop/_pool.py.
@@ -248,10 +310,10 @@ class TrainStep:
         one of those tensors (a hook kept a parameter, a metric recorded one), or
         ``state.hooks``/``extra`` keeps one of their containers, the step copies
         instead, so what was kept never changes. Otherwise the returned state
-        keeps the same containers, which dynamo's guards check fastest.
+        keeps the same containers, whose structure is then known without a walk.
         """
         params, buffers, opt_state = state.params, state.buffers, state.opt_state
-        leaves, containers = self._flat(opt_state)
+        leaves, containers, ospec = self._flat(opt_state)
         owned = exclusive(list(params.values())) and exclusive(list(buffers.values())) and exclusive(leaves)
         if not owned or holds_containers(state, containers):
             return self(state, batch)
@@ -261,7 +323,6 @@ class TrainStep:
         device = leaves[0].device if leaves else _device(params)
         iteration = self._iteration(device)
         iteration.fill_(i)
-        before = _graph_count() if self.compiled else 0
         # torch.manual_seed seeds every device (~110 us); one generator's own
         # manual_seed costs ~1 us. The caller's generator state is put back after.
         generator = _generator(device)
@@ -269,37 +330,54 @@ class TrainStep:
         generator.manual_seed(step_seed(state.rng, i))
         donated = [*params.values(), *buffers.values(), *leaves]
         versions = [t._version for t in donated]
+        jit = self.jit
         try:
-            loss, metrics = self.function(params, buffers, opt_state, iteration, batch)
+            if jit is None:
+                loss, metrics = self.function(params, buffers, opt_state, iteration, batch)
+            else:
+                tensors, batch_structure = _flat_batch(batch)
+                structure = (tuple(params), tuple(buffers), ospec, batch_structure)
+                try:
+                    outputs, names = jit(structure, [*donated, iteration, *tensors])
+                except OverBudget as over:
+                    index, before, after = over.change
+                    what = (
+                        "the structure of the state or batch changed"
+                        if index is None
+                        else f"{_leaf_name(structure, index)} was {before}, is now {after}"
+                    )
+                    raise RecompileError(
+                        _RECOMPILED.format(i=i, n=jit.compiles, budget=self.recompiles, change=what)
+                    ) from None
+                except TraceError as trace:
+                    raise GraphBreakError(f"{_GRAPH_BREAK}\n\n{trace}") from trace.__cause__
+                loss, metrics = outputs[0], dict(zip(names, outputs[1:]))
         except BaseException as exc:
-            if self.compiled and isinstance(exc, _graph_break_errors()):
-                raise GraphBreakError(f"{_GRAPH_BREAK}\n\n{exc}") from exc
             # Stopped after writing into the state (an error or a forced Ctrl-C
             # between two kernels)? Then that state is torn; the fold must know.
             exc.torn = any(t._version != v for t, v in zip(donated, versions))  # type: ignore[attr-defined]
             raise
         finally:
             generator.set_state(saved)
-        try:
-            self._check_graphs(before, i)
-        except RecompileError as exc:
-            exc.torn = True  # type: ignore[attr-defined]  # the recompiled graph already ran, in place
-            raise
-        # The same containers go on: dynamo's guards pass fastest for the same objects.
         keep = self._pool.keep
         recorded = {"loss": keep(loss), **{name: keep(value) for name, value in metrics.items()}}
         return replace(state, metrics=state.metrics.record(i, recorded))
 
-    def _flat(self, opt_state: Any) -> tuple[list[torch.Tensor], set[int]]:
+    def _flat(self, opt_state: Any) -> tuple[list[torch.Tensor], set[int], pytree.TreeSpec]:
         # Donation keeps the same opt_state object from step to step, so its
-        # leaves and containers are worked out once per object.
+        # leaves, containers and structure are worked out once per object.
         cached = self._opt_cache
         if cached and cached[0] is opt_state:
-            return cached[1], cached[2]
-        leaves = pytree.tree_leaves(opt_state)
+            return cached[1], cached[2], cached[3]
+        leaves, spec = pytree.tree_flatten(opt_state)
         containers = {id(c) for c in opt_containers(opt_state)}
-        self._opt_cache[:] = [opt_state, leaves, containers]
-        return leaves, containers
+        self._opt_cache[:] = [opt_state, leaves, containers, spec]
+        return leaves, containers, spec
+
+    @property
+    def compiles(self) -> int:
+        """How many graphs the step has compiled: 1 over a healthy run, 0 when not compiled."""
+        return 0 if self.jit is None else self.jit.compiles
 
     def _iteration(self, device: torch.device) -> torch.Tensor:
         # One 0-d tensor per device, refilled each step: the compiled graph reads it only.
@@ -307,19 +385,6 @@ class TrainStep:
         if tensor is None:
             tensor = self._counters[device] = torch.zeros((), dtype=torch.int64, device=device)
         return tensor
-
-    def _check_graphs(self, before: int, iteration: int) -> None:
-        if not self.compiled:
-            return
-        after = _graph_count()
-        seen = self._graphs
-        if seen[1] < 0:
-            seen[1] = after
-            return
-        if after != before:
-            seen[0] += 1
-            if seen[0] > self.recompiles:
-                raise RecompileError(_RECOMPILED.format(i=iteration, n=seen[0], budget=self.recompiles))
 
     def __repr__(self) -> str:
         return f"train_step({type(self.model).__name__}, {getattr(self.loss_fn, '__name__', self.loss_fn)!r}, {self.optimizer!r})"
@@ -346,8 +411,10 @@ def train_step(
 
     Forward, backward and the optimizer update run as one function on the
     state's tensors (``torch.func.functional_call`` + ``grad_and_value``),
-    compiled as one graph with ``fullgraph=True``. The iteration enters as a
-    0-d tensor, so schedules never recompile. The loss and the metrics
+    traced once, like ``jax.jit``, into one graph that inductor compiles; each
+    call then checks only the inputs' structure, shapes, strides, dtypes and
+    devices. Python in ``loss_fn`` runs once, at trace time. The iteration
+    enters as a 0-d tensor, so schedules never recompile. The loss and the metrics
     ``loss_fn`` returns are recorded in ``state.metrics`` as tensors, at the
     step's index. Randomness (dropout) is seeded from ``(state.rng, iteration)``
     for each step, so a step replays identically after a resume.
@@ -369,7 +436,8 @@ def train_step(
             model on the state's params and buffers; returns a scalar loss, or
             ``(loss, metrics)`` with ``metrics`` a dict of scalar tensors.
         optimizer: a pure optimizer from ``fnloop.optim``.
-        compile: compile the step with ``torch.compile(fullgraph=True)``.
+        compile: trace the step once into one graph and compile it with
+            inductor (see ``docs/step.md``); ``False`` runs it eagerly.
         donate: offer the fold an in-place variant for the states it owns
             (bit-identical results, no second copy of params and optimizer state).
         accumulate: split each batch into this many micro-batches and average
@@ -389,8 +457,10 @@ def train_step(
             f"(a {type(optimizer).__name__}); build one with fnloop.optim.sgd/adam/adamw."
         )
     kernel = _kernel(model, loss_fn, optimizer, _check_positive("accumulate", accumulate), autocast)
-    function = torch.compile(kernel, fullgraph=True, dynamic=False) if compile else kernel
-    step = TrainStep(model, loss_fn, optimizer, compile, recompiles, function)
+    if type(recompiles) is not int or recompiles < 0:
+        raise ValueError(f"'recompiles' must be an int >= 0 ({got(recompiles)}).")
+    jit = _jit_kernel(kernel, 1 + recompiles) if compile else None
+    step = TrainStep(model, loss_fn, optimizer, compile, recompiles, kernel, jit)
     return step if donate else _Undonated(step)
 
 
