@@ -42,6 +42,9 @@ def _baseline() -> int:
 _BASELINE = _baseline()
 
 
+_ATOMS = frozenset({int, float, bool, str, bytes, type(None)})
+
+
 def holds_containers(state: TrainState, containers: set[int]) -> bool:
     """Whether ``state.hooks`` or ``state.extra`` keeps one of the containers the step updates.
 
@@ -54,6 +57,8 @@ def holds_containers(state: TrainState, containers: set[int]) -> bool:
     stack = [state.hooks, state.extra]
     while stack:
         node = stack.pop()
+        if type(node) in _ATOMS:  # the common hook states, at the cost of one lookup
+            continue
         if id(node) in targets:
             return True
         if isinstance(node, Mapping):

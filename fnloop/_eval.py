@@ -9,6 +9,7 @@ import attrs
 import torch
 from torch.func import functional_call
 
+from fnloop._jit import Flat, Jit, flatten_batch, unflatten_batch
 from fnloop._state import TrainState
 
 __all__ = ["EvalStep", "eval_step"]
@@ -20,6 +21,9 @@ class EvalStep:
 
     model: torch.nn.Module
     function: Callable[..., Any]
+    """The evaluation, ``(params, buffers, batch) -> metrics``, run eagerly."""
+    jit: Jit | None = None
+    """The evaluation traced and compiled, when compiled."""
 
     def __call__(self, state: TrainState, batch: Any, /) -> dict[str, torch.Tensor]:
         was_training = self.model.training
@@ -27,19 +31,39 @@ class EvalStep:
             self.model.eval()
         try:
             with torch.no_grad():
-                return self.function(state.params, state.buffers, batch)
+                params, buffers = state.params, state.buffers
+                if self.jit is None:
+                    return self.function(params, buffers, batch)
+                tensors, structure = flatten_batch(batch)
+                outputs, names = self.jit(
+                    (tuple(params), tuple(buffers), structure),
+                    [*params.values(), *buffers.values(), *tensors],
+                )
+                return dict(zip(names, outputs))
         finally:
             if was_training:
                 self.model.train()
 
+    @property
+    def compiles(self) -> int:
+        """How many graphs the evaluation has compiled."""
+        return 0 if self.jit is None else self.jit.compiles
+
 
 def eval_step(
-    model: torch.nn.Module, fn: Callable[[Callable[..., Any], Any], Any], *, compile: bool = True
+    model: torch.nn.Module,
+    fn: Callable[[Callable[..., Any], Any], Any],
+    *,
+    compile: bool = True,
+    options: Mapping[str, Any] | None = None,
 ) -> EvalStep:
     """``(state, batch) -> dict of metric tensors``: ``fn(forward, batch)`` in eval mode, without grad.
 
     ``forward`` runs ``model`` on the state's params and buffers, which are
     never written (BatchNorm uses its running statistics in eval mode).
+    Compiled, it is traced once per signature like ``train_step`` (``options``
+    as there); a batch of another shape compiles again, with no budget, since
+    a last smaller batch is common in evaluation.
 
     >>> import fnloop as fl
     >>> model = torch.nn.Linear(2, 2)
@@ -56,5 +80,17 @@ def eval_step(
         out = fn(forward, batch)
         return dict(out) if isinstance(out, Mapping) else {"value": out}
 
-    function = torch.compile(kernel, fullgraph=True, dynamic=False) if compile else kernel
-    return EvalStep(model, function)
+    def make(structure: Any) -> tuple[Flat, list[str]]:
+        pkeys, bkeys, batch_structure = structure
+        names: list[str] = []
+        a, b = len(pkeys), len(pkeys) + len(bkeys)
+
+        def flat(*leaves: torch.Tensor) -> list[torch.Tensor]:
+            params, buffers = dict(zip(pkeys, leaves[:a])), dict(zip(bkeys, leaves[a:b]))
+            out = kernel(params, buffers, unflatten_batch(leaves[b:], batch_structure))
+            names[:] = out
+            return list(out.values())
+
+        return flat, names
+
+    return EvalStep(model, kernel, Jit(make, options=options) if compile else None)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -12,7 +12,7 @@ from torch.func import functional_call, grad_and_value
 from torch.utils import _pytree as pytree
 
 from fnloop._donation import exclusive, holds_containers, opt_containers
-from fnloop._jit import Flat, Jit, OverBudget, TraceError
+from fnloop._jit import Entry, Flat, Jit, OverBudget, TraceError, flatten_batch, unflatten_batch
 from fnloop._loop import Step
 from fnloop._messages import got
 from fnloop._pool import ScalarPool
@@ -107,6 +107,20 @@ def _generator(device: torch.device) -> torch.Generator:
     return torch.default_generator
 
 
+@contextlib.contextmanager
+def _seeded(device: torch.device, seed: int, iteration: int) -> Iterator[None]:
+    """The device's generator seeded for step ``iteration``, and put back as it was after."""
+    # torch.manual_seed seeds every device (~110 us); one generator's own
+    # manual_seed costs ~1 us.
+    generator = _generator(device)
+    saved = generator.get_state()
+    generator.manual_seed(step_seed(seed, iteration))
+    try:
+        yield
+    finally:
+        generator.set_state(saved)
+
+
 def _split(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Mapping):
         loss, metrics = out
@@ -181,50 +195,7 @@ def _kernel(
     return kernel
 
 
-_TENSOR = "tensor"
-
-
-def _flat_batch(batch: Any) -> tuple[list[torch.Tensor], Hashable]:
-    """The batch's tensors, and a hashable structure with its other (static) values."""
-    kind = type(batch)
-    if kind is torch.Tensor:
-        return [batch], _TENSOR
-    if (kind is tuple or kind is list) and all(type(x) is torch.Tensor for x in batch):
-        return list(batch), (kind, len(batch))
-    leaves, spec = pytree.tree_flatten(batch)
-    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-    static = tuple(_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves)
-    try:
-        hash(static)
-    except TypeError:
-        odd = next(leaf for leaf in static if leaf is not _TENSOR and not _hashable(leaf))
-        raise TypeError(
-            f"a compiled step takes batches of tensors and static values (ints, strings...); this "
-            f"batch holds {got(odd)}, which can be neither. Convert it to a tensor, or use "
-            "train_step(..., compile=False)."
-        ) from None
-    return tensors, (spec, static)
-
-
-def _hashable(value: object) -> bool:
-    try:
-        hash(value)
-    except TypeError:
-        return False
-    return True
-
-
-def _unflat_batch(tensors: Sequence[torch.Tensor], structure: Any) -> Any:
-    if structure is _TENSOR:
-        return tensors[0]
-    first, second = structure
-    if first is tuple or first is list:
-        return first(tensors)
-    it = iter(tensors)
-    return pytree.tree_unflatten([next(it) if leaf is _TENSOR else leaf for leaf in second], first)
-
-
-def _jit_kernel(kernel: Callable[..., Any], budget: int) -> Jit:
+def _jit_kernel(kernel: Callable[..., Any], budget: int, options: Mapping[str, Any] | None) -> Jit:
     """The kernel as a function of flat tensors: params, buffers, optimizer state, iteration, batch."""
 
     def make(structure: Any) -> tuple[Flat, list[str]]:
@@ -237,14 +208,14 @@ def _jit_kernel(kernel: Callable[..., Any], budget: int) -> Jit:
             params = dict(zip(pkeys, leaves[:a]))
             buffers = dict(zip(bkeys, leaves[a:b]))
             opt_state = pytree.tree_unflatten(list(leaves[b:c]), ospec)
-            batch = _unflat_batch(leaves[c + 1 :], bstructure)
+            batch = unflatten_batch(leaves[c + 1 :], bstructure)
             loss, metrics = kernel(params, buffers, opt_state, leaves[c], batch)
             names[:] = metrics
             return [loss, *metrics.values()]
 
         return flat, names
 
-    return Jit(make, budget)
+    return Jit(make, budget, options)
 
 
 def _leaf_name(structure: Any, index: int) -> str:
@@ -323,45 +294,48 @@ class TrainStep:
         device = leaves[0].device if leaves else _device(params)
         iteration = self._iteration(device)
         iteration.fill_(i)
-        # torch.manual_seed seeds every device (~110 us); one generator's own
-        # manual_seed costs ~1 us. The caller's generator state is put back after.
-        generator = _generator(device)
-        saved = generator.get_state()
-        generator.manual_seed(step_seed(state.rng, i))
         donated = [*params.values(), *buffers.values(), *leaves]
         versions = [t._version for t in donated]
         jit = self.jit
         try:
             if jit is None:
-                loss, metrics = self.function(params, buffers, opt_state, iteration, batch)
+                with _seeded(device, state.rng, i):
+                    loss, metrics = self.function(params, buffers, opt_state, iteration, batch)
             else:
-                tensors, batch_structure = _flat_batch(batch)
+                tensors, batch_structure = flatten_batch(batch)
                 structure = (tuple(params), tuple(buffers), ospec, batch_structure)
-                try:
-                    outputs, names = jit(structure, [*donated, iteration, *tensors])
-                except OverBudget as over:
-                    index, before, after = over.change
-                    what = (
-                        "the structure of the state or batch changed"
-                        if index is None
-                        else f"{_leaf_name(structure, index)} was {before}, is now {after}"
-                    )
-                    raise RecompileError(
-                        _RECOMPILED.format(i=i, n=jit.compiles, budget=self.recompiles, change=what)
-                    ) from None
-                except TraceError as trace:
-                    raise GraphBreakError(f"{_GRAPH_BREAK}\n\n{trace}") from trace.__cause__
-                loss, metrics = outputs[0], dict(zip(names, outputs[1:]))
+                flat = [*donated, iteration, *tensors]
+                entry = self._entry(jit, structure, flat, i)
+                if entry.random:
+                    with _seeded(device, state.rng, i):
+                        outputs = entry.compiled(*flat)
+                else:  # no random op in the graph: the generator need not be touched
+                    outputs = entry.compiled(*flat)
+                loss, metrics = outputs[0], dict(zip(entry.context, outputs[1:]))
         except BaseException as exc:
             # Stopped after writing into the state (an error or a forced Ctrl-C
             # between two kernels)? Then that state is torn; the fold must know.
             exc.torn = any(t._version != v for t, v in zip(donated, versions))  # type: ignore[attr-defined]
             raise
-        finally:
-            generator.set_state(saved)
         keep = self._pool.keep
         recorded = {"loss": keep(loss), **{name: keep(value) for name, value in metrics.items()}}
         return replace(state, metrics=state.metrics.record(i, recorded))
+
+    def _entry(self, jit: Jit, structure: Any, flat: list[torch.Tensor], iteration: int) -> Entry:
+        try:
+            return jit.entry(structure, flat)
+        except OverBudget as over:
+            index, before, after = over.change
+            what = (
+                "the structure of the state or batch changed"
+                if index is None
+                else f"{_leaf_name(structure, index)} was {before}, is now {after}"
+            )
+            raise RecompileError(
+                _RECOMPILED.format(i=iteration, n=jit.compiles, budget=self.recompiles, change=what)
+            ) from None
+        except TraceError as trace:
+            raise GraphBreakError(f"{_GRAPH_BREAK}\n\n{trace}") from trace.__cause__
 
     def _flat(self, opt_state: Any) -> tuple[list[torch.Tensor], set[int], pytree.TreeSpec]:
         # Donation keeps the same opt_state object from step to step, so its
@@ -406,6 +380,7 @@ def train_step(
     accumulate: int = 1,
     autocast: torch.dtype | None = None,
     recompiles: int = 0,
+    options: Mapping[str, Any] | None = None,
 ) -> Step:
     """The pure step ``(state, batch) -> state`` for ``model``, ``loss_fn`` and ``optimizer``.
 
@@ -445,6 +420,8 @@ def train_step(
         autocast: run the forward under ``torch.autocast`` with this dtype
             (for example ``torch.bfloat16``).
         recompiles: how many recompiles a run may take before ``RecompileError``.
+        options: inductor settings, as ``torch.compile(options=...)`` takes
+            them, over fnloop's defaults (``{"cpp_wrapper": True}``).
 
     Returns:
         The step. With ``donate=False`` it has no ``donating`` variant.
@@ -459,7 +436,7 @@ def train_step(
     kernel = _kernel(model, loss_fn, optimizer, _check_positive("accumulate", accumulate), autocast)
     if type(recompiles) is not int or recompiles < 0:
         raise ValueError(f"'recompiles' must be an int >= 0 ({got(recompiles)}).")
-    jit = _jit_kernel(kernel, 1 + recompiles) if compile else None
+    jit = _jit_kernel(kernel, 1 + recompiles, options) if compile else None
     step = TrainStep(model, loss_fn, optimizer, compile, recompiles, kernel, jit)
     return step if donate else _Undonated(step)
 

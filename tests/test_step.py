@@ -332,6 +332,14 @@ def test_init_copies_and_names_like_the_module():
             r"'accumulate' must be a positive int",
         ),
         (lambda: fl.init(3, fl.optim.sgd(0.1), seed=0, max_iter=1), r"init\(\) expected a torch.nn.Module"),
+        (
+            lambda: fl.train_step(mlp(0), classify, fl.optim.sgd(0.1), options={"cpp_wraper": True}),
+            r"options: 'cpp_wraper' is not a setting of torch._inductor.config",
+        ),
+        (
+            lambda: fl.eval_step(mlp(0), classify, options={"nope": 1}),
+            r"options: 'nope' is not a setting",
+        ),
     ],
 )
 def test_step_errors(build, match):
@@ -361,6 +369,67 @@ def test_eval_step_reads_the_state_and_changes_nothing():
     assert torch.equal(first["acc"], second["acc"])  # eval mode: no dropout
     testing.assert_identical(dict(state.buffers), snapshot)
     assert model.training
+
+
+@pytest.mark.slow
+def test_compiled_eval_step_equals_eager_and_compiles_once_per_batch_shape():
+    model = mlp(0.5)
+
+    def accuracy(forward, batch):
+        x, y = batch
+        logits = forward(x)
+        return {"acc": (logits.argmax(1) == y).float().mean(), "logit_sum": logits.sum()}
+
+    compiled, eager = fl.eval_step(model, accuracy), fl.eval_step(model, accuracy, compile=False)
+    state = fl.run(
+        fl.init(model, fl.optim.sgd(0.1), seed=0, max_iter=3),
+        fl.train_step(model, classify, fl.optim.sgd(0.1), compile=False),
+        batches(3),
+    )
+    for batch in [*BATCHES, (X[:5], Y[:5])]:  # the last, smaller batch compiles a second graph
+        ours, theirs = compiled(state, batch), eager(state, batch)
+        assert ours.keys() == theirs.keys() == {"acc", "logit_sum"}
+        torch.testing.assert_close(ours, theirs)
+    assert compiled.compiles == 2 and model.training
+
+
+@pytest.mark.slow
+def test_static_values_in_a_batch_are_part_of_the_signature():
+    model, _, data = linear_problem()
+
+    def scaled(forward, batch):
+        x, y, how = batch["x"], batch["y"], batch["how"]
+        err = (forward(x) - y) ** 2
+        return err.sum() if how == "sum" else err.mean()
+
+    opt = fl.optim.sgd(0.01)
+    state = fl.init(model, opt, seed=0, max_iter=4)
+    stream = [{"x": x, "y": y, "how": how} for (x, y), how in zip(data, ["mean", "mean", "sum", "mean"])]
+    step = fl.train_step(model, scaled, opt, recompiles=1, options={"cpp_wrapper": False})
+    ours = fl.run(state, step, stream)
+    theirs = fl.run(state, fl.train_step(model, scaled, opt, compile=False), stream)
+    assert step.compiles == 2  # "mean" and "sum" are two graphs; the fourth step reuses the first
+    for name in ours.params:
+        torch.testing.assert_close(ours.params[name], theirs.params[name])
+    with pytest.raises(TypeError, match=r"this batch holds \{1, 2\} \(a set\), which is neither"):
+        step(state, {"x": data[0][0], "y": data[0][1], "how": {1, 2}})
+
+
+@pytest.mark.slow
+def test_without_standalone_compile_the_traced_graph_goes_through_torch_compile(monkeypatch):
+    # torch before 2.8 has no torch._inductor.standalone_compile: the same traced graph, compiled by dynamo.
+    import torch._inductor
+
+    model, mse, data = linear_problem()
+    opt = fl.optim.adam(0.01)
+    state = fl.init(model, opt, seed=0, max_iter=5)
+    monkeypatch.delattr(torch._inductor, "standalone_compile")
+    step = fl.train_step(model, mse, opt, options={"cpp_wrapper": False})
+    ours = fl.run(state, step, data)
+    theirs = fl.run(state, fl.train_step(model, mse, opt, compile=False), data)
+    assert step.compiles == 1
+    for name in ours.params:
+        torch.testing.assert_close(ours.params[name], theirs.params[name])
 
 
 def test_step_is_a_good_step_for_the_fold_without_compile():
