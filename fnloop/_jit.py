@@ -95,7 +95,7 @@ def _compile(
     from torch.fx.experimental.proxy_tensor import make_fx
 
     try:
-        graph = make_fx(function, tracing_mode="fake")(*leaves)
+        graph = make_fx(function, tracing_mode="fake", _allow_non_fake_inputs=True)(*leaves)
     except _data_dependent() as exc:
         raise TraceError(str(exc)) from exc
     random = any(

@@ -416,6 +416,23 @@ def test_static_values_in_a_batch_are_part_of_the_signature():
 
 
 @pytest.mark.slow
+def test_tensors_the_loss_closes_over_are_constants_of_the_graph():
+    model = torch.nn.Linear(8, 3)
+    weight = torch.tensor([1.0, 2.0, 0.5])  # class weights, read from the closure
+
+    def weighted(forward, batch):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(forward(x), y, weight=weight)
+
+    opt = fl.optim.sgd(0.1)
+    state = fl.init(model, opt, seed=0, max_iter=6)
+    ours = fl.run(state, fl.train_step(model, weighted, opt, options={"cpp_wrapper": False}), batches(6))
+    theirs = fl.run(state, fl.train_step(model, weighted, opt, compile=False), batches(6))
+    for name in ours.params:
+        torch.testing.assert_close(ours.params[name], theirs.params[name])
+
+
+@pytest.mark.slow
 def test_without_standalone_compile_the_traced_graph_goes_through_torch_compile(monkeypatch):
     # torch before 2.8 has no torch._inductor.standalone_compile: the same traced graph, compiled by dynamo.
     import torch._inductor

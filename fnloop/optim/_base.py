@@ -102,7 +102,7 @@ def describe(obj: object) -> str:
 def check_keys(what: str, got: Mapping[str, Any], params: Mapping[str, Any], fix: str) -> None:
     """Raise ``KeyError`` naming the keys ``got`` lacks or has beyond ``params``'s.
 
-    Runs at trace time under ``torch.compile``: it looks at keys only.
+    Runs at trace time: it looks at keys only.
     """
     if got.keys() == params.keys():
         return
