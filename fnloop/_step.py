@@ -26,7 +26,7 @@ LossFn = Callable[[Callable[..., Any], Any], Any]
 
 
 class RecompileError(RuntimeError):
-    """The compiled step was compiled again during a run, more often than its budget allows."""
+    """The compiled step would need another graph, beyond its budget; nothing of that call ran."""
 
 
 class GraphBreakError(RuntimeError):
@@ -419,7 +419,8 @@ def train_step(
             their gradients (one optimizer update per batch).
         autocast: run the forward under ``torch.autocast`` with this dtype
             (for example ``torch.bfloat16``).
-        recompiles: how many recompiles a run may take before ``RecompileError``.
+        recompiles: how many graphs beyond the first the step may compile before
+            ``RecompileError`` (a signature seen before reuses its graph).
         options: inductor settings, as ``torch.compile(options=...)`` takes
             them, over fnloop's defaults (``{"cpp_wrapper": True}``).
 
