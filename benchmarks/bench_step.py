@@ -1,6 +1,7 @@
 """fnloop's compiled step against the loops people write today, side by side, one thread.
 
     python benchmarks/bench_step.py tiny            # 32->64->10 MLP, batch 32, SGD; one process
+    python benchmarks/bench_step.py deep            # 50 x Linear(16, 16): many small tensors
     python benchmarks/bench_step.py wide --procs 3  # 2048-wide 3-layer MLP, batch 64, AdamW; fresh processes
 
 tiny: the eager loop (zero_grad/backward/step), a hand-written compiled functional
@@ -139,6 +140,74 @@ def bench_tiny(iters, repeats):
     same = med["hand-written, C++ wrapper"]
     print(f"  fnloop / hand-written, both with the C++ wrapper: {ours / same:.3f}")
     print(f"  fnloop with the Python wrapper / hand-written: {med['fnloop, Python wrapper'] / hand:.3f}")
+
+
+# --------------------------------------------------------------------------- deep
+
+DEPTH = 50
+
+
+def deep_problem():
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(DEPTH):
+        layers += [torch.nn.Linear(16, 16), torch.nn.ReLU()]
+    data = [(torch.randn(32, 16), torch.randn(32, 16)) for _ in range(8)]
+    return torch.nn.Sequential(*layers), data
+
+
+def deep_handwritten():
+    model, data = deep_problem()
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+
+    def loss(p, x, y):
+        return ((functional_call(model, p, (x,)) - y) ** 2).mean()
+
+    @torch.compile(fullgraph=True)
+    def step(p, x, y):
+        grads = grad(loss)(p, x, y)
+        for k, v in p.items():
+            v.sub_(0.01 * grads[k])
+
+    def run(n):
+        for i in range(n):
+            step(params, *data[i % len(data)])
+
+    return run
+
+
+def deep_fnloop():
+    model, data = deep_problem()
+    opt = fl.optim.sgd(0.01)
+    step = fl.train_step(model, mse, opt)
+    state = fl.init(model, opt, seed=0, max_iter=1)
+
+    def run(n):
+        fl.run(
+            fl.TrainState(**{**state.__dict__, "max_iter": n}), step, (data[i % len(data)] for i in range(n))
+        )
+
+    return run
+
+
+def bench_deep(iters, repeats):
+    runs = {"hand-written compiled": deep_handwritten(), "fnloop (fold)": deep_fnloop()}
+    first = {}
+    for name, run in runs.items():
+        t = time.perf_counter()
+        run(1)  # trace and compile
+        first[name] = time.perf_counter() - t
+    times = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            t = time.perf_counter()
+            run(iters)
+            times[name].append((time.perf_counter() - t) / iters * 1e6)
+    print(f"deep MLP, {DEPTH} x Linear(16, 16) ({2 * DEPTH} parameter tensors), batch 32, SGD, one thread")
+    for name, v in times.items():
+        print(f"  {name:24s} {statistics.median(v):8.1f} us/it   first call (compile) {first[name]:5.1f} s")
+    ratio = statistics.median(times["fnloop (fold)"]) / statistics.median(times["hand-written compiled"])
+    print(f"  fnloop / hand-written compiled: {ratio:.3f}")
 
 
 # --------------------------------------------------------------------------- wide
@@ -289,7 +358,7 @@ def bench_wide(procs, steps, pinned):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("which", choices=["tiny", "wide", "wide-child"])
+    parser.add_argument("which", choices=["tiny", "deep", "wide", "wide-child"])
     parser.add_argument("config", nargs="?")
     parser.add_argument("--iters", type=int, default=3000)
     parser.add_argument("--repeats", type=int, default=5)
@@ -299,6 +368,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.which == "tiny":
         bench_tiny(args.iters, args.repeats)
+    elif args.which == "deep":
+        bench_deep(args.iters // 6, args.repeats)
     elif args.which == "wide":
         bench_wide(args.procs, args.steps, args.pinned_malloc)
     else:
