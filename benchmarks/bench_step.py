@@ -61,25 +61,29 @@ def tiny_eager(iters):
     return run
 
 
-def tiny_handwritten(iters, options=None):
-    model, data = tiny_problem()
+def handwritten_sgd(model, data, loss_fn, options=None):
+    """What people write today: forward, backward and an in-place SGD update in one compiled graph."""
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
 
-    def loss(p, x, y):
-        return torch.nn.functional.cross_entropy(functional_call(model, p, (x,)), y)
+    def loss(p, batch):
+        return loss_fn(lambda *args: functional_call(model, p, args), batch)
 
     @torch.compile(fullgraph=True, options=options)
-    def step(p, x, y):
-        grads = grad(loss)(p, x, y)
+    def step(p, batch):
+        grads = grad(loss)(p, batch)
         for k, v in p.items():
             v.sub_(0.01 * grads[k])
 
     def run(n):
         for i in range(n):
-            x, y = data[i % len(data)]
-            step(params, x, y)
+            step(params, data[i % len(data)])
 
     return run
+
+
+def tiny_handwritten(iters, options=None):
+    model, data = tiny_problem()
+    return handwritten_sgd(model, data, cross_entropy, options)
 
 
 def keep_last_loss(state, phase, memory):
@@ -110,6 +114,17 @@ def tiny_fnloop(iters, options=None):
     return run
 
 
+def interleaved(runs, iters, repeats):
+    """Microseconds per iteration of each run, ``repeats`` times, the runs taking turns."""
+    times = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            t = time.perf_counter()
+            run(iters)
+            times[name].append((time.perf_counter() - t) / iters * 1e6)
+    return times
+
+
 def bench_tiny(iters, repeats):
     python_wrapper = {"cpp_wrapper": False}
     makers = {
@@ -124,13 +139,7 @@ def bench_tiny(iters, repeats):
     runs = {name: make(iters) for name, make in makers.items()}
     for run in runs.values():
         run(50)  # compile and warm up
-    times = {name: [] for name in runs}
-    for _ in range(repeats):
-        for name, run in runs.items():
-            t = time.perf_counter()
-            run(iters)
-            times[name].append((time.perf_counter() - t) / iters * 1e6)
-    med = {name: statistics.median(v) for name, v in times.items()}
+    med = {name: statistics.median(v) for name, v in interleaved(runs, iters, repeats).items()}
     print(f"tiny MLP 32->64->10, batch 32, SGD, {iters} iterations x {repeats}, one thread")
     for name, us in med.items():
         print(f"  {name:26s} {us:8.1f} us/it")
@@ -157,23 +166,7 @@ def deep_problem():
 
 
 def deep_handwritten():
-    model, data = deep_problem()
-    params = {k: v.detach().clone() for k, v in model.named_parameters()}
-
-    def loss(p, x, y):
-        return ((functional_call(model, p, (x,)) - y) ** 2).mean()
-
-    @torch.compile(fullgraph=True)
-    def step(p, x, y):
-        grads = grad(loss)(p, x, y)
-        for k, v in p.items():
-            v.sub_(0.01 * grads[k])
-
-    def run(n):
-        for i in range(n):
-            step(params, *data[i % len(data)])
-
-    return run
+    return handwritten_sgd(*deep_problem(), mse)
 
 
 def deep_fnloop():
@@ -197,12 +190,7 @@ def bench_deep(iters, repeats):
         t = time.perf_counter()
         run(1)  # trace and compile
         first[name] = time.perf_counter() - t
-    times = {name: [] for name in runs}
-    for _ in range(repeats):
-        for name, run in runs.items():
-            t = time.perf_counter()
-            run(iters)
-            times[name].append((time.perf_counter() - t) / iters * 1e6)
+    times = interleaved(runs, iters, repeats)
     print(f"deep MLP, {DEPTH} x Linear(16, 16) ({2 * DEPTH} parameter tensors), batch 32, SGD, one thread")
     for name, v in times.items():
         print(f"  {name:24s} {statistics.median(v):8.1f} us/it   first call (compile) {first[name]:5.1f} s")
