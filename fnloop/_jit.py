@@ -84,14 +84,8 @@ def _signature(leaves: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
     return [(t.shape, t.stride(), t.dtype, t.device) for t in leaves]
 
 
-def _compile(
-    function: Flat,
-    leaves: list[torch.Tensor],
-    structure: Hashable,
-    signature: list[Any],
-    context: Any,
-    options: Mapping[str, Any],
-) -> Entry:
+def _compile(function: Flat, leaves: list[torch.Tensor], options: Mapping[str, Any]) -> tuple[Flat, bool]:
+    """``function`` traced on ``leaves`` and compiled, and whether its graph draws random numbers."""
     import torch._inductor
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -110,7 +104,7 @@ def _compile(
     else:
         with torch._inductor.config.patch(dict(options)):
             compiled = standalone(graph, leaves, dynamic_shapes="from_example_inputs")
-    return Entry(structure, signature, compiled, context, random)
+    return compiled, random
 
 
 _TENSOR = "tensor"
@@ -197,7 +191,7 @@ class Jit:
             if self.budget is not None and self.compiles >= self.budget:
                 raise OverBudget(self._change(structure, signature))
             function, context = self._make(structure)
-            found = _compile(function, leaves, structure, signature, context, self.options)
+            found = Entry(structure, signature, *_compile(function, leaves, self.options), context)
             self._cache[(structure, tuple(signature))] = found
             self.compiles += 1
         self._last, self._last_structure = found, structure
@@ -229,8 +223,8 @@ class Entry:
     structure: Hashable
     signature: list[tuple[Any, ...]]
     compiled: Flat
-    context: Any
     random: bool
+    context: Any
 
 
 def _describe(meta: tuple[Any, ...]) -> str:

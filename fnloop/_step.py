@@ -254,7 +254,6 @@ class TrainStep:
     model: torch.nn.Module
     loss_fn: LossFn
     optimizer: Optimizer
-    compiled: bool
     recompiles: int
     function: Callable[..., Any]
     """The kernel, ``(params, buffers, opt_state, iteration, batch) -> (loss, metrics)``, run eagerly."""
@@ -349,6 +348,11 @@ class TrainStep:
         return leaves, containers, spec
 
     @property
+    def compiled(self) -> bool:
+        """Whether the step is traced and compiled (``train_step(..., compile=True)``)."""
+        return self.jit is not None
+
+    @property
     def compiles(self) -> int:
         """How many graphs the step has compiled: 1 over a healthy run, 0 when not compiled."""
         return 0 if self.jit is None else self.jit.compiles
@@ -438,7 +442,7 @@ def train_step(
     if type(recompiles) is not int or recompiles < 0:
         raise ValueError(f"'recompiles' must be an int >= 0 ({got(recompiles)}).")
     jit = _jit_kernel(kernel, 1 + recompiles, options) if compile else None
-    step = TrainStep(model, loss_fn, optimizer, compile, recompiles, kernel, jit)
+    step = TrainStep(model, loss_fn, optimizer, recompiles, kernel, jit)
     return step if donate else _Undonated(step)
 
 
