@@ -205,6 +205,7 @@ def _fold(
                 state = replace(state, effects=())
                 if perform:
                     _perform(before, began, state)
+            fetching = clock()
             try:
                 batch = next(stream)
             except StopIteration:
@@ -217,6 +218,7 @@ def _fold(
                 batch, cursor = batch
             else:
                 cursor = state.data
+            fetched = clock()
             new = apply(state, batch)
             mixed = apply is donating
             if type(new) is not TrainState:
@@ -224,7 +226,7 @@ def _fold(
                     f"step {step!r:.80} returned {new!r:.80} (a {type(new).__name__}) at iteration {i}; "
                     "a step must return a TrainState."
                 )
-            began = replace(new, time=clock())
+            began = replace(new, time=clock(), data_time=fetched - fetching)
             state = hook(began, _AFTER_STEP)
             if type(state) is not TrainState:
                 raise returned(hook, _AFTER_STEP, state)
@@ -234,7 +236,7 @@ def _fold(
                     "only the fold advances it. To end a run early, lower max_iter instead."
                 )
             after = state.effects
-            state = last = replace(state, iteration=i + 1, data=cursor, effects=())
+            state = last = replace(state, iteration=i + 1, data=cursor, data_time=0.0, effects=())
             mixed = False
             if after and perform:
                 _perform(after, began, state)

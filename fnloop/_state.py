@@ -124,6 +124,9 @@ class TrainState:
         hooks: hook name -> that hook's own state.
         extra: the user's own data (a frozen record or pytree).
         time: the driver's clock at the start of the current phase, in seconds.
+        data_time: the seconds the fold waited for the current batch, for
+            the ``AFTER_STEP`` hooks (a timer records it); 0 in other phases.
+            Like ``effects``, not saved in checkpoints.
         effects: effects requested in the current phase (cleared by the fold).
     """
 
@@ -138,6 +141,7 @@ class TrainState:
     hooks: Mapping[str, Any] = attrs.field(factory=dict, validator=_str_mapping)
     extra: Any = None
     time: float = attrs.field(default=0.0, validator=_number)
+    data_time: float = attrs.field(default=0.0, validator=_number)
     effects: tuple[Effect, ...] = attrs.field(default=(), validator=_effects)
 
 

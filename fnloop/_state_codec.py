@@ -1,6 +1,7 @@
 """What a checkpoint holds of a ``TrainState``, and how the state comes back.
 
-``encode_state`` encodes every field but ``effects`` (they carry code).
+``encode_state`` encodes every field but ``effects`` (they carry code) and
+``data_time`` (a reading of the clock for the current step only).
 ``fill_state`` rebuilds the state like a template: its fields strictly
 (``fnloop._fill.fill``), ``metrics`` as saved (they describe themselves), and
 hook states leniently: the ones the template knows strictly, the others as
@@ -21,8 +22,8 @@ from fnloop._state import TrainState, Unclaimed
 
 __all__ = ["STATE_FIELDS", "encode_state", "fill_state"]
 
-STATE_FIELDS = tuple(f.name for f in attrs.fields(TrainState) if f.name != "effects")
-"""The fields of TrainState a checkpoint holds: all but ``effects``, which carry code."""
+STATE_FIELDS = tuple(f.name for f in attrs.fields(TrainState) if f.name not in ("effects", "data_time"))
+"""The fields of TrainState a checkpoint holds: all but ``effects``, which carry code, and ``data_time``."""
 
 
 def encode_state(state: TrainState) -> tuple[Any, dict[str, torch.Tensor]]:

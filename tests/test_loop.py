@@ -99,24 +99,31 @@ def test_effects_can_be_turned_off_for_a_dry_replay():
     assert performed == [] and final.effects == ()
 
 
-def test_the_clock_enters_the_state_at_each_phase():
+def test_the_clock_enters_the_state_at_each_phase_and_times_the_batch():
+    # The fold reads the clock at each phase and around fetching each batch.
     ticks = iter(range(100))
     seen = []
     fl.run(
         TrainState(max_iter=2),
         empty_step,
         [None] * 2,
-        [lambda s, p: (seen.append((p.name, s.time)), s)[1]],
-        clock=lambda: float(next(ticks)),
+        [lambda s, p: (seen.append((p.name, s.time, s.data_time)), s)[1]],
+        clock=lambda: float(next(ticks)) ** 2,
     )
     assert seen == [
-        ("BEFORE_TRAIN", 0.0),
-        ("BEFORE_STEP", 1.0),
-        ("AFTER_STEP", 2.0),
-        ("BEFORE_STEP", 3.0),
-        ("AFTER_STEP", 4.0),
-        ("AFTER_TRAIN", 5.0),
+        ("BEFORE_TRAIN", 0.0, 0.0),
+        ("BEFORE_STEP", 1.0, 0.0),
+        ("AFTER_STEP", 16.0, 9.0 - 4.0),
+        ("BEFORE_STEP", 25.0, 0.0),
+        ("AFTER_STEP", 64.0, 49.0 - 36.0),
+        ("AFTER_TRAIN", 81.0, 0.0),
     ]
+
+
+def test_data_time_is_not_saved(tmp_path):
+    state = attrs.evolve(TrainState(max_iter=1), data_time=1.5)
+    fl.save(state, tmp_path / "s.safetensors")
+    assert fl.load(tmp_path / "s.safetensors", like=TrainState(max_iter=1)).data_time == 0.0
 
 
 class Stream:
