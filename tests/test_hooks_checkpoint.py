@@ -132,9 +132,10 @@ def test_after_train_does_not_overwrite_the_periodic_checkpoint_of_the_same_iter
         fl.run(start(10), moving, stream(), hooks, clock=lambda: float(next(ticks)))
     assert names(tmp_path) == [4, 2]
     saved = checkpoint.load(checkpoint.path_for(tmp_path, 4), like=start(10))
-    # Written at AFTER_STEP of step 3 (clock readings: 0 at BEFORE_TRAIN, then two per step), not
-    # at AFTER_TRAIN (reading 10, after the failure at BEFORE_STEP of step 4 read 9).
-    assert saved.time == 8.0
+    # Written at AFTER_STEP of step 3 (clock readings: 0 at BEFORE_TRAIN, then four per step: the two
+    # step phases and both ends of the batch fetch), not at AFTER_TRAIN (reading 18, after the failure
+    # at BEFORE_STEP of step 4 read 17).
+    assert saved.time == 16.0
 
 
 def test_the_after_train_save_does_not_depend_on_where_the_hook_sits(tmp_path):
