@@ -1,0 +1,172 @@
+"""Ending a run when a metric stops improving."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import attrs
+
+from fnloop._hooks import Hook, stateful
+from fnloop._messages import got
+from fnloop._metrics import to_floats
+from fnloop._phase import Phase
+from fnloop._state import TrainState, request
+
+__all__ = ["EarlyStopState", "MetricNotRecorded", "early_stop"]
+
+
+class MetricNotRecorded(UserWarning):
+    """A hook watched a metric that the run never recorded (a typo, or a missing ``evaluate``)."""
+
+
+@attrs.frozen
+class _Warn:
+    """The effect warning that ``metric`` was never recorded; a value, so states compare equal."""
+
+    hook: str
+    metric: str
+
+    def __call__(self, state: TrainState) -> None:
+        warnings.warn(
+            f"{self.hook}: the metric {self.metric!r} was never recorded in this run, so it never "
+            f"acted. Recorded metrics: {list(state.metrics.names)}. Check the name, and that the hook "
+            "recording it (evaluate, ...) runs, and runs before this one in the list.",
+            MetricNotRecorded,
+            stacklevel=2,
+        )
+
+
+@attrs.frozen
+class EarlyStopState:
+    """Why a run stopped, or how close it is: the best value, when, and the values since without improvement.
+
+    Attributes:
+        best: the best value seen (``inf`` / ``-inf`` before any).
+        best_iteration: the metric index it was recorded at (-1: none yet).
+        seen: the index of the newest entry looked at (-1: none yet).
+        bad: values in a row that did not improve on ``best`` by more than ``min_delta``.
+        stopped_at: the step after which the run was ended (-1: not stopped).
+    """
+
+    best: float
+    best_iteration: int = -1
+    seen: int = -1
+    bad: int = 0
+    stopped_at: int = -1
+
+
+def _patience(value: object) -> int:
+    if type(value) is not int or value < 1:
+        raise ValueError(
+            f"early_stop() 'patience' must be a positive int ({got(value)}): the number of new "
+            "values in a row without improvement after which the run ends."
+        )
+    return value
+
+
+def _min_delta(value: object) -> float:
+    if type(value) not in (int, float) or not value >= 0:  # type: ignore[operator]
+        raise ValueError(
+            f"early_stop() 'min_delta' must be a float >= 0 ({got(value)}): how much a value must "
+            "beat the best by to count as an improvement."
+        )
+    return float(value)  # type: ignore[arg-type]
+
+
+@attrs.frozen(repr=False)
+class _EarlyStop:
+    metric: str
+    patience: int
+    mode: str
+    min_delta: float
+    name: str
+
+    def __call__(
+        self, state: TrainState, phase: Phase, memory: EarlyStopState
+    ) -> tuple[TrainState, EarlyStopState]:
+        if phase is Phase.AFTER_TRAIN:
+            never = memory.seen < 0 and self.metric not in state.metrics.series
+            if never and state.iteration == state.max_iter:
+                return request(
+                    state, _Warn(repr(self), self.metric), f"warn: {self.metric} never recorded"
+                ), memory
+            return state, memory
+        if phase is not Phase.AFTER_STEP or self.metric not in state.metrics.series:
+            return state, memory
+        history = state.metrics.history(self.metric)
+        if history[-1][0] <= memory.seen:
+            # Nothing new: no host sync in this step.
+            return state, memory
+        new = [(i, v) for i, v in history if i > memory.seen]
+        for (i, _), value in zip(new, to_floats(v for _, v in new)):
+            memory = self._count(memory, i, value)
+        if memory.bad < self.patience:
+            return state, memory
+        # Ends the run after this step, as a success: AFTER_TRAIN sees iteration == max_iter.
+        stopped = attrs.evolve(state, max_iter=min(state.max_iter, state.iteration + 1))
+        return stopped, attrs.evolve(memory, stopped_at=state.iteration)
+
+    def _count(self, memory: EarlyStopState, index: int, value: float) -> EarlyStopState:
+        if self.mode == "min":
+            better = value < memory.best - self.min_delta
+        else:
+            better = value > memory.best + self.min_delta
+        if better:  # NaN compares false: never an improvement
+            return EarlyStopState(value, index, index, 0, memory.stopped_at)
+        return attrs.evolve(memory, seen=index, bad=memory.bad + 1)
+
+    def __repr__(self) -> str:
+        return (
+            f"early_stop({self.metric!r}, patience={self.patience}, mode={self.mode!r}, "
+            f"min_delta={self.min_delta!r})"
+        )
+
+
+def early_stop(
+    metric: str, *, patience: int, mode: str = "min", min_delta: float = 0.0, name: str | None = None
+) -> Hook:
+    """A hook ending the run once ``metric`` stopped improving for ``patience`` values in a row.
+
+    At ``AFTER_STEP`` it reads the values of ``metric`` recorded since it
+    last looked (so place it after the hook that records them, such as
+    ``evaluate``), and counts each: one that beats the best so far by more
+    than ``min_delta`` (lower for ``mode="min"``, higher for ``"max"``) is
+    the new best and resets the count; any other, NaN included, adds one.
+    When the count reaches ``patience`` it lowers ``max_iter`` to the next
+    iteration, so the run ends after the current step as a success:
+    ``AFTER_TRAIN`` runs, a final checkpoint and a final evaluation happen.
+    Reading the values syncs with the device, but only in steps that recorded
+    new ones; wrapped in ``every(n, ...)`` it looks less often and still
+    counts every value recorded since (those still in the metrics window).
+
+    Its memory (``state.hooks[name]``, an ``EarlyStopState``) says why the run
+    stopped and survives a resume. If a successful run never recorded
+    ``metric``, it warns (``MetricNotRecorded``) at ``AFTER_TRAIN``.
+
+    >>> import fnloop as fl
+    >>> losses = [3.0, 2.0, 2.5, 2.2, 1.0, 0.5]
+    >>> step = lambda s, b: fl.record(s, val_loss=losses[s.iteration])
+    >>> final = fl.run(fl.TrainState(max_iter=6), step, [None] * 6, [early_stop("val_loss", patience=2)])
+    >>> final.iteration, final.hooks["early_stop:val_loss"]
+    (4, EarlyStopState(best=2.0, best_iteration=1, seen=3, bad=2, stopped_at=3))
+
+    Args:
+        metric: the name of a recorded metric.
+        patience: values in a row without improvement that end the run.
+        mode: ``"min"`` or ``"max"``.
+        min_delta: the margin a value must beat the best by.
+        name: where the hook keeps its state (default ``"early_stop:<metric>"``).
+
+    Raises:
+        ValueError: a bad ``patience``, ``mode`` or ``min_delta``.
+    """
+    if type(metric) is not str or not metric:
+        raise TypeError(f"early_stop() 'metric' must be a metric name, a non-empty str ({got(metric)}).")
+    if mode not in ("min", "max"):
+        raise ValueError(f"early_stop() 'mode' must be 'min' or 'max' (got {mode!r}).")
+    start = EarlyStopState(math.inf if mode == "min" else -math.inf)
+    update = _EarlyStop(
+        metric, _patience(patience), mode, _min_delta(min_delta), name or f"early_stop:{metric}"
+    )
+    return stateful(update.name, start, update)

@@ -1,0 +1,161 @@
+"""An exponential moving average of the parameters, kept in the state."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import attrs
+import torch
+
+from fnloop._messages import got
+from fnloop._phase import Phase
+from fnloop._state import TrainState, Unclaimed, replace
+
+__all__ = ["EmaState", "ema", "ema_params"]
+
+
+@attrs.frozen
+class EmaState:
+    """The averaged parameters (name -> tensor, keyed like ``state.params``) and how many steps they saw."""
+
+    params: Mapping[str, torch.Tensor]
+    updates: int = 0
+
+
+def _decay(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if type(value) not in (int, float) or not 0.0 <= value <= 1.0:  # type: ignore[operator]
+        raise ValueError(
+            f"'{attribute.name}' must be a float in [0, 1] ({got(value)}); typical values are "
+            "0.999 or 0.9999 (the average then spans about 1 / (1 - decay) steps)."
+        )
+
+
+def _name(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if type(value) is not str or not value:
+        raise ValueError(f"'{attribute.name}' must be a non-empty str ({got(value)}).")
+
+
+def _copy(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # Own tensors, never aliases: a donating step overwrites the params in place.
+    return {k: p.detach().clone() for k, p in params.items()}
+
+
+def _template(params: Mapping[str, torch.Tensor]) -> EmaState:
+    return EmaState({k: torch.empty_like(p) for k, p in params.items()})
+
+
+def _current(state: TrainState, name: str) -> EmaState | None:
+    """The EMA kept under ``name`` (claiming one read from a checkpoint), or ``None``."""
+    value = state.hooks.get(name)
+    if value is None:
+        return None
+    if type(value) is Unclaimed:
+        return value.claim(_template(state.params))
+    if type(value) is not EmaState:
+        raise TypeError(
+            f"state.hooks[{name!r}] holds {type(value).__name__}, not an EMA (fnloop.hooks.EmaState); "
+            f"another hook keeps its state under {name!r}. Give the ema hook another name=."
+        )
+    return value
+
+
+@attrs.frozen(repr=False)
+class Ema:
+    """An EMA of the parameters in ``state.hooks[name]``; build it with ``ema``."""
+
+    decay: float = attrs.field(validator=_decay)
+    name: str = attrs.field(default="ema", validator=_name)
+
+    def __call__(self, state: TrainState, phase: Phase, /) -> TrainState:
+        if phase is Phase.BEFORE_TRAIN:
+            old = _current(state, self.name)
+            if old is None:
+                return self._keep(state, EmaState(_copy(state.params)))
+            if list(old.params) != list(state.params):
+                raise ValueError(
+                    f"ema {self.name!r}: the average holds {sorted(old.params)} but the state's params "
+                    f"are {sorted(state.params)}. The EMA must come from the same model; start it afresh "
+                    f"by dropping state.hooks[{self.name!r}], or give this hook another name=."
+                )
+            return state if old is state.hooks[self.name] else self._keep(state, old)
+        if phase is not Phase.AFTER_STEP:
+            return state
+        old = _current(state, self.name)
+        if old is None:
+            old = EmaState(_copy(state.params))
+        names = list(state.params)
+        averaged = old.params
+        # One fused kernel over all tensors; the out-of-place form leaves the old
+        # average intact for whoever still holds the previous state.
+        new = torch._foreach_lerp(
+            [averaged[k] for k in names], [state.params[k].detach() for k in names], 1.0 - self.decay
+        )
+        return self._keep(state, EmaState(dict(zip(names, new)), old.updates + 1))
+
+    def _keep(self, state: TrainState, value: EmaState) -> TrainState:
+        # `hooks` stays a str-keyed mapping, so the validators need not run again.
+        return replace(state, hooks={**state.hooks, self.name: value})
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        return (self.name,)
+
+    def __repr__(self) -> str:
+        return f"ema({self.decay!r}, name={self.name!r})"
+
+
+def ema(decay: float, *, name: str = "ema") -> Ema:
+    """A hook keeping an exponential moving average of the parameters in ``state.hooks[name]``.
+
+    At ``BEFORE_TRAIN`` the average starts as a copy of ``state.params``
+    (unless the state, say one loaded from a checkpoint, holds one already).
+    After every step, ``average = decay * average + (1 - decay) * params``, as
+    one fused ``torch._foreach_lerp`` over all tensors, the update
+    ``torch.optim.swa_utils.get_ema_multi_avg_fn`` applies. The average is
+    new tensors each step, never written in place and never sharing storage
+    with the params; it is saved with the state (an ``EmaState``). Read it with
+    ``ema_params``; ``evaluate(fn, ema=name)`` evaluates it. Buffers (BatchNorm
+    statistics) are not averaged.
+
+    >>> import fnloop as fl
+    >>> step = lambda s, b: attrs.evolve(s, params={"w": s.params["w"] + 1})
+    >>> start = fl.TrainState(max_iter=2, params={"w": torch.zeros(())})
+    >>> final = fl.run(start, step, [None] * 2, [ema(0.5)])
+    >>> final.params["w"].item(), ema_params(final)["w"].item()  # 0 -> (0 + 1) / 2 -> (0.5 + 2) / 2
+    (2.0, 1.25)
+
+    Args:
+        decay: in ``[0, 1]``; the average spans about ``1 / (1 - decay)`` steps.
+        name: where the average is kept; unique among the run's hooks.
+
+    Raises:
+        ValueError: ``decay`` is outside ``[0, 1]`` or ``name`` is empty.
+    """
+    return Ema(decay, name)
+
+
+def ema_params(state: TrainState, name: str = "ema") -> dict[str, torch.Tensor]:
+    """The averaged parameters kept by the ``ema`` hook called ``name``, shaped like ``state.params``.
+
+    Works on a state loaded from a checkpoint too. To evaluate the average,
+    use ``evaluate(fn, ema=name)``, or ``attrs.evolve(state,
+    params=ema_params(state))``; ``fnloop.state_dict`` of that state loads into
+    the model.
+
+    >>> import fnloop as fl
+    >>> state = fl.TrainState(max_iter=1, params={"w": torch.ones(2)})
+    >>> ema_params(ema(0.9)(state, fl.Phase.BEFORE_TRAIN))
+    {'w': tensor([1., 1.])}
+
+    Raises:
+        KeyError: the state holds no average under ``name``.
+        TypeError: ``state.hooks[name]`` is another hook's state.
+    """
+    found = _current(state, name)
+    if found is None:
+        raise KeyError(
+            f"no EMA named {name!r} in this state (hook states present: {sorted(state.hooks)}). "
+            f"Add fnloop.hooks.ema(decay, name={name!r}) to the run's hooks, or pass the name= "
+            "the ema hook was given."
+        )
+    return dict(found.params)
