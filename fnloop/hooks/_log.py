@@ -1,0 +1,185 @@
+"""The log hook: at each firing, write the metrics recorded since the previous write."""
+
+from __future__ import annotations
+
+import attrs
+
+from fnloop._messages import got
+from fnloop._phase import Phase
+from fnloop._state import TrainState, Unclaimed, replace, request
+from fnloop.writers import Line, Writer, since
+
+__all__ = ["Log", "LogState", "log"]
+
+_BEFORE_TRAIN = Phase.BEFORE_TRAIN
+_AFTER_STEP = Phase.AFTER_STEP
+_AFTER_TRAIN = Phase.AFTER_TRAIN
+
+
+@attrs.frozen
+class LogState:
+    """What the log has written: entries recorded at indices below ``done``.
+
+    ``line`` is the iteration of the last line requested (-1: none yet) and
+    ``start`` the first index that line covered, so a resumed run can write
+    that line again where the crash lost it.
+    """
+
+    done: int = 0
+    line: int = -1
+    start: int = 0
+
+
+@attrs.frozen
+class _Write:
+    """The effect of one firing: write what was recorded at ``first`` or later, then maybe close."""
+
+    writers: tuple[Writer, ...]
+    first: int
+    end: bool
+
+    def __call__(self, state: TrainState) -> None:
+        # Decided here, not in the hook: an AFTER_TRAIN hook placed after `log` (an evaluation)
+        # records its metrics before the fold performs this, and the last line must hold them.
+        try:
+            names = since(state.metrics, self.first)
+            if names:
+                line = Line(state.iteration, state.max_iter, state.metrics, names)
+                for writer in self.writers:
+                    writer.write(line)
+        finally:
+            if self.end:
+                for writer in self.writers:
+                    writer.close()
+
+
+@attrs.frozen
+class _Start:
+    """The effect of ``BEFORE_TRAIN``: writers drop what lies at or past the run's first iteration.
+
+    When the state says a line was written at that very iteration (the
+    checkpoint was taken in the same phase), it is written again from the
+    state's metrics, which are those it was first written from.
+    """
+
+    writers: tuple[Writer, ...]
+    again: int | None
+
+    def __call__(self, state: TrainState) -> None:
+        for writer in self.writers:
+            writer.start(state.iteration)
+        if self.again is None:
+            return
+        names = since(state.metrics, self.again)
+        if names:
+            line = Line(state.iteration, state.max_iter, state.metrics, names, resumed=True)
+            for writer in self.writers:
+                writer.write(line)
+
+
+def _writers(instance: object, attribute: attrs.Attribute, value: tuple[object, ...]) -> None:
+    if not value:
+        raise ValueError(
+            "log() needs at least one writer (got none); for example "
+            "log(fnloop.writers.console(), fnloop.writers.jsonl('run/metrics.jsonl'))."
+        )
+    for writer in value:
+        if not isinstance(writer, Writer):
+            raise TypeError(
+                f"log() expected writers with start, write and close methods, such as "
+                f"fnloop.writers.console() ({got(writer)})."
+            )
+
+
+def _name(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if type(value) is not str or not value:
+        raise ValueError(f"'{attribute.name}' must be a non-empty str ({got(value)}).")
+
+
+@attrs.frozen(repr=False)
+class Log:
+    """Write metrics to ``writers``; build it with ``log``."""
+
+    writers: tuple[Writer, ...] = attrs.field(validator=_writers)
+    name: str = attrs.field(validator=_name)
+
+    def __call__(self, state: TrainState, phase: Phase, /) -> TrainState:
+        if phase is _AFTER_STEP:
+            memory = self._memory(state)
+            k = state.iteration + 1
+            state = request(state, _Write(self.writers, memory.done, False), self._label(k))
+            return replace(state, hooks={**state.hooks, self.name: LogState(k, k, memory.done)})
+        if phase is _BEFORE_TRAIN:
+            memory = self._memory(state)
+            again = memory.start if memory.line == state.iteration else None
+            return request(state, _Start(self.writers, again), f"{self.name}: start writers")
+        if phase is _AFTER_TRAIN:
+            memory = self._memory(state)
+            k = state.iteration
+            state = request(state, _Write(self.writers, memory.done, True), self._label(k))
+            return replace(state, hooks={**state.hooks, self.name: LogState(k + 1, k, memory.done)})
+        return state
+
+    def _memory(self, state: TrainState) -> LogState:
+        memory = state.hooks.get(self.name)
+        if type(memory) is LogState:
+            return memory
+        if type(memory) is Unclaimed:
+            return memory.claim(LogState())  # type: ignore[no-any-return]
+        return LogState()
+
+    def _label(self, iteration: int) -> str:
+        return f"{self.name}: write iteration {iteration}"
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        return (self.name,)
+
+    def __repr__(self) -> str:
+        return f"log({', '.join(map(repr, self.writers))}, name={self.name!r})"
+
+
+def log(*writers: Writer, name: str = "log") -> Log:
+    """A hook writing the metrics recorded since its previous write, usually ``every(n, log(...))``.
+
+    * ``AFTER_STEP`` of step ``i``: it requests one write, performed once every
+      hook of the phase has run, of each metric with an entry recorded since
+      the previous write, as a line at iteration ``i + 1`` (the completed
+      steps). Entries carry the index of the step that recorded them (``i``).
+    * ``AFTER_TRAIN`` (which ``every`` lets through): one more write, unless
+      nothing was recorded since the last one; whether anything was is decided
+      as the write is performed, so an evaluation placed after ``log`` in the
+      hook list is in the last line. Then the writers are closed.
+    * ``BEFORE_TRAIN``: each writer drops what it holds for the run's first
+      iteration ``k`` and later (the JSON lines file is cut back; TensorBoard
+      gets ``purge_step=k``), and a line the state says was written at ``k`` is
+      written again. So after a crash and a resume the log reads as one run.
+
+    What was written is a ``LogState`` in ``state.hooks[name]``, saved with
+    checkpoints. Values are converted to floats (a host sync) only when a line
+    is written, never in a step that writes nothing.
+
+    >>> import fnloop as fl
+    >>> lines = []
+    >>> class Keep:
+    ...     def start(self, iteration): pass
+    ...     def write(self, line): lines.append((line.iteration, line.values()))
+    ...     def close(self): pass
+    >>> step = lambda s, b: fl.record(s, loss=float(s.iteration))
+    >>> final = fl.run(fl.TrainState(max_iter=5), step, [None] * 5, [fl.every(2, log(Keep()))])
+    >>> lines
+    [(2, {'loss': 1.0}), (4, {'loss': 3.0}), (5, {'loss': 4.0})]
+
+    Args:
+        writers: where to write (``fnloop.writers.console()``, ``jsonl(path)``,
+            ``tensorboard(logdir)``, or your own ``fnloop.writers.Writer``).
+        name: where the hook keeps its ``LogState`` in ``state.hooks``.
+
+    Returns:
+        The hook.
+
+    Raises:
+        ValueError: no writer given, or ``name`` empty.
+        TypeError: a writer lacks ``start``, ``write`` or ``close``.
+    """
+    return Log(writers, name)

@@ -1,0 +1,138 @@
+"""The profile hook: ``torch.profiler`` over a window of iterations, written as a chrome trace."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from fnloop._messages import got
+from fnloop._phase import Phase
+from fnloop._state import TrainState, request
+
+__all__ = ["Profile", "profile"]
+
+_PROFILERS: dict[tuple[int, str, int], Any] = {}
+"""(process id, directory, first iteration) -> the running profiler."""
+
+
+@attrs.frozen
+class _Start:
+    directory: str
+    start: int
+
+    def __call__(self, state: TrainState) -> None:
+        key = (os.getpid(), self.directory, self.start)
+        if key in _PROFILERS:
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        profiler = torch.profiler.profile(activities=activities)
+        profiler.start()
+        _PROFILERS[key] = profiler
+
+
+@attrs.frozen
+class _Stop:
+    directory: str
+    start: int
+
+    def __call__(self, state: TrainState) -> None:
+        profiler = _PROFILERS.pop((os.getpid(), self.directory, self.start), None)
+        if profiler is None:
+            return
+        profiler.stop()
+        path = trace_path(self.directory, self.start)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Exported under a temporary name, then renamed: a reader never sees half a trace.
+        temp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        try:
+            profiler.export_chrome_trace(os.fspath(temp))
+            os.replace(temp, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                temp.unlink()
+
+
+def trace_path(directory: str | os.PathLike[str], start: int) -> Path:
+    """Where ``profile(directory, start=start, ...)`` writes its trace: ``directory/trace-<start>.json``."""
+    return Path(directory) / f"trace-{start}.json"
+
+
+def _path(value: str | os.PathLike[str]) -> str:
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"'directory' must be a str or os.PathLike ({got(value)}).")
+    return os.fspath(value)
+
+
+def _non_negative(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if type(value) is not int or value < 0:
+        raise ValueError(f"'{attribute.name}' must be a non-negative int ({got(value)}).")
+
+
+def _positive(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if type(value) is not int or value < 1:
+        raise ValueError(f"'{attribute.name}' must be a positive int ({got(value)}).")
+
+
+@attrs.frozen(repr=False)
+class Profile:
+    """Profile iterations ``[start, start + steps)``; build it with ``profile``."""
+
+    directory: str = attrs.field(converter=_path)
+    start: int = attrs.field(validator=_non_negative)
+    steps: int = attrs.field(validator=_positive)
+
+    def __call__(self, state: TrainState, phase: Phase, /) -> TrainState:
+        if phase is Phase.BEFORE_STEP:
+            if state.iteration == self.start:
+                return request(state, _Start(self.directory, self.start), f"profile from {self.start}")
+            return state
+        if phase is Phase.AFTER_STEP:
+            if state.iteration == self.start + self.steps - 1:
+                return request(state, _Stop(self.directory, self.start), f"profile trace {self.start}")
+            return state
+        if phase is Phase.AFTER_TRAIN:
+            return request(state, _Stop(self.directory, self.start), f"profile trace {self.start}")
+        return state
+
+    def __repr__(self) -> str:
+        return f"profile({self.directory!r}, start={self.start}, steps={self.steps})"
+
+
+def profile(directory: str | os.PathLike[str], *, start: int, steps: int) -> Profile:
+    """A hook profiling iterations ``[start, start + steps)`` with ``torch.profiler``.
+
+    An effect at ``BEFORE_STEP`` of ``start`` starts the profiler (CPU, and
+    CUDA where there is a GPU); one at ``AFTER_STEP`` of ``start + steps - 1``,
+    or at ``AFTER_TRAIN`` if the run ends first, stops it and writes a chrome
+    trace to ``directory/trace-<start>.json`` (open it in Perfetto or
+    ``chrome://tracing``). The window covers the steps and the hooks between
+    them, and the effects of ``BEFORE_STEP``. A run resumed past ``start``
+    profiles nothing. Pick ``start`` after the compile (a few iterations in).
+
+    >>> import json, tempfile, fnloop as fl
+    >>> folder = tempfile.mkdtemp()
+    >>> final = fl.run(fl.TrainState(max_iter=3), lambda s, b: s, [None] * 3, [profile(folder, start=1, steps=1)])
+    >>> "traceEvents" in json.loads(trace_path(folder, 1).read_text())
+    True
+
+    Args:
+        directory: where the trace goes (created if missing).
+        start: the first iteration profiled.
+        steps: how many iterations.
+
+    Returns:
+        The hook.
+
+    Raises:
+        ValueError: ``start`` negative or ``steps`` not positive.
+        TypeError: ``directory`` is not a path.
+    """
+    return Profile(directory, start, steps)

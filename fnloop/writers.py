@@ -1,0 +1,349 @@
+"""Writers: where ``fnloop.hooks.log`` sends the metrics (the console, a JSON lines file, TensorBoard).
+
+A writer is a small picklable record with three methods, all called at the
+edge (inside effects the fold performs), never inside a hook:
+
+* ``start(iteration)`` when a run begins at ``iteration``: drop whatever the
+  writer holds for iterations ``>= iteration``, so that a resumed run's log
+  reads as one run (the JSON lines file is cut back; TensorBoard gets
+  ``purge_step``);
+* ``write(line)`` with a ``Line``: the metrics recorded since the previous write;
+* ``close()`` when the run ends.
+
+Live objects (TensorBoard's ``SummaryWriter``) are kept in a registry of
+this process, keyed by the writer's path; the records themselves hold only
+configuration.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import statistics
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+
+from fnloop._atomic import write_atomically
+from fnloop._messages import got
+from fnloop._metrics import Metrics, Scalar, to_floats
+
+__all__ = ["Line", "Writer", "console", "jsonl", "tensorboard"]
+
+LOGGER = "fnloop"
+"""The name of the ``logging`` logger the console writer writes to."""
+
+
+@attrs.frozen
+class Line:
+    """What one write is about: the metrics recorded since the previous write.
+
+    Args:
+        iteration: completed steps when written (``state.iteration`` as the effect runs).
+        max_iter: the run's ``max_iter``, for the ETA.
+        metrics: the run's metrics record; values are converted only by the writer.
+        names: the metrics with an entry recorded since the previous write.
+        resumed: rewritten by a resumed run to restore what ``start`` dropped;
+            a stream writer (the console) skips it.
+    """
+
+    iteration: int
+    max_iter: int
+    metrics: Metrics
+    names: tuple[str, ...]
+    resumed: bool = False
+
+    def values(self) -> dict[str, float]:
+        """The newest value of each name, as floats (one host sync for all tensors)."""
+        latest = [self.metrics.series[name][-1][1] for name in self.names]
+        return dict(zip(self.names, to_floats(latest)))
+
+
+def since(metrics: Metrics, first: int) -> tuple[str, ...]:
+    """The names whose newest entry was recorded at index ``first`` or later."""
+    return tuple(name for name, entries in metrics.series.items() if entries and entries[-1][0] >= first)
+
+
+@runtime_checkable
+class Writer(Protocol):
+    """Something ``fnloop.hooks.log`` writes to: ``start``, ``write`` and ``close``, called at the edge."""
+
+    def start(self, iteration: int) -> None:
+        """A run begins at ``iteration``: forget what was written for ``iteration`` and later."""
+
+    def write(self, line: Line) -> None:
+        """Write ``line``."""
+
+    def close(self) -> None:
+        """The run ended: release what ``write`` opened."""
+
+
+# -- console -------------------------------------------------------------------------------------------
+
+
+def _visible(logger: logging.Logger) -> None:
+    # As detectron2's setup_logger: a user who configured nothing still sees the lines. Once logging is
+    # configured (a handler on the root or on "fnloop"), that configuration decides alone.
+    if logger.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[%(asctime)s %(name)s] %(message)s", "%m/%d %H:%M:%S"))
+    logger.addHandler(handler)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+
+
+def _eta(seconds: float) -> str:
+    return str(datetime.timedelta(seconds=int(seconds)))
+
+
+@attrs.frozen
+class Console:
+    """Writes each line through the ``"fnloop"`` logger at INFO; build it with ``console``."""
+
+    def start(self, iteration: int) -> None:
+        """Nothing to forget: what was printed stays printed."""
+
+    def write(self, line: Line) -> None:
+        """Log one line, as detectron2's ``CommonMetricPrinter`` prints it."""
+        if line.resumed:
+            return
+        logger = logging.getLogger(LOGGER)
+        _visible(logger)
+        if logger.isEnabledFor(logging.INFO):
+            logger.info(format_line(line))
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+
+def _order(name: str) -> int:
+    if "loss" in name:
+        return 0
+    if name == "lr" or name.startswith("lr/"):
+        return 2
+    return {"time": 3, "data_time": 4, "max_mem": 5}.get(name, 1)
+
+
+def format_line(line: Line) -> str:
+    """The console's text for ``line``: ``eta: H:MM:SS  iter: N  loss: ...  lr: ...  time: ...``.
+
+    Losses (names containing ``loss``), ``time`` and ``data_time`` are shown as
+    the median of the entries the metrics window keeps, the others as their
+    newest value. The ETA is the median ``time`` times the iterations left; a
+    finished run shows ``eta: 0:00:00``; without any ``time`` there is no ETA.
+
+    >>> m = Metrics().record(0, {"loss": 2.0, "lr": 0.1}).record(1, {"loss": 1.0, "lr": 0.1, "time": 0.5})
+    >>> format_line(Line(2, 10, m, ("loss", "lr", "time")))
+    'eta: 0:00:04  iter: 2  loss: 1.5  lr: 1.000e-01  time: 0.5000'
+    """
+    names = sorted(line.names, key=_order)
+    series = line.metrics.series
+    windowed = [n for n in names if _order(n) in (0, 3, 4)]
+    timed = "time" in series
+    # One host sync for every value this line shows.
+    wanted: list[Scalar] = []
+    spans: dict[str, tuple[int, int]] = {}
+    for name in [*windowed, *(["time"] if timed and "time" not in windowed else [])]:
+        spans[name] = (len(wanted), len(wanted) + len(series[name]))
+        wanted.extend(v for _, v in series[name])
+    for name in names:
+        if name not in spans:
+            spans[name] = (len(wanted), len(wanted) + 1)
+            wanted.append(series[name][-1][1])
+    floats = to_floats(wanted)
+
+    def value(name: str) -> float:
+        lo, hi = spans[name]
+        return statistics.median(floats[lo:hi]) if name in windowed else floats[hi - 1]
+
+    fields = []
+    left = max(line.max_iter - line.iteration, 0)
+    if left == 0:
+        fields.append("eta: 0:00:00")
+    elif timed:
+        lo, hi = spans["time"]
+        fields.append(f"eta: {_eta(statistics.median(floats[lo:hi]) * left)}")
+    fields.append(f"iter: {line.iteration}")
+    for name in names:
+        kind = _order(name)
+        if kind == 2:
+            fields.append(f"{name}: {value(name):.3e}")
+        elif kind in (3, 4):
+            fields.append(f"{name}: {value(name):.4f}")
+        elif kind == 5:
+            fields.append(f"{name}: {value(name):.0f}M")
+        else:
+            fields.append(f"{name}: {value(name):.4g}")
+    return "  ".join(fields)
+
+
+def console() -> Console:
+    """A writer logging one line per write to the ``"fnloop"`` logger at INFO.
+
+    The line reads as detectron2's ``CommonMetricPrinter``'s: ``eta: H:MM:SS
+    iter: N  loss: ...  lr: ...  time: ...  data_time: ...  max_mem: ...M``
+    (see ``format_line``). So that the lines are seen even where nobody
+    configured ``logging``: if neither the ``"fnloop"`` logger nor the root
+    logger has a handler at the first write, it gives ``"fnloop"`` a handler
+    writing to stderr and level INFO (as ``logging.basicConfig`` would, for
+    fnloop alone). Configure ``logging`` yourself to decide otherwise.
+
+    >>> import fnloop as fl
+    >>> hook = fl.every(20, fl.hooks.log(console()))
+    """
+    return Console()
+
+
+# -- JSON lines ----------------------------------------------------------------------------------------
+
+
+def _path(value: str | os.PathLike[str]) -> str:
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"'path' must be a str or os.PathLike ({got(value)}).")
+    return os.fspath(value)
+
+
+def _iteration(text: str) -> int | None:
+    try:
+        entry = json.loads(text)
+    except ValueError:
+        return None  # a line torn by a crash mid-write
+    iteration = entry.get("iteration") if isinstance(entry, dict) else None
+    return iteration if type(iteration) is int else None
+
+
+@attrs.frozen
+class Jsonl:
+    """Appends one JSON object per line to ``path``; build it with ``jsonl``."""
+
+    path: str = attrs.field(converter=_path)
+
+    def start(self, iteration: int) -> None:
+        """Cut the file back to the lines of iterations before ``iteration``, atomically."""
+        path = Path(self.path)
+        try:
+            old = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return
+        lines = old.splitlines(keepends=True)
+        kept = [
+            text
+            for text in lines
+            if text.endswith("\n") and (i := _iteration(text)) is not None and i < iteration
+        ]
+        if len(kept) == len(lines):
+            return
+        data = "".join(kept).encode("utf-8")
+        write_atomically(path, lambda fd: os.write(fd, data))
+
+    def write(self, line: Line) -> None:
+        """Append ``{"iteration": N, name: value, ...}`` (the newest value of each name) and flush."""
+        entry: dict[str, Any] = {"iteration": line.iteration, **line.values()}
+        path = Path(self.path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a", encoding="utf-8") as file:
+            file.write(json.dumps(entry) + "\n")
+
+    def close(self) -> None:
+        """Nothing to close: each write opens and closes the file."""
+
+
+def jsonl(path: str | os.PathLike[str]) -> Jsonl:
+    """A writer appending one JSON object per line to ``path``.
+
+    Each line holds ``"iteration"`` (the completed steps when written) and the
+    newest value, as a float, of each metric recorded since the previous line;
+    ``json.loads`` reads each line. A run that starts at iteration ``k`` first
+    cuts the file back to the lines of iterations before ``k`` (atomically), so
+    a log resumed after a crash has no repeated or abandoned iterations; a run
+    starting at 0 therefore starts the file afresh.
+
+    >>> import json, os, tempfile, fnloop as fl
+    >>> path = os.path.join(tempfile.mkdtemp(), "metrics.jsonl")
+    >>> step = lambda s, b: fl.record(s, loss=1.0 / (s.iteration + 1))
+    >>> final = fl.run(fl.TrainState(max_iter=5), step, [None] * 5, [fl.every(2, fl.hooks.log(jsonl(path)))])
+    >>> [json.loads(text) for text in Path(path).read_text().splitlines()]
+    [{'iteration': 2, 'loss': 0.5}, {'iteration': 4, 'loss': 0.25}, {'iteration': 5, 'loss': 0.2}]
+
+    Raises:
+        TypeError: ``path`` is not a path.
+    """
+    return Jsonl(path)
+
+
+# -- TensorBoard ---------------------------------------------------------------------------------------
+
+_LIVE: dict[tuple[int, str], Any] = {}
+"""(process id, logdir) -> the open SummaryWriter; a forked child opens its own."""
+
+TENSORBOARD_MISSING = (
+    "fnloop.writers.tensorboard() needs the tensorboard package, which is not installed. "
+    'Install it with: pip install "fnloop[tensorboard]"'
+)
+
+
+def _require_tensorboard() -> None:
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(TENSORBOARD_MISSING) from exc
+
+
+def _summary_writer(logdir: str, purge_step: int | None) -> Any:
+    _require_tensorboard()
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(logdir, purge_step=purge_step)
+
+
+@attrs.frozen
+class Tensorboard:
+    """Writes scalars to TensorBoard event files in ``logdir``; build it with ``tensorboard``."""
+
+    logdir: str = attrs.field(converter=_path)
+
+    def start(self, iteration: int) -> None:
+        """Open the event file with ``purge_step=iteration``: TensorBoard hides older events from there on."""
+        self.close()
+        _LIVE[(os.getpid(), self.logdir)] = _summary_writer(self.logdir, iteration)
+
+    def write(self, line: Line) -> None:
+        """Add each value as a scalar named as its metric, at step ``line.iteration``; flush."""
+        key = (os.getpid(), self.logdir)
+        writer = _LIVE.get(key)
+        if writer is None:
+            writer = _LIVE[key] = _summary_writer(self.logdir, None)
+        for name, value in line.values().items():
+            writer.add_scalar(name, value, line.iteration)
+        writer.flush()
+
+    def close(self) -> None:
+        """Close the event file, if this process has it open."""
+        writer = _LIVE.pop((os.getpid(), self.logdir), None)
+        if writer is not None:
+            writer.close()
+
+
+def tensorboard(logdir: str | os.PathLike[str]) -> Tensorboard:
+    """A writer of TensorBoard event files in ``logdir``, through ``torch.utils.tensorboard``.
+
+    Scalar tags are the metric names; the step is the line's iteration (the
+    same number as the JSON line's). The ``SummaryWriter`` is opened when the
+    run starts, with ``purge_step`` set to the run's first iteration, so that a
+    resumed run hides the events the crashed one wrote past its checkpoint; it
+    is flushed after each write and closed when the run ends.
+
+    >>> import tempfile, fnloop as fl
+    >>> hook = fl.every(20, fl.hooks.log(tensorboard(tempfile.mkdtemp())))
+
+    Raises:
+        ImportError: tensorboard is not installed (``pip install "fnloop[tensorboard]"``).
+        TypeError: ``logdir`` is not a path.
+    """
+    _require_tensorboard()
+    return Tensorboard(logdir)
+
