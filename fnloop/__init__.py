@@ -1,13 +1,13 @@
 """fnloop: a training loop for PyTorch in which the whole run is a value."""
 
-from fnloop import checkpoint, data, hooks, optim, replay
+from fnloop import checkpoint, data, hooks, optim, replay, writers
 from fnloop._eval import EvalStep, eval_step
 from fnloop._hooks import Hook, chain, checked, every, identity, on, once, state_names, stateful, when
 from fnloop._loop import BatchesExhausted, Preempted, Step, UnclaimedHookState, run, scan
 from fnloop._metrics import Metrics
 from fnloop._phase import Phase
 from fnloop._state import Effect, TrainState, Unclaimed, hook_state, record, request, with_hook_state
-from fnloop._step import GraphBreakError, RecompileError, TrainStep, init, train_step
+from fnloop._step import GraphBreakError, NonFiniteLoss, RecompileError, TrainStep, init, train_step
 from fnloop.checkpoint import load, save
 
 __version__ = "0.1.0"
@@ -19,6 +19,7 @@ __all__ = [
     "GraphBreakError",
     "Hook",
     "Metrics",
+    "NonFiniteLoss",
     "Phase",
     "Preempted",
     "RecompileError",
@@ -52,4 +53,5 @@ __all__ = [
     "train_step",
     "when",
     "with_hook_state",
+    "writers",
 ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -17,9 +18,9 @@ from fnloop._loop import Step
 from fnloop._messages import got
 from fnloop._pool import ScalarPool
 from fnloop._state import TrainState, replace
-from fnloop.optim import Optimizer
+from fnloop.optim import Optimizer, learning_rates
 
-__all__ = ["GraphBreakError", "RecompileError", "TrainStep", "init", "train_step"]
+__all__ = ["GraphBreakError", "NonFiniteLoss", "RecompileError", "TrainStep", "init", "train_step"]
 
 LossFn = Callable[[Callable[..., Any], Any], Any]
 """``loss_fn(model, batch) -> loss`` or ``(loss, metrics)``; ``model`` runs the forward on the state."""
@@ -31,6 +32,36 @@ class RecompileError(RuntimeError):
 
 class GraphBreakError(RuntimeError):
     """The step could not be compiled as one graph."""
+
+
+class NonFiniteLoss(FloatingPointError):
+    """A step's loss or a gradient was not finite; the step left the state unchanged.
+
+    Raised by a ``train_step`` built without ``skip_nonfinite=True``. The fold
+    then runs ``AFTER_TRAIN`` and re-raises it with ``exc.state``, the state
+    before that step, whose tensors are all finite (so a checkpoint hook saves a
+    clean state). ``iteration`` is the index of the failed step.
+    """
+
+    def __init__(self, message: str, iteration: int) -> None:
+        super().__init__(message)
+        self.iteration = iteration
+
+
+def _nonfinite_message(iteration: int, loss: torch.Tensor) -> str:
+    value = loss.item()
+    what = (
+        f"the loss was {value}"
+        if not math.isfinite(value)
+        else f"a gradient was not finite (loss {value:.6g})"
+    )
+    return (
+        f"step {iteration}: {what} (metric 'loss'). The step left params, buffers and optimizer state "
+        "unchanged, and the run stops with the state before it. Typical fixes: a lower learning rate "
+        "or a warm-up, gradient clipping (fnloop.optim.clip_by_global_norm), checking the batch for "
+        "bad values; or train_step(..., skip_nonfinite=True) to skip such steps and count them in the "
+        "metric 'skipped'."
+    )
 
 
 _GRAPH_BREAK = (
@@ -147,6 +178,13 @@ def _micro_batches(batch: Any, n: int) -> list[Any]:
     return [pytree.tree_unflatten([c[k] for c in chunks], spec) for k in range(n)]
 
 
+def _all_finite(loss: torch.Tensor, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """A 0-d bool: the loss and every gradient element are finite (one reduction per tensor, no sync)."""
+    flags = [torch.isfinite(loss).reshape(())]
+    flags += [torch.isfinite(g).all() for g in grads.values()]
+    return torch.stack(flags).all()
+
+
 def _kernel(
     model: torch.nn.Module,
     loss_fn: LossFn,
@@ -154,7 +192,12 @@ def _kernel(
     accumulate: int,
     autocast: torch.dtype | None,
 ) -> Callable[..., Any]:
-    """The traced function: forward, backward and update on plain dicts, writing results into its inputs."""
+    """The traced function: forward, backward and update on plain dicts, writing results into its inputs.
+
+    It returns ``(loss, finite, metrics)``. A step whose loss or any gradient is
+    not finite writes the old values back (``finite`` is false): decided in the
+    graph, so no host sync is needed to keep the state clean.
+    """
 
     def loss_of(params: dict, buffers: dict, batch: Any) -> tuple[torch.Tensor, dict]:
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -182,15 +225,18 @@ def _kernel(
             loss = torch.stack(losses).mean()
             metrics = {k: torch.stack([m[k] for m in parts]).float().mean() for k in parts[0]}
         new_params, new_opt_state = optimizer.update(grads, opt_state, params, iteration)
+        finite = _all_finite(loss, grads)
         # Donation: the new values go into the input storage, so the compiled
-        # graph updates in place and keeps no second copy alive.
+        # graph updates in place and keeps no second copy alive. A non-finite
+        # step writes the old values back: the state is never poisoned.
         for k, p in params.items():
-            p.copy_(new_params[k])
+            p.copy_(torch.where(finite, new_params[k], p))
         for k, b in buffers.items():
-            b.copy_(new_buffers[k])
+            b.copy_(torch.where(finite, new_buffers[k], b))
         for old, new in zip(pytree.tree_leaves(opt_state), pytree.tree_leaves(new_opt_state)):
-            old.copy_(new)
-        return loss, {k: v.detach() for k, v in metrics.items()}
+            old.copy_(torch.where(finite, new, old))
+        rates = learning_rates(optimizer, iteration)
+        return loss, finite, {**rates, **{k: v.detach() for k, v in metrics.items()}}
 
     return kernel
 
@@ -209,9 +255,9 @@ def _jit_kernel(kernel: Callable[..., Any], budget: int, options: Mapping[str, A
             buffers = dict(zip(bkeys, leaves[a:b]))
             opt_state = pytree.tree_unflatten(list(leaves[b:c]), ospec)
             batch = unflatten_batch(leaves[c + 1 :], bstructure)
-            loss, metrics = kernel(params, buffers, opt_state, leaves[c], batch)
+            loss, finite, metrics = kernel(params, buffers, opt_state, leaves[c], batch)
             names[:] = metrics
-            return [loss, *metrics.values()]
+            return [loss, finite, *metrics.values()]
 
         return flat, names
 
@@ -256,9 +302,11 @@ class TrainStep:
     optimizer: Optimizer
     recompiles: int
     function: Callable[..., Any]
-    """The kernel, ``(params, buffers, opt_state, iteration, batch) -> (loss, metrics)``, run eagerly."""
+    """The kernel, ``(params, buffers, opt_state, iteration, batch) -> (loss, finite, metrics)``, run eagerly."""
     jit: Jit | None = None
     """The kernel traced and compiled, when ``compiled``."""
+    skip_nonfinite: bool = False
+    """Skip non-finite steps and count them (metric ``skipped``) instead of raising ``NonFiniteLoss``."""
     _counters: dict[torch.device, torch.Tensor] = attrs.field(factory=dict)
     _opt_cache: list[Any] = attrs.field(factory=list)
     # The recorded loss and metrics live in long-lived homes: see fnloop/_pool.py.
@@ -299,7 +347,7 @@ class TrainStep:
         try:
             if jit is None:
                 with _seeded(device, state.rng, i):
-                    loss, metrics = self.function(params, buffers, opt_state, iteration, batch)
+                    loss, finite, metrics = self.function(params, buffers, opt_state, iteration, batch)
             else:
                 tensors, batch_structure = flatten_batch(batch)
                 structure = (tuple(params), tuple(buffers), ospec, batch_structure)
@@ -310,7 +358,7 @@ class TrainStep:
                         outputs = entry.compiled(*flat)
                 else:  # no random op in the graph: the generator need not be touched
                     outputs = entry.compiled(*flat)
-                loss, metrics = outputs[0], dict(zip(entry.context, outputs[1:]))
+                loss, finite, metrics = outputs[0], outputs[1], dict(zip(entry.context, outputs[2:]))
         except BaseException as exc:
             # Stopped after writing into the state (an error or a forced Ctrl-C
             # between two kernels)? Then that state is torn; the fold must know.
@@ -318,7 +366,18 @@ class TrainStep:
             raise
         keep = self._pool.keep
         recorded = {"loss": keep(loss), **{name: keep(value) for name, value in metrics.items()}}
+        if self.skip_nonfinite:
+            recorded["skipped"] = keep(self._skipped(state, finite))
+        elif not finite.item():
+            # One flag read per step: cheap on a CPU, a sync on a GPU (skip_nonfinite=True has none).
+            raise NonFiniteLoss(_nonfinite_message(i, loss), i)
         return replace(state, metrics=state.metrics.record(i, recorded))
+
+    def _skipped(self, state: TrainState, finite: torch.Tensor) -> torch.Tensor:
+        # The running count lives in the metrics (saved with the state), so it survives a resume.
+        series = state.metrics.series.get("skipped")
+        before = series[-1][1] if series else 0
+        return (~finite).to(torch.int64) + before
 
     def _entry(self, jit: Jit, structure: Any, flat: list[torch.Tensor], iteration: int) -> Entry:
         try:
@@ -385,6 +444,7 @@ def train_step(
     autocast: torch.dtype | None = None,
     recompiles: int = 0,
     options: Mapping[str, Any] | None = None,
+    skip_nonfinite: bool = False,
 ) -> Step:
     """The pure step ``(state, batch) -> state`` for ``model``, ``loss_fn`` and ``optimizer``.
 
@@ -393,9 +453,10 @@ def train_step(
     traced once, like ``jax.jit``, into one graph that inductor compiles; each
     call then checks only the inputs' structure, shapes, strides, dtypes and
     devices. Python in ``loss_fn`` runs once, at trace time. The iteration
-    enters as a 0-d tensor, so schedules never recompile. The loss and the metrics
-    ``loss_fn`` returns are recorded in ``state.metrics`` as tensors, at the
-    step's index. Randomness (dropout) is seeded from ``(state.rng, iteration)``
+    enters as a 0-d tensor, so schedules never recompile. The loss, the
+    learning rate the optimizer applied (``lr``, or ``lr/<group>`` for a
+    ``partition``) and the metrics ``loss_fn`` returns are recorded in
+    ``state.metrics`` as tensors, at the step's index. Randomness (dropout) is seeded from ``(state.rng, iteration)``
     for each step, so a step replays identically after a resume.
 
     >>> import fnloop as fl
@@ -407,7 +468,7 @@ def train_step(
     >>> state = fl.init(model, fl.optim.sgd(0.1), seed=0, max_iter=1)
     >>> new = step(state, (torch.ones(4, 2), torch.zeros(4, 1)))
     >>> new.metrics.names, torch.equal(state.params["weight"], model.weight.detach())
-    (('loss',), True)
+    (('loss', 'lr'), True)
 
     Args:
         model: the module; only its structure and forward are used, never its tensors.
@@ -427,6 +488,11 @@ def train_step(
             ``RecompileError`` (a signature seen before reuses its graph).
         options: inductor settings, as ``torch.compile(options=...)`` takes
             them, over fnloop's defaults (``{"cpp_wrapper": True}``).
+        skip_nonfinite: what to do after a step whose loss or any gradient is
+            not finite. Either way that step leaves params, buffers and
+            optimizer state unchanged (decided inside the graph). ``False``:
+            raise ``NonFiniteLoss`` (reading one flag per step). ``True``: go on,
+            counting such steps in the metric ``skipped`` (no host sync).
 
     Returns:
         The step. With ``donate=False`` it has no ``donating`` variant.
@@ -442,7 +508,9 @@ def train_step(
     if type(recompiles) is not int or recompiles < 0:
         raise ValueError(f"'recompiles' must be an int >= 0 ({got(recompiles)}).")
     jit = _jit_kernel(kernel, 1 + recompiles, options) if compile else None
-    step = TrainStep(model, loss_fn, optimizer, recompiles, kernel, jit)
+    if type(skip_nonfinite) is not bool:
+        raise TypeError(f"'skip_nonfinite' must be a bool ({got(skip_nonfinite)}).")
+    step = TrainStep(model, loss_fn, optimizer, recompiles, kernel, jit, skip_nonfinite)
     return step if donate else _Undonated(step)
 
 

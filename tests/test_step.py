@@ -555,7 +555,8 @@ def test_recorded_metrics_never_change_though_their_storage_is_reused(noisy):
     del seen
     final = fl.run(attrs.evolve(kept, max_iter=200), step, [data[i % len(data)] for i in range(140)])
     homes = len(step._pool._homes)
-    assert homes <= 60 + 3 + 8, homes  # the states of the scan were let go: their homes came back
+    # Two scalars per step (loss, lr); the states of the scan were let go: their homes came back.
+    assert homes <= 2 * (60 + 3 + 8), homes
     assert [i for i, _ in final.metrics.history("loss")] == [197, 198, 199]
 
 
@@ -582,3 +583,36 @@ def test_a_hook_failing_after_an_in_place_step_never_passes_off_a_mixed_state(tm
         testing.assert_identical(info.value.state.params, reference.params)
         saved = fl.load(fl.checkpoint.path_for(tmp_path, 3), like=state)
         testing.assert_identical(saved.params, reference.params)
+
+
+@pytest.mark.slow
+def test_the_learning_rate_applied_is_recorded_from_the_graph(noisy):
+    _model, _optimizer, step, state = noisy
+    final = fl.run(attrs.evolve(state, max_iter=12), step, batches(12), clock=zero)
+    history = final.metrics.history("lr", 12)
+    assert [i for i, _ in history] == list(range(12))
+    assert all(isinstance(v, torch.Tensor) for _, v in history)  # recorded without a host sync
+    assert [float(v) for _, v in history] == [float(SCHEDULE(torch.tensor(i))) for i in range(12)]
+
+
+def poisoned(n: int, at: int) -> list:
+    x, y = BATCHES[0]
+    bad = (torch.full_like(x, float("nan")), y)
+    return [bad if i == at else BATCHES[i % len(BATCHES)] for i in range(n)]
+
+
+@pytest.mark.slow
+def test_a_non_finite_step_changes_no_bit_and_stops_the_compiled_run(noisy, tmp_path):
+    _model, _optimizer, step, state = noisy
+    state = attrs.evolve(state, max_iter=6)
+    hooks = [fl.every(100, fl.hooks.checkpoint(tmp_path))]
+    with pytest.raises(fl.NonFiniteLoss, match=r"step 3: the loss was nan .*skip_nonfinite=True") as info:
+        fl.run(state, step, poisoned(6, 3), hooks, clock=zero)
+    assert isinstance(info.value, FloatingPointError) and info.value.iteration == 3
+    reference = list(fl.scan(state, step, batches(6), clock=zero))[2]  # after steps 0, 1, 2
+    testing.assert_identical(info.value.state.params, reference.params)
+    testing.assert_identical(info.value.state.opt_state, reference.opt_state)
+    testing.assert_identical(info.value.state.buffers, reference.buffers)
+    saved = fl.checkpoint.latest(tmp_path, like=state)  # the end-of-run save holds the clean state
+    assert saved is not None and saved.iteration == 3
+    testing.assert_identical(saved.params, reference.params)

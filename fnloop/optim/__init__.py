@@ -23,6 +23,7 @@ from fnloop.optim._base import (
     Params,
     Schedule,
     apply_updates,
+    learning_rates,
 )
 from fnloop.optim._combining import chain, partition
 from fnloop.optim._optimizers import adam, adamw, exclude_bias_and_norm, sgd
@@ -67,6 +68,7 @@ __all__ = [
     "cosine",
     "exclude_bias_and_norm",
     "join",
+    "learning_rates",
     "linear_warmup",
     "multistep",
     "partition",

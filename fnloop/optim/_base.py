@@ -25,6 +25,7 @@ __all__ = [
     "Params",
     "Schedule",
     "apply_updates",
+    "learning_rates",
     "check_keys",
     "describe",
     "first_device",
@@ -143,6 +144,27 @@ def apply_updates(params: Params, updates: Params) -> Params:
     """
     check_keys("updates", updates, params, "Transformations must return one update per parameter.")
     return {k: (p + updates[k]).to(p.dtype) for k, p in params.items()}
+
+
+def learning_rates(
+    transform: GradientTransformation | Optimizer, iteration: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """The learning rates ``transform`` applies at step ``iteration``, as 0-d float64 tensors.
+
+    ``{"lr": ...}`` for a transformation with one ``scale_by_learning_rate``
+    stage; ``{"lr/<group>": ...}`` per group of a ``partition``; ``{}`` for a
+    transformation that has no learning rate or does not say (one of your own
+    can by offering a ``learning_rates(iteration)`` method). Torch ops only,
+    so ``train_step`` records them from inside its compiled graph.
+
+    >>> from fnloop.optim import sgd, cosine
+    >>> learning_rates(sgd(cosine(0.1, max_iter=10)), torch.tensor(5))
+    {'lr': tensor(0.0500, dtype=torch.float64)}
+    """
+    if isinstance(transform, Optimizer):
+        transform = transform.transform
+    rates = getattr(transform, "learning_rates", None)
+    return dict(rates(iteration)) if callable(rates) else {}
 
 
 _ITERATION = (

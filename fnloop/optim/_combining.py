@@ -15,6 +15,7 @@ from fnloop.optim._base import (
     Params,
     check_keys,
     describe,
+    learning_rates,
 )
 
 __all__ = ["chain", "partition"]
@@ -42,6 +43,13 @@ class _Chain:
             updates, inner = transform.update(updates, inner, params, iteration)
             new_state.append(inner)
         return updates, tuple(new_state)
+
+    def learning_rates(self, iteration: torch.Tensor, /) -> dict[str, torch.Tensor]:
+        rates: dict[str, torch.Tensor] = {}
+        for transform in self.transforms:
+            for name, value in learning_rates(transform, iteration).items():
+                rates.setdefault(name, value)
+        return rates
 
     def __repr__(self) -> str:
         return f"chain({', '.join(repr(t) for t in self.transforms)})"
@@ -150,6 +158,13 @@ class _Partition:
             )
             new_updates.update(group_updates)
         return {k: new_updates[k] for k in params}, new_state
+
+    def learning_rates(self, iteration: torch.Tensor, /) -> dict[str, torch.Tensor]:
+        return {
+            f"{name}/{label}": value
+            for label, transform in self.transforms.items()
+            for name, value in learning_rates(transform, iteration).items()
+        }
 
     def __repr__(self) -> str:
         return f"partition({describe(self.label_fn)}, {self.transforms!r})"

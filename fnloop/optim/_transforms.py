@@ -352,6 +352,10 @@ class _ScaleByLearningRate:
         step = -self.lr(iteration) if callable(self.lr) else -self.lr
         return {k: u * step for k, u in updates.items()}, state
 
+    def learning_rates(self, iteration: torch.Tensor, /) -> dict[str, torch.Tensor]:
+        lr = self.lr(iteration) if callable(self.lr) else self.lr
+        return {"lr": torch.as_tensor(lr, dtype=torch.float64, device=iteration.device)}
+
     def __repr__(self) -> str:
         return f"scale_by_learning_rate({self.lr!r})"
 
