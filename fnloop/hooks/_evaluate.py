@@ -55,8 +55,8 @@ def checked_results(where: str, results: object) -> dict[str, Scalar]:
     for key, value in results.items():
         if type(key) is not str:
             raise TypeError(
-                f"{where}: metric names must be str (got the key {key!r:.40} that is a "
-                f"{type(key).__name__}). Name each metric with a str, such as 'val_loss'."
+                f"{where}: metric names must be str (the key {got(key)}). Name each metric with a "
+                "str, such as 'val_loss'."
             )
         out[key] = _scalar(where, key, value)
     return out
