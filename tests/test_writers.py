@@ -1,0 +1,192 @@
+"""The writers: the console line, the JSON lines file and TensorBoard's event files, read back."""
+
+from __future__ import annotations
+
+import json
+import logging
+import pickle
+import sys
+
+import pytest
+import torch
+
+import fnloop as fl
+from fnloop import Metrics, writers
+from fnloop.writers import Line, format_line
+
+
+def metrics(*rows: dict) -> Metrics:
+    m = Metrics(window=5)
+    for i, row in enumerate(rows):
+        m = m.record(i, row)
+    return m
+
+
+# -- the console line ----------------------------------------------------------------------------------
+
+
+def test_console_line_reads_as_detectron2s():
+    m = metrics(
+        {"loss": 4.0, "loss_cls": 1.0, "lr": 0.02, "time": 0.5, "data_time": 0.1},
+        {"loss": 2.0, "loss_cls": 3.0, "lr": 0.01, "time": 0.3, "data_time": 0.3, "acc": 0.75},
+        {"loss": 1.0, "loss_cls": 2.0, "lr": 0.005, "time": 0.4, "data_time": 0.2, "max_mem": 812.4},
+    )
+    line = Line(3, 103, m, ("loss", "loss_cls", "lr", "time", "data_time", "acc", "max_mem"))
+    assert format_line(line) == (
+        "eta: 0:00:40  iter: 3  loss: 2  loss_cls: 2  acc: 0.75  lr: 5.000e-03  "
+        "time: 0.4000  data_time: 0.2000  max_mem: 812M"
+    )
+
+
+def test_console_line_of_a_finished_run_shows_a_zero_eta():
+    m = metrics({"loss": 1.0, "time": 0.5})
+    assert format_line(Line(50, 50, m, ("loss",))).startswith("eta: 0:00:00  iter: 50  loss: 1")
+
+
+def test_console_line_without_time_has_no_eta():
+    m = metrics({"loss": torch.tensor(0.25)})
+    assert format_line(Line(1, 10, m, ("loss",))) == "iter: 1  loss: 0.25"
+
+
+def test_console_logs_to_the_fnloop_logger_at_info(caplog):
+    caplog.set_level(logging.INFO, logger="fnloop")
+    line = Line(1, 10, metrics({"loss": 1.0}), ("loss",))
+    writers.console().write(line)
+    writers.console().write(Line(1, 10, line.metrics, ("loss",), resumed=True))
+    assert [(r.name, r.levelno, r.getMessage()) for r in caplog.records] == [
+        ("fnloop", logging.INFO, "iter: 1  loss: 1")
+    ]
+
+
+def test_console_is_seen_where_logging_is_not_configured(monkeypatch, capsys):
+    logger = logging.getLogger("fnloop")
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    monkeypatch.setattr(logger, "handlers", [])
+    level = logger.level
+    try:
+        logger.setLevel(logging.NOTSET)
+        writers.console().write(Line(1, 10, metrics({"loss": 1.0}), ("loss",)))
+        writers.console().write(Line(2, 10, metrics({"loss": 1.0}), ("loss",)))
+        assert len(logger.handlers) == 1
+    finally:
+        logger.setLevel(level)
+    err = capsys.readouterr().err.splitlines()
+    assert [text.split("] ", 1)[1] for text in err] == ["iter: 1  loss: 1", "iter: 2  loss: 1"]
+
+
+def test_console_leaves_configured_logging_alone(monkeypatch):
+    logger = logging.getLogger("fnloop")
+    monkeypatch.setattr(logger, "handlers", [logging.NullHandler()])
+    writers.console().write(Line(1, 10, metrics({"loss": 1.0}), ("loss",)))
+    assert len(logger.handlers) == 1
+
+
+# -- JSON lines ----------------------------------------------------------------------------------------
+
+
+def test_jsonl_appends_one_parsable_object_per_line(tmp_path):
+    path = tmp_path / "deep" / "metrics.jsonl"
+    out = writers.jsonl(path)
+    m = metrics({"loss": torch.tensor(0.5), "lr": 0.1}, {"loss": 0.25})
+    out.write(Line(1, 9, m, ("loss", "lr")))
+    out.write(Line(2, 9, m, ("loss",)))
+    out.close()
+    rows = [json.loads(text) for text in path.read_text().splitlines()]
+    assert rows == [{"iteration": 1, "loss": 0.25, "lr": 0.1}, {"iteration": 2, "loss": 0.25}]
+    assert all(type(v) is float for row in rows for k, v in row.items() if k != "iteration")
+
+
+def test_jsonl_start_cuts_back_to_earlier_iterations_and_drops_a_torn_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(
+        "".join(json.dumps({"iteration": i, "loss": 1.0}) + "\n" for i in (2, 4, 6, 8)) + '{"itera'
+    )
+    writers.jsonl(path).start(6)
+    assert [json.loads(t)["iteration"] for t in path.read_text().splitlines()] == [2, 4]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]  # no temporary left
+
+
+def test_jsonl_start_leaves_an_intact_file_untouched(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"iteration": 2}\n')
+    before = path.stat().st_mtime_ns, path.stat().st_ino
+    writers.jsonl(path).start(3)
+    assert (path.stat().st_mtime_ns, path.stat().st_ino) == before
+    writers.jsonl(tmp_path / "missing.jsonl").start(3)
+    assert not (tmp_path / "missing.jsonl").exists()
+
+
+def test_jsonl_refuses_a_non_path():
+    with pytest.raises(TypeError, match=r"'path' must be a str or os.PathLike \(got 3 that is an int\)"):
+        writers.jsonl(3)
+
+
+# -- TensorBoard -------------------------------------------------------------------------------------
+
+
+def scalars(logdir) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(logdir))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_tensorboard_writes_event_files_tensorboard_reads(tmp_path):
+    out = writers.tensorboard(tmp_path)
+    out.start(0)
+    out.write(Line(20, 50, metrics({"loss": torch.tensor(0.5), "lr": 0.125}), ("loss", "lr")))
+    out.write(Line(40, 50, metrics({"loss": 0.25}), ("loss",)))
+    out.close()
+    assert scalars(tmp_path) == {"loss": [(20, 0.5), (40, 0.25)], "lr": [(20, 0.125)]}
+
+
+def test_tensorboard_start_purges_the_events_of_a_crashed_run_past_the_resume(tmp_path):
+    out = writers.tensorboard(tmp_path)
+    out.start(0)
+    for i in (10, 20, 30):
+        out.write(Line(i, 50, metrics({"loss": float(i)}), ("loss",)))
+    out.close()
+    out.start(20)  # resumed at 20: what the first run wrote at 20 and 30 is gone
+    out.write(Line(30, 50, metrics({"loss": -30.0}), ("loss",)))
+    out.close()
+    assert scalars(tmp_path) == {"loss": [(10, 10.0), (30, -30.0)]}
+
+
+def test_tensorboard_missing_names_the_extra(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    with pytest.raises(ImportError, match=r'pip install "fnloop\[tensorboard\]"'):
+        writers.tensorboard(tmp_path)
+
+
+def test_writers_pickle_and_compare_by_configuration(tmp_path):
+    for made in (writers.console(), writers.jsonl(tmp_path / "m.jsonl"), writers.tensorboard(tmp_path)):
+        assert pickle.loads(pickle.dumps(made)) == made
+        assert isinstance(made, writers.Writer)
+
+
+# -- no host sync where nothing is written -------------------------------------------------------------
+
+
+def test_values_are_converted_only_when_a_line_is_written(monkeypatch, tmp_path):
+    calls: list[int] = []
+    convert = writers.to_floats
+
+    def counting(values):
+        calls.append(1)
+        return convert(values)
+
+    monkeypatch.setattr(writers, "to_floats", counting)
+    monkeypatch.setattr(fl._metrics, "to_floats", counting)
+    step = lambda s, b: fl.record(s, loss=torch.tensor(float(b)), acc=torch.tensor(0.5))  # noqa: E731
+    hooks = [fl.every(10, fl.hooks.log(writers.jsonl(tmp_path / "m.jsonl"), writers.tensorboard(tmp_path)))]
+    seen = []
+    for state in fl.scan(fl.TrainState(max_iter=25), step, range(25), hooks):
+        seen.append((state.iteration, len(calls)))
+    # Each write converts once per writer: after steps 10 and 20, and at the end (25).
+    assert [n for _, n in seen] == [0] * 9 + [2] * 10 + [4] * 5 + [4, 6]
+    assert [json.loads(t)["iteration"] for t in (tmp_path / "m.jsonl").read_text().splitlines()] == [
+        10,
+        20,
+        25,
+    ]
