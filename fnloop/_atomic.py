@@ -1,8 +1,15 @@
-"""Writing a file atomically: under a temporary name, flushed to disk, then renamed onto its path.
+"""Writing into a checkpoint directory safely: one live run per directory, each file atomic.
 
-A crash at any moment leaves either the old file or the new one, never a mix.
-A crash can leave the temporary file behind; ``remove_leftovers`` removes
-those of processes that are gone.
+A file is written under a temporary name, flushed to disk, then renamed onto
+its path: a crash at any moment leaves either the old file or the new one,
+never a mix. A crash can leave the temporary file behind; ``remove_leftovers``
+removes those of processes that are gone.
+
+A run holds its directory (``claim`` ... ``release``, or ``holding``) with an
+OS-level lock on a file inside it, ``.fnloop.lock``, which holds the PID of
+the process. The kernel drops the lock when the process dies, so a crash
+never leaves a stale lock. Claims are counted per process, so that the hooks
+of one run may share a directory; another process is refused at once.
 """
 
 from __future__ import annotations
@@ -11,16 +18,34 @@ import contextlib
 import os
 import re
 import secrets
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-__all__ = ["remove_leftovers", "write_atomically"]
+try:
+    import fcntl
+except ImportError:  # not POSIX: no lock, as before
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = [
+    "LOCK_NAME",
+    "DirectoryInUse",
+    "claim",
+    "holding",
+    "holds",
+    "release",
+    "remove_leftovers",
+    "write_atomically",
+]
+
+LOCK_NAME = ".fnloop.lock"
+"""The file in a checkpoint directory that a live run holds locked; it holds the run's PID."""
 
 _TEMP = re.compile(r"\..+\.(\d+)\.[0-9a-f]{8}\.tmp")
 _in_flight: set[str] = set()  # temporary names this process is writing now
 
 
-def write_atomically(path: Path, write: Callable[[int], None]) -> None:
+def write_atomically(path: Path, write: Callable[[int], object]) -> None:
     """Make ``path`` the file that ``write`` writes to the descriptor it is given, or leave it untouched.
 
     >>> import tempfile
@@ -80,3 +105,95 @@ def _alive(pid: int) -> bool:
     except OSError:
         return True
     return True
+
+
+class DirectoryInUse(RuntimeError):
+    """Another live process holds this checkpoint directory; the message names the directory and the process.
+
+    Two runs writing checkpoints into one directory would abandon and prune
+    each other's files, and ``latest`` could resume the other run's state.
+    """
+
+
+_held: dict[str, list[int]] = {}  # real path of a directory -> [descriptor of its lock file, claims]
+_guard = threading.Lock()
+
+
+def claim(directory: Path) -> None:
+    """Hold ``directory`` for this process, creating it if needed; each claim needs one ``release``.
+
+    >>> import tempfile
+    >>> d = Path(tempfile.mkdtemp())
+    >>> claim(d); claim(d); holds(d)
+    True
+    >>> release(d); release(d); holds(d)
+    False
+
+    Raises:
+        DirectoryInUse: another process holds ``directory``.
+        NotADirectoryError: ``directory`` is an existing file.
+    """
+    key = os.path.realpath(directory)
+    with _guard:
+        if key in _held:
+            _held[key][1] += 1
+            return
+        with contextlib.suppress(FileExistsError):
+            directory.mkdir(parents=True, exist_ok=True)
+        if not directory.is_dir():
+            raise NotADirectoryError(
+                f"{directory}: checkpoints go into a directory, and this is an existing file. "
+                "Give the checkpoint hook a directory of its own."
+            )
+        fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        try:
+            if fcntl is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise DirectoryInUse(
+                f"{directory} is in use by another live run ({holder}, per {directory / LOCK_NAME}): "
+                "two runs checkpointing into one directory would abandon and prune each other's "
+                "files. Wait for that run to end or stop it, or give this run a directory of its own."
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        _held[key] = [fd, 1]
+
+
+def _holder(fd: int) -> str:
+    with contextlib.suppress(OSError, ValueError):
+        return f"process {int(os.pread(fd, 32, 0))}"
+    return "a process that has not written its PID yet"
+
+
+def release(directory: Path) -> None:
+    """Give back one claim on ``directory``; the last one unlocks it. Without a claim, nothing happens."""
+    key = os.path.realpath(directory)
+    with _guard:
+        entry = _held.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            del _held[key]
+            os.close(entry[0])
+
+
+def holds(directory: Path) -> bool:
+    """Whether this process holds ``directory``."""
+    return os.path.realpath(directory) in _held
+
+
+@contextlib.contextmanager
+def holding(directory: Path) -> Iterator[None]:
+    """Hold ``directory`` for the duration of the block (see ``claim``)."""
+    claim(directory)
+    try:
+        yield
+    finally:
+        release(directory)

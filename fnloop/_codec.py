@@ -217,14 +217,16 @@ def decode(node: Any, tensors: Mapping[str, torch.Tensor], where: str) -> Any:
     if tag == "float":
         text = node.get("value")
         try:
-            return float(text)  # type: ignore[arg-type]
+            if type(text) is not str:
+                raise TypeError
+            return float(text)
         except (TypeError, ValueError):
             raise _malformed(where, f"bad float {text!r:.40}") from None
     if tag == "tensor":
         return _decode_tensor(node, tensors, where)
     if tag == "phase":
         name = node.get("name")
-        if name not in Phase.__members__:
+        if type(name) is not str or name not in Phase.__members__:
             raise _malformed(where, f"unknown phase {name!r:.40}")
         return Phase[name]
     if tag in ("list", "tuple"):

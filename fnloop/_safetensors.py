@@ -21,10 +21,28 @@ import torch
 
 from fnloop._codec import DTYPES, CheckpointError, DamagedCheckpoint
 
-__all__ = ["FORMAT_VERSION", "PLACEHOLDER", "Entry", "damaged", "header", "layout", "read_header"]
+__all__ = [
+    "FORMAT_VERSION",
+    "PLACEHOLDER",
+    "READABLE",
+    "Entry",
+    "check_format",
+    "damaged",
+    "header",
+    "layout",
+    "read_header",
+]
 
-FORMAT_VERSION = 1
-"""The version of the file layout this fnloop writes; files of another version are refused."""
+FORMAT_VERSION = 2
+"""The version of the file layout this fnloop writes; files of versions not in ``READABLE`` are refused.
+
+Every version from 2 on keeps the safetensors layout and seeds its checksum
+with its own version field (``fnloop.checkpoint`` computes it), so a reader
+of any version tells a damaged version field from an intact newer file.
+"""
+
+READABLE = ("1", "2")
+"""The format versions this fnloop reads: 1 (checksum without the version) and 2."""
 
 PLACEHOLDER = "crc32:00000000"
 """A checksum as long as every checksum, to size the header before the checksum is known."""
@@ -34,6 +52,12 @@ Entry = tuple[str, torch.dtype, list[int], int, int]
 
 _CODES = {code: dtype for dtype, code in DTYPES.items()}
 _MAX_HEADER = 100_000_000  # safetensors' own limit
+_LIMIT = 1 << 63  # torch's sizes are int64
+# The fewest bytes a tensor takes: in the skeleton, '{"kind":"tensor","key":"","dtype":"","shape":[]}';
+# in the header as well, '"":{"dtype":"U8","shape":[],"data_offsets":[0,0]},' and that node escaped.
+_MIN_NODE = 48
+_MIN_TENSOR = 2 * _MIN_NODE
+_FEW = 1024  # headers of so few tensors are cheap to parse, and then say better what they are
 
 
 def layout(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
@@ -88,8 +112,13 @@ def damaged(name: str, what: str) -> DamagedCheckpoint:
 def read_header(file: io.BufferedReader, name: str) -> tuple[dict[str, str], int, list[Entry]]:
     """The fnloop metadata and the tensors' entries of the open file ``file``, named ``name`` in errors.
 
-    Reads the header only, and checks that the file is a safetensors file of
-    this format version whose tensors follow each other to its end.
+    Reads the header only, and checks it completely before anything is
+    allocated: a safetensors header with fnloop's metadata, entries of known
+    dtypes whose shapes hold their byte ranges, ranges that follow each other
+    to the file's real end, and no more tensors than the header can describe.
+    The format version is not checked here: only once the checksum has shown
+    the file intact (``check_format``), so that a damaged version field reads
+    as damage, not as a newer format.
 
     Returns:
         ``(metadata, start, entries)``: the header's metadata, the byte at
@@ -97,23 +126,31 @@ def read_header(file: io.BufferedReader, name: str) -> tuple[dict[str, str], int
 
     Raises:
         DamagedCheckpoint: not an fnloop checkpoint, truncated, or a malformed header.
-        CheckpointError: a checkpoint of another format version.
     """
     size = os.fstat(file.fileno()).st_size
     prefix = file.read(8)
     length = int.from_bytes(prefix, "little")
     if len(prefix) < 8 or length > min(size - 8, _MAX_HEADER):
         raise damaged(name, f"not a checkpoint, or truncated: {size} bytes hold no safetensors header")
+    text = file.read(length)
+    # Parsing costs about ten times the text in memory: refuse, before parsing, a header that lists
+    # more tensors than its length can describe (each takes an entry and a node in the skeleton).
+    claimed = text.count(b'"data_offsets"')
+    if len(text) < length or (claimed > _FEW and claimed * _MIN_TENSOR > length):
+        raise damaged(name, f"a malformed header: {length} bytes cannot describe {claimed} tensors")
     try:
-        head = json.loads(file.read(length).decode("utf-8"))
+        head = json.loads(text.decode("utf-8"))
     except (ValueError, RecursionError):
         raise damaged(name, "the safetensors header is not valid JSON (corrupted or truncated)") from None
     if type(head) is not dict or type(head.get("__metadata__")) is not dict:
         raise damaged(name, "not an fnloop checkpoint: the safetensors header has no metadata")
     metadata = head.pop("__metadata__")
-    _check_version(metadata, name)
+    if "fnloop.format" not in metadata:
+        raise damaged(name, "not an fnloop checkpoint: its safetensors metadata has no 'fnloop.format'")
     if not all(type(v) is str for v in metadata.values()) or "fnloop.skeleton" not in metadata:
         raise damaged(name, "the fnloop metadata is incomplete")
+    if len(head) > metadata["fnloop.skeleton"].count('"tensor"'):
+        raise damaged(name, f"the header lists {len(head)} tensors, more than its skeleton refers to")
     entries = sorted((_entry(key, spec, name) for key, spec in head.items()), key=lambda e: e[3])
     data_size, offset = size - 8 - length, 0
     for key, _, _, begin, end in entries:
@@ -128,17 +165,21 @@ def read_header(file: io.BufferedReader, name: str) -> tuple[dict[str, str], int
     return metadata, 8 + length, entries
 
 
-def _check_version(metadata: dict[str, Any], name: str) -> None:
-    version = metadata.get("fnloop.format")
-    if version == str(FORMAT_VERSION):
+def check_format(metadata: dict[str, str], name: str) -> None:
+    """Refuse an intact file (its checksum checked) of a format version this fnloop does not read.
+
+    Raises:
+        CheckpointError: the file is of another format version; the message
+            says which fnloop reads it.
+    """
+    version = metadata["fnloop.format"]
+    if version in READABLE:
         return
-    if version is None:
-        raise damaged(name, "not an fnloop checkpoint: its safetensors metadata has no 'fnloop.format'")
-    if type(version) is str and version.isascii() and version.isdigit() and len(version) < 10:
+    if version.isascii() and version.isdigit() and len(version) < 10:
         newer = int(version) > FORMAT_VERSION
         raise CheckpointError(
-            f"{name}: written in checkpoint format {int(version)}, but this fnloop reads format "
-            f"{FORMAT_VERSION} only. "
+            f"{name}: written in checkpoint format {int(version)}, but this fnloop reads formats "
+            f"{', '.join(READABLE)} only. "
             + ("Upgrade fnloop to load it." if newer else "Load it with the fnloop version that wrote it.")
         )
     raise damaged(name, f"unknown checkpoint format {version!r:.40}")
@@ -150,7 +191,9 @@ def _entry(key: str, spec: Any, name: str) -> Entry:
         raise bad
     code, shape, offsets = spec["dtype"], spec["shape"], spec["data_offsets"]
     dtype = _CODES.get(code) if type(code) is str else None
-    if dtype is None or type(shape) is not list or not all(type(d) is int and d >= 0 for d in shape):
+    if dtype is None or type(shape) is not list or not all(type(d) is int and 0 <= d < _LIMIT for d in shape):
+        raise bad
+    if math.prod(d for d in shape if d) >= _LIMIT:  # torch's sizes are int64, even with no element
         raise bad
     if type(offsets) is not list or len(offsets) != 2 or not all(type(o) is int for o in offsets):
         raise bad

@@ -20,6 +20,7 @@ import io
 import json
 import os
 import re
+import stat
 import warnings
 import zlib
 from collections.abc import Callable, Iterable
@@ -31,7 +32,15 @@ import torch
 
 from fnloop._atomic import remove_leftovers, write_atomically
 from fnloop._codec import DTYPES, CheckpointError, CheckpointMismatch, DamagedCheckpoint, Record, decode
-from fnloop._safetensors import FORMAT_VERSION, PLACEHOLDER, damaged, header, layout, read_header
+from fnloop._safetensors import (
+    FORMAT_VERSION,
+    PLACEHOLDER,
+    check_format,
+    damaged,
+    header,
+    layout,
+    read_header,
+)
 from fnloop._state import TrainState
 from fnloop._state_codec import encode_state, fill_state
 
@@ -89,6 +98,8 @@ def checkpoints(directory: StrPath) -> list[Path]:
         names = os.listdir(directory)
     except FileNotFoundError:
         return []
+    except ValueError as exc:  # a NUL byte
+        raise CheckpointError(f"{directory!r:.200}: not a usable directory name ({exc})") from None
     found = [(int(m[1]), name) for name in names if (m := _NAME.fullmatch(name))]
     return [Path(directory) / name for _, name in sorted(found, reverse=True)]
 
@@ -144,7 +155,7 @@ def save(state: TrainState, path: StrPath) -> Path:
         # The tensors first, so their checksum is known when the header is written in front of them.
         start = len(header(text, entries, PLACEHOLDER))
         crcs = _transfer(fd, views, start, _pwrite)
-        checksum = _digest(text, zip(entries, entries.values(), crcs))
+        checksum = _digest(text, zip(entries, entries.values(), crcs), FORMAT_VERSION)
         _pwrite(fd, memoryview(header(text, entries, checksum)), 0)
 
     write_atomically(path, write)
@@ -215,9 +226,17 @@ def _pread(fd: int, view: memoryview, offset: int) -> None:
         done += n
 
 
-def _digest(skeleton: str, entries: Iterable[tuple[str, dict[str, Any], list[int]]]) -> str:
+def _digest(
+    skeleton: str, entries: Iterable[tuple[str, dict[str, Any], list[int]]], version: int | str = 1
+) -> str:
+    """The checksum of a file of format ``version`` (as its ``fnloop.format`` field spells it).
+
+    From format 2 on, the checksum covers the version field too, whatever the
+    version: a reader checks a file's integrity before it trusts its version.
+    """
     # Over names in sorted order, so a file re-laid out by another safetensors writer still checks.
-    digest = zlib.crc32(skeleton.encode("utf-8", "surrogatepass"))
+    seed = "" if str(version) == "1" else f"fnloop.format={version}\n"
+    digest = zlib.crc32((seed + skeleton).encode("utf-8", "surrogatepass"))
     for key, entry, crcs in sorted(entries, key=lambda e: e[0]):
         line = f"\n{key}\t{entry['dtype']}\t{entry['shape']}\t{' '.join(f'{c:08x}' for c in crcs)}"
         digest = zlib.crc32(line.encode("utf-8", "surrogatepass"), digest)
@@ -306,7 +325,7 @@ def read_raw(path: StrPath) -> tuple[dict[str, str], Any]:
     >>> with tempfile.TemporaryDirectory() as d:
     ...     meta, tree = read_raw(save(TrainState(max_iter=3, extra=(1, 2.5)), path_for(d, 0)))
     >>> meta["fnloop.format"], tree["max_iter"], tree["extra"]
-    ('1', 3, (1, 2.5))
+    ('2', 3, (1, 2.5))
 
     Returns:
         ``(metadata, tree)``: the file's ``fnloop.*`` metadata other than the
@@ -321,10 +340,24 @@ def read_raw(path: StrPath) -> tuple[dict[str, str], Any]:
 
 def _read(path: StrPath) -> tuple[dict[str, str], Any]:
     try:
-        with open(path, "rb") as file:
+        # Not blocking: a FIFO named like a checkpoint would wait for a writer forever.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
+        what = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise DamagedCheckpoint(f"{path}: cannot read the file: {what}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise damaged(
+                str(path), f"not a regular file (a {_KINDS.get(stat.S_IFMT(mode), 'special file')})"
+            )
+        os.set_blocking(fd, True)
+        with open(fd, "rb", closefd=False) as file:
             metadata, tensors = _read_file(file, str(path))
     except OSError as exc:
         raise DamagedCheckpoint(f"{path}: cannot read the file: {exc.strerror or exc}") from exc
+    finally:
+        os.close(fd)
     where = f"{path}: state"
     try:
         return metadata, decode(json.loads(metadata["fnloop.skeleton"]), tensors, where)
@@ -334,24 +367,40 @@ def _read(path: StrPath) -> tuple[dict[str, str], Any]:
         ) from None
 
 
+_KINDS = {stat.S_IFDIR: "directory", stat.S_IFIFO: "FIFO", stat.S_IFSOCK: "socket", stat.S_IFCHR: "device"}
+
+
 def _read_file(file: io.BufferedReader, name: str) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     metadata, start, entries = read_header(file, name)
-    tensors, views, specs = {}, [], {}
-    for key, dtype, shape, begin, end in entries:
-        buffer = torch.empty(end - begin, dtype=torch.uint8)
-        views.append(_bytes(buffer))
-        tensors[key] = buffer.view(dtype).reshape(shape)
-        specs[key] = {"dtype": DTYPES[dtype], "shape": shape}
+    # Nothing is shaped before the checksum holds, and only tensors with bytes get memory before
+    # then: the header is checked, but what it claims is not yet known to be what was written.
+    buffers, views, specs = {}, [], {}
+    total = sum(end - begin for *_, begin, end in entries)
     try:
-        crcs = _transfer(file.fileno(), views, start, _pread)
+        for key, dtype, shape, begin, end in entries:
+            specs[key] = {"dtype": DTYPES[dtype], "shape": shape}
+            if end > begin:
+                buffers[key] = torch.empty(end - begin, dtype=torch.uint8)
+                views.append(_bytes(buffers[key]))
+    except (RuntimeError, MemoryError):
+        raise CheckpointError(
+            f"{name}: its tensors take {total:,} bytes, more memory than this process can allocate. "
+            "Load it on a machine with more memory; if the file is not that large on disk, it is sparse "
+            "and damaged."
+        ) from None
+    try:
+        crcs = iter(_transfer(file.fileno(), views, start, _pread))
     except EOFError:
         raise damaged(name, "truncated while its tensors were read") from None
-    if _digest(metadata["fnloop.skeleton"], zip(specs, specs.values(), crcs)) != metadata.get(
-        "fnloop.checksum"
-    ):
+    found = [(key, spec, next(crcs) if key in buffers else []) for key, spec in specs.items()]
+    stored = metadata.get("fnloop.checksum")
+    if _digest(metadata["fnloop.skeleton"], found, metadata["fnloop.format"]) != stored:
         raise damaged(
             name,
-            f"checksum mismatch (stored {metadata.get('fnloop.checksum')!r:.40}): its bytes changed after it "
+            f"checksum mismatch (stored {stored!r:.40}): its bytes changed after it "
             "was written, by a disk, transfer or copy error",
         )
+    check_format(metadata, name)
+    empty = torch.empty(0, dtype=torch.uint8)
+    tensors = {key: buffers.get(key, empty).view(dtype).reshape(shape) for key, dtype, shape, _, _ in entries}
     return metadata, tensors

@@ -8,7 +8,6 @@ import pickle
 import re
 import subprocess
 import sys
-import zlib
 from typing import NamedTuple
 
 import attrs
@@ -158,7 +157,7 @@ def test_the_file_is_plain_safetensors(tmp_path):
     assert torch.equal(tensors["state.params['fc.weight']"], state.params["fc.weight"])
     with safetensors.safe_open(path, "pt") as f:
         metadata = f.metadata()
-    assert metadata["fnloop.format"] == "1"
+    assert metadata["fnloop.format"] == "2"
     assert re.fullmatch(r"crc32:[0-9a-f]{8}", metadata["fnloop.checksum"])
     json.loads(metadata["fnloop.skeleton"])
     # Re-laid out by safetensors' own writer, the file still checks and loads.
@@ -473,15 +472,17 @@ def test_a_missing_file_is_a_checkpoint_error(tmp_path):
 
 def file_with_version(path, version: str) -> None:
     skeleton = json.dumps({"kind": "record", "type": "fnloop.TrainState", "fields": []})
-    checksum = f"crc32:{zlib.crc32(skeleton.encode()):08x}"
+    checksum = checkpoint._digest(skeleton, [], version)  # every format from 2 on checks this way
     metadata = {"fnloop.format": version, "fnloop.skeleton": skeleton, "fnloop.checksum": checksum}
     safetensors.torch.save_file({}, path, metadata=metadata)
 
 
 def test_a_newer_format_is_refused_naming_both_versions(tmp_path):
     path = checkpoint.path_for(tmp_path, 3)
-    file_with_version(path, "2")
-    message = r"ckpt-00000003\.safetensors: written in checkpoint format 2, but this fnloop reads format 1"
+    file_with_version(path, "3")
+    message = (
+        r"ckpt-00000003\.safetensors: written in checkpoint format 3, but this fnloop reads formats 1, 2"
+    )
     with pytest.raises(CheckpointError, match=message + r".*Upgrade fnloop"):
         checkpoint.load(path, like=TrainState(max_iter=1))
     with pytest.raises(CheckpointError, match=message):

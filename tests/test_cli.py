@@ -60,7 +60,7 @@ def test_inspect_shows_every_field_aligned(saved, capsys):
     assert (code, err) == (0, "")
     lines = out.splitlines()
     assert lines[0].startswith(f"file       {path}  (") and lines[0].endswith(" kB)")
-    assert lines[1].startswith("format     1, written by fnloop 0.1.0, crc32:")
+    assert lines[1].startswith("format     2, written by fnloop 0.1.0, crc32:")
     assert "iteration  12 / 40" in lines
     assert "rng        5" in lines and "data       12" in lines
     assert "params: 6 tensors, 29 elements, 116 B" in lines
@@ -88,7 +88,7 @@ def test_inspect_json_is_machine_readable(saved, capsys):
     assert report["file"] == {
         "path": str(path),
         "size": path.stat().st_size,
-        "format": "1",
+        "format": "2",
         "fnloop_version": fl.__version__,
         "checksum": checkpoint.read_raw(path)[0]["fnloop.checksum"],
     }

@@ -57,6 +57,7 @@ def test_pruning_leaves_other_files_alone(tmp_path):
         [fl.hooks.checkpoint(tmp_path, keep=1), best_checkpoint(tmp_path, "x", "max")],
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".fnloop.lock",
         "best.safetensors",
         "ckpt-00000004.safetensors",
         "notes.txt",
@@ -189,8 +190,9 @@ def test_best_checkpoint_keeps_the_state_where_the_metric_was_best(tmp_path, mod
     assert names(tmp_path) == []
 
 
-def test_best_checkpoint_without_the_metric_saves_nothing(tmp_path):
-    final = fl.run(start(3), moving, stream(), [best_checkpoint(tmp_path, "val", name="b")])
+def test_best_checkpoint_without_the_metric_saves_nothing_and_says_so(tmp_path):
+    with pytest.warns(fl.hooks.MetricNeverRecorded, match=r"'val' was never recorded.*\['x'\]"):
+        final = fl.run(start(3), moving, stream(), [best_checkpoint(tmp_path, "val", name="b")])
     assert final.hooks == {"b": Best(math.inf)}
     assert not (tmp_path / "best.safetensors").exists()
 

@@ -2,20 +2,29 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import re
 import warnings
 from pathlib import Path
 
 import attrs
 
+from fnloop._atomic import DirectoryInUse, claim, holding, holds, release
 from fnloop._hooks import Hook, stateful
 from fnloop._messages import got
 from fnloop._phase import Phase
 from fnloop._state import TrainState, request
 from fnloop.checkpoint import CheckpointWarning, checkpoints, path_for, save
 
-__all__ = ["Best", "best_checkpoint", "checkpoint"]
+__all__ = ["Best", "DirectoryInUse", "MetricNeverRecorded", "best_checkpoint", "checkpoint"]
+
+_ABANDONED = re.compile(r"ckpt-(\d{8,})\.safetensors\.abandoned")
+
+
+class MetricNeverRecorded(UserWarning):
+    """A hook watched a metric that the run never recorded; the message names it and the recorded ones."""
 
 
 def _keep(instance: object, attribute: attrs.Attribute, value: object) -> None:
@@ -29,6 +38,17 @@ def _path(path: str | os.PathLike[str]) -> str:
     return os.fspath(path)
 
 
+def _directory(caller: str, directory: str | os.PathLike[str]) -> Path:
+    """``directory`` as a Path, refused at once if it is an existing file (the first save would fail)."""
+    path = Path(directory)
+    if path.exists() and not path.is_dir():
+        raise ValueError(
+            f"{caller} directory {os.fspath(directory)!r} is an existing file; checkpoints go into a "
+            "directory. Give a directory path (it is created if missing)."
+        )
+    return path
+
+
 @attrs.frozen(repr=False)
 class Checkpoint:
     """Save the state into ``directory``; build it with ``checkpoint``."""
@@ -37,6 +57,9 @@ class Checkpoint:
     keep: int | None = attrs.field(validator=_keep)
 
     def __call__(self, state: TrainState, phase: Phase, /) -> TrainState:
+        if phase is Phase.BEFORE_TRAIN:
+            # Before the first step: a second run on this directory is refused at once.
+            return request(state, self.claim, f"hold {self.directory}")
         if phase is Phase.AFTER_STEP:
             # Performed once every hook of the phase has run, on the state the
             # next iteration starts from (iteration == i + 1).
@@ -45,16 +68,42 @@ class Checkpoint:
             # The run ended, by success, failure or signal: save the state it
             # ended with, as the fold entered AFTER_TRAIN (before any hook's
             # end-of-run changes), unless that iteration is saved already.
-            return request(state, self.save_once, f"final checkpoint into {self.directory}", start=True)
+            return request(state, self.finish, f"final checkpoint into {self.directory}", start=True)
         return state
+
+    def claim(self, state: TrainState) -> None:
+        """Hold the directory until ``finish``; refused if another process holds it."""
+        claim(Path(self.directory))
+
+    def finish(self, state: TrainState) -> None:
+        """Save ``state`` unless saved already, then give the directory back.
+
+        A run that does not hold the directory (another process held it at
+        ``BEFORE_TRAIN``) writes nothing into it.
+        """
+        directory = Path(self.directory)
+        try:
+            if holds(directory):
+                self.save_once(state)
+        finally:
+            release(directory)
 
     def save(self, state: TrainState) -> Path:
         """Write ``state`` as ``ckpt-{iteration}``; keep the newest ``keep`` up to it.
 
         Checkpoints of later iterations belong to a run this one replaces (it
         was restarted from an older state): they are renamed ``*.abandoned``,
-        with a warning, so that ``latest`` resumes this run.
+        with a warning, so that ``latest`` resumes this run; the newest
+        ``keep`` of those stay too. Files that vanish meanwhile (removed by
+        hand) are passed over.
+
+        Raises:
+            DirectoryInUse: another process holds the directory.
         """
+        with holding(Path(self.directory)):
+            return self._save(state)
+
+    def _save(self, state: TrainState) -> Path:
         iteration = state.iteration
         path = save(state, path_for(self.directory, iteration))
         older = []
@@ -62,7 +111,10 @@ class Checkpoint:
             number = _iteration_of(other)
             if number > iteration:
                 aside = other.with_name(other.name + ".abandoned")
-                other.replace(aside)
+                try:
+                    other.replace(aside)
+                except FileNotFoundError:
+                    continue
                 warnings.warn(
                     f"{other} is newer than the state just saved (iteration {iteration}): it belongs to "
                     f"a run this one replaces, and is renamed {aside.name} so that latest() resumes "
@@ -73,11 +125,13 @@ class Checkpoint:
             elif number < iteration:
                 older.append(other)
         if self.keep is not None:
-            for old in older[self.keep - 1 :]:
-                old.unlink(missing_ok=True)
+            for old in older[self.keep - 1 :] + _abandoned(self.directory)[self.keep :]:
+                with contextlib.suppress(FileNotFoundError):
+                    old.unlink()
         return path
 
     def save_once(self, state: TrainState) -> Path:
+        """``save``, unless the iteration of ``state`` is saved already."""
         path = path_for(self.directory, state.iteration)
         return path if path.exists() else self.save(state)
 
@@ -87,6 +141,16 @@ class Checkpoint:
 
 def _iteration_of(path: Path) -> int:
     return int(path.name.removeprefix("ckpt-").split(".")[0])
+
+
+def _abandoned(directory: str) -> list[Path]:
+    """The ``*.abandoned`` checkpoints in ``directory``, newest first."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    found = [(int(m[1]), name) for name in names if (m := _ABANDONED.fullmatch(name))]
+    return [Path(directory) / name for _, name in sorted(found, reverse=True)]
 
 
 def checkpoint(directory: str | os.PathLike[str], keep: int | None = 5) -> Checkpoint:
@@ -108,6 +172,11 @@ def checkpoint(directory: str | os.PathLike[str], keep: int | None = 5) -> Check
     newest ``keep`` stay (``None`` keeps all). Resume with
     ``fnloop.checkpoint.latest(directory, like=state)``.
 
+    The run holds the directory from ``BEFORE_TRAIN`` to the end of
+    ``AFTER_TRAIN`` (an OS-level lock on ``.fnloop.lock`` in it, which the
+    kernel drops if the process dies): a second process checkpointing into
+    it is refused before its first step, and writes nothing there.
+
     >>> import tempfile, fnloop as fl
     >>> folder = tempfile.mkdtemp()
     >>> final = fl.run(fl.TrainState(max_iter=4), lambda s, b: s, [None] * 4, [fl.every(2, checkpoint(folder))])
@@ -115,8 +184,12 @@ def checkpoint(directory: str | os.PathLike[str], keep: int | None = 5) -> Check
     ['ckpt-00000004.safetensors', 'ckpt-00000002.safetensors']
 
     Raises:
-        ValueError: ``keep`` is not a positive int or ``None``.
+        ValueError: ``keep`` is not a positive int or ``None``, or
+            ``directory`` is an existing file.
+        DirectoryInUse: (from ``run``, before the first step) another process
+            holds ``directory``.
     """
+    _directory("checkpoint()", directory)
     return Checkpoint(directory, keep)
 
 
@@ -142,7 +215,10 @@ def best_checkpoint(
     ``"max"``), it saves the state. The best value lives in the state
     (``state.hooks[name]``, a ``Best``), so it survives a resume: a resumed
     run does not overwrite a better checkpoint with a worse one. Reading the
-    value syncs with the device, but only in steps that recorded it.
+    value syncs with the device, but only in steps that recorded it. Like
+    ``checkpoint``, it holds ``directory`` for the run; a run that ends with
+    ``metric`` never recorded warns (``MetricNeverRecorded``), naming the
+    metrics that were.
 
     >>> import tempfile, fnloop as fl
     >>> losses = [3.0, 1.0, 2.0]
@@ -158,22 +234,51 @@ def best_checkpoint(
         name: the hook state's name (default ``"best:<metric>"``).
 
     Raises:
-        ValueError: ``mode`` is neither ``"min"`` nor ``"max"``.
+        ValueError: ``mode`` is neither ``"min"`` nor ``"max"``, or
+            ``directory`` is an existing file.
+        DirectoryInUse: (from ``run``, before the first step) another process
+            holds ``directory``.
     """
     if mode not in ("min", "max"):
         raise ValueError(f"best_checkpoint() mode must be 'min' or 'max' (got {mode!r}).")
-    target = Path(directory) / "best.safetensors"
+    folder = _directory("best_checkpoint()", directory)
+    target = folder / "best.safetensors"
     start = Best(math.inf if mode == "min" else -math.inf)
 
+    def keep_best(state: TrainState) -> None:
+        with holding(folder):
+            save(state, target)
+
+    def finish(state: TrainState) -> None:
+        release(folder)
+        if metric not in state.metrics.series:
+            warnings.warn(
+                never_recorded("best_checkpoint()", metric, state), MetricNeverRecorded, stacklevel=2
+            )
+
     def update(state: TrainState, phase: Phase, best: Best) -> tuple[TrainState, Best]:
+        if phase is Phase.BEFORE_TRAIN:
+            return request(state, lambda s: claim(folder), f"hold {folder}"), best
+        if phase is Phase.AFTER_TRAIN:
+            # Only after success: a run that failed early may not have reached its first evaluation.
+            ended = state.iteration == state.max_iter and best.iteration < 0
+            return request(state, finish if ended else lambda s: release(folder), f"release {folder}"), best
         if phase is not Phase.AFTER_STEP or metric not in state.metrics.series:
             return state, best
         iteration, value = state.metrics.latest_float(metric)
         if iteration != state.iteration or not _improves(mode, value, best.value):
             return state, best
-        return request(state, lambda s: save(s, target), f"best {metric} into {target}"), Best(
-            value, iteration
-        )
+        return request(state, keep_best, f"best {metric} into {target}"), Best(value, iteration)
 
     update.__qualname__ = f"best_checkpoint({os.fspath(directory)!r}, {metric!r}, {mode!r})"
     return stateful(name or f"best:{metric}", start, update)
+
+
+def never_recorded(caller: str, metric: str, state: TrainState) -> str:
+    """The message of ``MetricNeverRecorded``: the metric, the metrics recorded, and the likely fixes."""
+    recorded = sorted(state.metrics.series)
+    return (
+        f"{caller}: the metric {metric!r} was never recorded in this run (recorded: {recorded}), so "
+        "nothing was done with it. Check its spelling against the names your loss_fn, step or "
+        "evaluate() records."
+    )
