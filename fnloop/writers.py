@@ -346,4 +346,3 @@ def tensorboard(logdir: str | os.PathLike[str]) -> Tensorboard:
     """
     _require_tensorboard()
     return Tensorboard(logdir)
-

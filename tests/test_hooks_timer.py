@@ -100,12 +100,16 @@ def test_records_python_floats_only():
     assert all(type(v) is float for name in ("time", "data_time") for _, v in times(final, name))
 
 
-def test_the_metrics_window_is_kept():
+@pytest.mark.parametrize("window", [1, 4, 50])
+def test_keeps_the_metrics_window_as_record_does(window):
     clock = Clock()
-    state = TrainState(max_iter=30, metrics=fl.Metrics(window=4))
+    state = TrainState(max_iter=30, metrics=fl.Metrics(window=window))
     final = fl.run(state, stepping(clock), batches(clock, 30), [timer(warmup=0)], clock=clock)
-    assert [i for i, _ in times(final, "time")] == [26, 27, 28, 29]
-    assert final.metrics.window == 4
+    assert [i for i, _ in times(final, "time")] == list(range(30))[-window:]
+    expected = fl.Metrics(window=window)
+    for i in range(30):
+        expected = expected.record(i, {"loss": float(i), "time": FETCH + STEP, "data_time": FETCH})
+    testing.assert_identical(final.metrics, expected)
 
 
 def test_is_a_good_hook():
