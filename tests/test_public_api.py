@@ -19,6 +19,7 @@ MODULES = [
     "fnloop.checkpoint",
     "fnloop.hooks",
     "fnloop.replay",
+    "fnloop.writers",
 ]
 
 

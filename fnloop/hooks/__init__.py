@@ -7,7 +7,12 @@ from fnloop.hooks._checkpoint import Best, DirectoryInUse, MetricNeverRecorded, 
 from fnloop.hooks._early_stop import EarlyStopState, MetricNotRecorded, early_stop
 from fnloop.hooks._ema import EmaState, ema, ema_params
 from fnloop.hooks._evaluate import Evaluated, MeanOver, evaluate, mean_over
+from fnloop.hooks._log import Log, LogState, log
+from fnloop.hooks._memory import Memory, memory, peak_mib
 from fnloop.hooks._precise_bn import PreciseBNState, precise_bn
+from fnloop.hooks._profile import Profile, profile, trace_path
+from fnloop.hooks._progress import Progress, progress
+from fnloop.hooks._timer import Timer, TimerState, timer
 
 __all__ = [
     "Best",
@@ -28,4 +33,19 @@ __all__ = [
     "evaluate",
     "mean_over",
     "precise_bn",
+    # seeing a run
+    "Log",
+    "LogState",
+    "Memory",
+    "Profile",
+    "Progress",
+    "Timer",
+    "TimerState",
+    "log",
+    "memory",
+    "peak_mib",
+    "profile",
+    "progress",
+    "timer",
+    "trace_path",
 ]
