@@ -24,6 +24,13 @@ class EvalStep:
     """The evaluation, ``(params, buffers, batch) -> metrics``, run eagerly."""
     jit: Jit | None = None
     """The evaluation traced and compiled, when compiled."""
+    built: tuple[Any, ...] = ()
+    """What ``eval_step`` was given, ``(fn, compile, options)``: a pickle rebuilds the step from it."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Compiled graphs do not pickle; the arguments do, and the copy compiles on its first call.
+        fn, compile, options = self.built
+        return _rebuild, (self.model, fn, compile, options)
 
     def __call__(self, state: TrainState, batch: Any, /) -> dict[str, torch.Tensor]:
         was_training = self.model.training
@@ -93,4 +100,11 @@ def eval_step(
 
         return flat, names
 
-    return EvalStep(model, kernel, Jit(make, options=options) if compile else None)
+    jit = Jit(make, options=options) if compile else None
+    return EvalStep(model, kernel, jit, (fn, compile, None if options is None else dict(options)))
+
+
+def _rebuild(
+    model: torch.nn.Module, fn: Callable[..., Any], compile: bool, options: Mapping[str, Any] | None
+) -> EvalStep:
+    return eval_step(model, fn, compile=compile, options=options)
