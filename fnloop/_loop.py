@@ -109,11 +109,16 @@ def _interruption(signum: int) -> BaseException:
     return KeyboardInterrupt() if signum == signal.SIGINT else Preempted(signum)
 
 
-def _start(state: object, hooks: Sequence[Hook | None] | None, debug: bool = False) -> Hook:
+def _start(state: object, step: object, hooks: Sequence[Hook | None] | None, debug: bool = False) -> Hook:
     if type(state) is not TrainState:
         raise TypeError(
             f"run() expected a fnloop.TrainState as its first argument, got {state!r:.80} "
             f"(a {type(state).__name__}). Build one with fnloop.TrainState(max_iter=...) or fnloop.init(...)."
+        )
+    if not callable(step):
+        raise TypeError(
+            f"the step must be a callable (state, batch) -> state, got {step!r:.80} "
+            f"(a {type(step).__name__}). Build one with fnloop.train_step(model, loss_fn, optimizer)."
         )
     if state.iteration > state.max_iter:
         raise ValueError(
@@ -309,7 +314,7 @@ def scan(
         ValueError: ``state.iteration > state.max_iter``, or two hooks share a state name.
         BatchesExhausted: ``batches`` ended early.
     """
-    hook = _start(state, hooks, debug)
+    hook = _start(state, step, hooks, debug)
     return _fold(state, step, batches, hook, clock, effects, donate=False)
 
 
@@ -363,7 +368,7 @@ def run(
     Returns:
         The final state, after ``AFTER_TRAIN``.
     """
-    hook = _start(state, hooks, debug)
+    hook = _start(state, step, hooks, debug)
     final: Any = None
     with _signals(signals) as stop:
         fold = _fold(state, step, batches, hook, clock, effects, True, stop, donate_input)

@@ -69,13 +69,18 @@ def children(node: Any) -> list[tuple[str, Any]] | None:
 
 
 def leaves(node: Any, path: str = "") -> Iterator[tuple[str, Any]]:
-    """Every leaf with its path; an empty container counts as a leaf, so none disappears."""
-    kids = children(node)
-    if not kids:
-        yield path, node
-        return
-    for step, child in kids:
-        yield from leaves(child, path + step)
+    """Every leaf with its path, in order; an empty container counts as a leaf, so none disappears.
+
+    Walked with a stack of its own, so a tree of any depth that a checkpoint holds is walked.
+    """
+    stack = [(path, node)]
+    while stack:
+        at, here = stack.pop()
+        kids = children(here)
+        if not kids:
+            yield at, here
+        else:
+            stack.extend((at + step, child) for step, child in reversed(kids))
 
 
 # -- describing values -------------------------------------------------------------------------------
@@ -142,24 +147,30 @@ def short(value: Any, limit: int = 100) -> str:
     >>> short(Record({"value": 1.0, "iteration": 3}, kind="record", type="fnloop.hooks.Best"))
     'Best(value=1.0, iteration=3)'
     """
-    text = _render(value)
+    text = _render(value, _DEEP)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _render(value: Any) -> str:
+_DEEP = 24  # nesting shown in one line; deeper containers print as "..."
+
+
+def _render(value: Any, depth: int) -> str:
+    if depth == 0 and children(value):
+        return "..."
+    depth -= 1
     if isinstance(value, torch.Tensor):
         if value.numel() == 1:
             return f"tensor({compact(tensor_stats(value)['value'])}, {dtype_name(value)})"
         return f"tensor({dtype_name(value)}, {tuple(value.shape)})"
     if type(value) is Record:
-        fields = ", ".join(f"{k}={_render(v)}" for k, v in value.items())
+        fields = ", ".join(f"{k}={_render(v, depth)}" for k, v in value.items())
         return f"{value.type.rsplit('.', 1)[-1]}({fields})"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{k!r}: {_render(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{k!r}: {_render(v, depth)}" for k, v in value.items()) + "}"
     if isinstance(value, list):
-        return "[" + ", ".join(_render(v) for v in value) + "]"
+        return "[" + ", ".join(_render(v, depth) for v in value) + "]"
     if isinstance(value, tuple):
-        return "(" + ", ".join(_render(v) for v in value) + ("," if len(value) == 1 else "") + ")"
+        return "(" + ", ".join(_render(v, depth) for v in value) + ("," if len(value) == 1 else "") + ")"
     if isinstance(value, float):
         return repr(value)
     return repr(value) if isinstance(value, str) else str(value)

@@ -22,6 +22,20 @@ def _non_negative_int(instance: object, attribute: attrs.Attribute, value: objec
 def _tensor_mapping(instance: object, attribute: attrs.Attribute, value: object) -> None:
     if not isinstance(value, Mapping):
         raise TypeError(f"'{attribute.name}' must be a mapping from name to tensor ({got(value)}).")
+    for name, tensor in value.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(
+                f"'{attribute.name}'[{name!r}] must be a tensor ({got(tensor)}); wrap a number "
+                "with torch.tensor(...)."
+            )
+
+
+def _metrics(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if not isinstance(value, Metrics):
+        raise TypeError(
+            f"'{attribute.name}' must be a fnloop.Metrics ({got(value)}); record values with "
+            "fnloop.record(state, name=value), or start from fnloop.Metrics()."
+        )
 
 
 def _str_mapping(instance: object, attribute: attrs.Attribute, value: object) -> None:
@@ -137,7 +151,7 @@ class TrainState:
     opt_state: Any = None
     rng: int = attrs.field(default=0, validator=_non_negative_int)
     data: Any = 0
-    metrics: Metrics = attrs.field(factory=Metrics, validator=attrs.validators.instance_of(Metrics))
+    metrics: Metrics = attrs.field(factory=Metrics, validator=_metrics)
     hooks: Mapping[str, Any] = attrs.field(factory=dict, validator=_str_mapping)
     extra: Any = None
     time: float = attrs.field(default=0.0, validator=_number)

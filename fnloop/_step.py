@@ -105,6 +105,16 @@ def init(
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"init() expected a torch.nn.Module, got {model!r:.80} (a {type(model).__name__}).")
+    if not isinstance(optimizer, Optimizer):
+        kind = type(optimizer)
+        where = "torch.optim" if isinstance(optimizer, torch.optim.Optimizer) else kind.__module__
+        raise TypeError(
+            f"init() expected a fnloop.optim.Optimizer, got a {where}.{kind.__qualname__}; "
+            "fnloop's optimizers are pure functions of the state: build one with "
+            "fnloop.optim.sgd/adam/adamw (the same numbers as torch.optim's)."
+        )
+    if type(seed) is not int or seed < 0:
+        raise ValueError(f"'seed' must be a non-negative int ({got(seed)}).")
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     return TrainState(
@@ -163,6 +173,12 @@ def _split(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}; reduce the loss to one "
             "value (for example .mean())."
         )
+    for name, value in metrics.items():
+        if isinstance(value, torch.Tensor) and value.numel() != 1:
+            raise TypeError(
+                f"loss_fn returned the metric {name!r} as a tensor of shape {tuple(value.shape)}; a "
+                "metric is one number per step: reduce it (for example .mean()) or leave it out."
+            )
     return loss.reshape(()), dict(metrics)
 
 

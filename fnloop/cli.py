@@ -123,6 +123,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CheckpointError as exc:
         print(f"fnloop {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except RecursionError:
+        # The reader decodes whatever depth the interpreter allows; showing it may take more.
+        print(
+            f"fnloop {args.command}: error: the checkpoint holds data nested too deeply to show "
+            f"(deeper than Python's recursion limit, {sys.getrecursionlimit()}).",
+            file=sys.stderr,
+        )
+        return 2
     except BrokenPipeError:
         # The reader went away (`fnloop inspect x | head`). As Python's docs advise: no traceback,
         # and no second error when the interpreter flushes stdout on the way out.

@@ -50,7 +50,7 @@ def test_iteration_message_reads_like_attrs():
         ("hooks", {1: 2}, r"'hooks' must be a mapping keyed by hook name \(str\)"),
         ("time", "now", r"'time' must be a float"),
         ("effects", [], r"'effects' must be a tuple of fnloop.Effect"),
-        ("metrics", {}, r"'metrics' must be <class 'fnloop._metrics.Metrics'>"),
+        ("metrics", {}, r"'metrics' must be a fnloop\.Metrics \(got \{\} that is a dict\)"),
     ],
 )
 def test_other_validators(field, bad, match):

@@ -28,6 +28,9 @@ def _as_iteration(iteration: torch.Tensor | int) -> torch.Tensor:
 def _float(name: str, value: object) -> float:
     if type(value) not in (int, float) or not math.isfinite(value):  # type: ignore[arg-type]
         raise TypeError(f"'{name}' must be a finite float ({got(value)}).")
+    if value < 0:  # type: ignore[operator]
+        # A schedule's values are learning rates (or factors of one): negative, they climb the loss.
+        raise ValueError(f"'{name}' must be at least 0 ({got(value)}).")
     return float(value)  # type: ignore[arg-type]
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import attrs
 import torch
@@ -339,6 +339,18 @@ def scale_by_adam(betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) 
     return _ScaleByAdam(b1, b2, _number("eps", eps))
 
 
+def _scheduled(schedule: Callable[[torch.Tensor], Any], iteration: torch.Tensor) -> Any:
+    """``schedule(iteration)``, refused unless it is one number (a 0-d tensor, or a float)."""
+    value = schedule(iteration)
+    if isinstance(value, torch.Tensor) and value.dim() != 0:
+        raise TypeError(
+            f"the schedule {schedule!r:.80} must return a 0-d tensor, got one of shape "
+            f"{tuple(value.shape)}; a learning rate is one number per step (return a 0-d tensor, e.g. "
+            "torch.where(...) of 0-d tensors, or .reshape(()) a one-element result)."
+        )
+    return value
+
+
 @attrs.frozen(repr=False)
 class _ScaleByLearningRate:
     lr: LearningRate
@@ -349,11 +361,11 @@ class _ScaleByLearningRate:
     def update(
         self, updates: Params, state: EmptyState, params: Params, iteration: torch.Tensor, /
     ) -> tuple[Params, EmptyState]:
-        step = -self.lr(iteration) if callable(self.lr) else -self.lr
+        step = -_scheduled(self.lr, iteration) if callable(self.lr) else -self.lr
         return {k: u * step for k, u in updates.items()}, state
 
     def learning_rates(self, iteration: torch.Tensor, /) -> dict[str, torch.Tensor]:
-        lr = self.lr(iteration) if callable(self.lr) else self.lr
+        lr = _scheduled(self.lr, iteration) if callable(self.lr) else self.lr
         return {"lr": torch.as_tensor(lr, dtype=torch.float64, device=iteration.device)}
 
     def __repr__(self) -> str:
