@@ -100,7 +100,7 @@ class Unclaimed:
 
     data: Any
     decode: Callable[[Any, Any, str], Any] = attrs.field(repr=False)
-    where: str
+    where: str = attrs.field(eq=False)
 
     def claim(self, like: Any) -> Any:
         """The value, built and checked against the template ``like``."""

@@ -19,7 +19,8 @@ def children(node: Any) -> list[tuple[str, Any]] | None:
     Path steps read like Python: ``.field``, ``['key']``, ``[0]``.
     """
     if attrs.has(type(node)):
-        return [(f".{f.name}", getattr(node, f.name)) for f in attrs.fields(type(node))]
+        # Fields left out of equality (a message's context, say) are no part of the value.
+        return [(f".{f.name}", getattr(node, f.name)) for f in attrs.fields(type(node)) if f.eq]
     if isinstance(node, tuple) and hasattr(node, "_fields"):
         return [(f".{name}", value) for name, value in zip(node._fields, node)]
     if isinstance(node, Mapping):

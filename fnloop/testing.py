@@ -24,13 +24,14 @@ from fnloop._hooks import Hook, every, on, once, stateful, when
 from fnloop._loop import run
 from fnloop._metrics import Metrics
 from fnloop._phase import Phase
-from fnloop._state import TrainState
+from fnloop._state import TrainState, Unclaimed
 from fnloop._tree import first_difference, leaves
 
 __all__ = [
     "Fail",
     "Tag",
     "assert_identical",
+    "without_clock",
     "bounds",
     "check_hook",
     "counter",
@@ -55,6 +56,39 @@ def assert_identical(a: Any, b: Any) -> None:
     found = first_difference(a, b)
     if found is not None:
         raise AssertionError(f"states differ at {found}")
+
+
+CLOCK_METRICS = ("time", "data_time")
+"""Metrics read off the fold's clock (``fnloop.hooks.timer``)."""
+
+
+def without_clock(state: TrainState) -> TrainState:
+    """``state`` without what the wall clock put in it: for comparing two runs, not two clocks.
+
+    ``state.time`` becomes 0, the metrics ``time`` and ``data_time`` and the
+    timer's hook states are left out. Everything else, the run itself, stays;
+    a resumed run equals an uninterrupted one under this view.
+
+    >>> a = attrs.evolve(TrainState(max_iter=1), time=1.0)
+    >>> assert_identical(without_clock(a), without_clock(TrainState(max_iter=1)))
+    """
+    metrics = {k: v for k, v in state.metrics.series.items() if k not in CLOCK_METRICS}
+    hooks = {k: v for k, v in state.hooks.items() if not _is_timer_state(v)}
+    return attrs.evolve(
+        state,
+        time=0.0,
+        data_time=0.0,
+        hooks=hooks,
+        metrics=Metrics(window=state.metrics.window, series=metrics),
+    )
+
+
+def _is_timer_state(value: Any) -> bool:
+    from fnloop.hooks import TimerState
+
+    # Loaded without its hook, a timer's state is still data, named by the record's type.
+    unclaimed = type(value) is Unclaimed and getattr(value.data, "type", "").endswith(".TimerState")
+    return type(value) is TimerState or unclaimed
 
 
 def _record(state: TrainState, phase: Phase, log: tuple) -> tuple[TrainState, tuple]:

@@ -1,9 +1,12 @@
 """Train a small MLP on scikit-learn's handwritten digits: fnloop's main job.
 
-Run it with ``python -m fnloop.examples.digits``. It checkpoints into
-``runs/digits/ckpt``; run the same command again after a crash, a SIGTERM or a
-Ctrl-C and it resumes from the newest checkpoint, ending exactly where an
-uninterrupted run ends. Walkthrough: ``docs/example.md``.
+Run it with ``python -m fnloop.examples.digits``. It shows a progress bar on a
+terminal, logs to the console, to ``runs/digits/metrics.jsonl`` and to
+TensorBoard (``runs/digits/tb``), evaluates on a validation split, keeps the
+best state in ``runs/digits/best`` and checkpoints into ``runs/digits/ckpt``;
+run the same command again after a crash, a SIGTERM or a Ctrl-C and it resumes
+from the newest checkpoint, ending exactly where an uninterrupted run ends.
+Walkthrough: ``docs/example.md``.
 """
 
 from __future__ import annotations
@@ -26,17 +29,19 @@ BATCH_SIZE = 64
 LR = 3e-3
 WARMUP = 50
 LOG_EVERY = 250
+EVAL_EVERY = 250
 CHECKPOINT_EVERY = 100
 # The split does not follow --seed, so test accuracies of different seeds compare.
 SPLIT_SEED = 0
-N_TRAIN = 1_500
+N_TRAIN = 1_300
+N_VAL = 200
 
 Split = tuple[torch.Tensor, torch.Tensor]
 
 
 @functools.cache
-def digits() -> tuple[Split, Split]:
-    """The digits as ``((x_train, y_train), (x_test, y_test))``: 1,500 and 297 images, pixels in [0, 1]."""
+def digits() -> tuple[Split, Split, Split]:
+    """The digits as ``(train, validation, test)`` pairs ``(x, y)``: 1,300, 200 and 297 images, pixels in [0, 1]."""
     # Imported here, so importing this module needs no scikit-learn (pip install fnloop[examples]).
     from sklearn.datasets import load_digits
 
@@ -44,8 +49,8 @@ def digits() -> tuple[Split, Split]:
     x = torch.tensor(images, dtype=torch.float32) / 16.0  # 8x8 pixels of 0..16
     y = torch.tensor(labels, dtype=torch.int64)
     order = torch.randperm(len(x), generator=torch.Generator().manual_seed(SPLIT_SEED))
-    train, test = order[:N_TRAIN], order[N_TRAIN:]
-    return (x[train], y[train]), (x[test], y[test])
+    train, val, test = order[:N_TRAIN], order[N_TRAIN : N_TRAIN + N_VAL], order[N_TRAIN + N_VAL :]
+    return (x[train], y[train]), (x[val], y[val]), (x[test], y[test])
 
 
 def mlp() -> nn.Module:
@@ -61,23 +66,10 @@ def loss_fn(forward: Any, batch: Split) -> tuple[torch.Tensor, dict[str, torch.T
 
 
 def accuracy(forward: Any, batch: Split) -> dict[str, torch.Tensor]:
-    """The share of ``batch`` classified right."""
+    """The share of ``batch`` classified right, and its mean cross-entropy."""
     x, y = batch
-    return {"accuracy": (forward(x).argmax(1) == y).float().mean()}
-
-
-def report(state: fl.TrainState, phase: fl.Phase) -> fl.TrainState:
-    """A hook asking for a progress line; the fold prints it once the phase is over."""
-    # Hooks do no I/O themselves: they stay pure and testable, and a replay can turn effects off.
-    return fl.request(state, print_progress, "print progress")
-
-
-def print_progress(state: fl.TrainState) -> None:
-    """Print the mean loss and batch accuracy over the last steps (``state.metrics`` keeps 20)."""
-    loss, acc = state.metrics.mean("loss"), state.metrics.mean("accuracy")
-    print(
-        f"step {state.iteration:>5}/{state.max_iter}  loss {loss:.4f}  batch accuracy {acc:.3f}", flush=True
-    )
+    logits = forward(x)
+    return {"accuracy": (logits.argmax(1) == y).float().mean(), "loss": F.cross_entropy(logits, y)}
 
 
 def job(
@@ -86,6 +78,7 @@ def job(
     max_iter: int = MAX_ITER,
     *,
     checkpoint_every: int = CHECKPOINT_EVERY,
+    eval_every: int = EVAL_EVERY,
     compile: bool = True,
     quiet: bool = False,
 ) -> tuple[fl.TrainState, fl.Step, fl.data.Batches, list[fl.Hook | None]]:
@@ -95,25 +88,28 @@ def job(
     It sets torch to one thread (``torch.set_num_threads(1)``), as part of the run.
 
     Args:
-        out: the run's directory; checkpoints go to ``out/ckpt``.
+        out: the run's directory: checkpoints go to ``out/ckpt``, the best
+            state to ``out/best``, logs to ``out/metrics.jsonl`` and ``out/tb``.
         seed: seeds the initial weights, the data order and dropout.
         max_iter: how many steps; the learning rate schedule spans them.
         checkpoint_every: save every this many steps (and when the run ends).
+        eval_every: evaluate on the validation split every this many steps
+            (and when the run ends).
         compile: compile the step (``False`` runs it eagerly, for debugging).
-        quiet: leave out the progress lines.
+        quiet: no console lines and no progress bar (the files are still written).
 
     Returns:
         ``(state, step, batches, hooks)``, ready for ``fl.run``; ``state`` is
         also the template to load checkpoints into.
 
     >>> state, step, batches, hooks = job(max_iter=3, compile=False)
-    >>> fl.run(state, step, batches).iteration  # no hooks: nothing printed or saved
+    >>> fl.run(state, step, batches).iteration  # no hooks: nothing printed, evaluated or saved
     3
     """
     # Layers this small gain nothing from a second thread, which on a busy machine only spins
     # waiting; and the bits of a run depend on the thread count, so it is part of the run.
     torch.set_num_threads(1)
-    (x, y), _ = digits()
+    (x, y), val, _ = digits()
     # The initial weights are a function of the seed; the caller's global RNG is left alone.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -123,16 +119,31 @@ def job(
     step = fl.train_step(model, loss_fn, optimizer, compile=compile)
     # Endless and resumable: its position is state.data, saved with every checkpoint.
     batches = fl.data.batches((x, y), batch_size=BATCH_SIZE, seed=seed)
+    # Evaluation is a forward over 200 images every few hundred steps: compiling it would cost more
+    # than it saves. mean_over weighs each batch by its size; the names get a "val_" prefix.
+    validate = fl.hooks.mean_over(fl.eval_step(model, accuracy, compile=False), [val], prefix="val_")
+    run = Path(out)
+    writers: list[fl.writers.Writer] = [
+        fl.writers.jsonl(run / "metrics.jsonl"),
+        fl.writers.tensorboard(run / "tb"),
+    ]
+    if not quiet:
+        writers.append(fl.writers.console())
     hooks = [
-        None if quiet else fl.every(LOG_EVERY, fl.on(fl.Phase.AFTER_STEP, report)),
-        fl.every(checkpoint_every, fl.hooks.checkpoint(Path(out) / "ckpt", keep=3)),
+        fl.hooks.timer(),
+        None if quiet else fl.hooks.progress(),  # drawn only when stderr is a terminal
+        fl.every(eval_every, fl.hooks.evaluate(validate)),
+        fl.hooks.best_checkpoint(run / "best", "val_accuracy", mode="max"),
+        # Before the checkpoint: a kill between the two leaves a line the resumed run cuts back.
+        fl.every(LOG_EVERY, fl.hooks.log(*writers)),
+        fl.every(checkpoint_every, fl.hooks.checkpoint(run / "ckpt", keep=3)),
     ]
     return state, step, batches, hooks
 
 
 def evaluate(state: fl.TrainState) -> float:
     """The accuracy of ``state``'s parameters on the test split."""
-    _, test = digits()
+    _, _, test = digits()
     # One call per run: compiling it would cost more than it saves.
     return float(fl.eval_step(mlp(), accuracy, compile=False)(state, test)["accuracy"])
 
@@ -148,8 +159,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--max-iter", type=int, default=MAX_ITER, metavar="N", help="training steps")
     parser.add_argument("--seed", type=int, default=0, help="seeds the weights, data order and dropout")
     parser.add_argument("--checkpoint-every", type=int, default=CHECKPOINT_EVERY, metavar="N", help="steps")
+    parser.add_argument("--eval-every", type=int, default=EVAL_EVERY, metavar="N", help="steps")
     parser.add_argument("--eager", action="store_true", help="do not compile the step (debugging)")
-    parser.add_argument("--quiet", action="store_true", help="no progress lines")
+    parser.add_argument("--quiet", action="store_true", help="no console lines or progress bar")
     args = parser.parse_args(argv)
 
     template, step, batches, hooks = job(
@@ -157,6 +169,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.seed,
         args.max_iter,
         checkpoint_every=args.checkpoint_every,
+        eval_every=args.eval_every,
         compile=not args.eager,
         quiet=args.quiet,
     )
@@ -188,6 +201,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         )
         print(f"stopped {where} in {ckpt}: run the same command to resume", file=sys.stderr)
         sys.exit(stop.code if isinstance(stop, fl.Preempted) else 130)  # 128 + signal, as a shell reports
+    best = final.hooks["best:val_accuracy"]
+    print(f"best validation accuracy: {best.value:.4f} at iteration {best.iteration + 1} ({args.out}/best)")
     print(f"test accuracy: {evaluate(final):.4f}")
 
 
