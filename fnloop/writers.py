@@ -48,6 +48,8 @@ class Line:
         names: the metrics with an entry recorded since the previous write.
         resumed: rewritten by a resumed run to restore what ``start`` dropped;
             a stream writer (the console) skips it.
+        first: the first metrics index this write covers: entries recorded at
+            ``first`` or later are new since the previous write.
     """
 
     iteration: int
@@ -55,6 +57,7 @@ class Line:
     metrics: Metrics
     names: tuple[str, ...]
     resumed: bool = False
+    first: int = 0
 
     def values(self) -> dict[str, float]:
         """The newest value of each name, as floats (one host sync for all tensors)."""
@@ -132,9 +135,12 @@ def format_line(line: Line) -> str:
     """The console's text for ``line``: ``eta: H:MM:SS  iter: N  loss: ...  lr: ...  time: ...``.
 
     Losses (names containing ``loss``), ``time`` and ``data_time`` are shown as
-    the median of the entries the metrics window keeps, the others as their
-    newest value. The ETA is the median ``time`` times the iterations left; a
-    finished run shows ``eta: 0:00:00``; without any ``time`` there is no ETA.
+    the median of their entries recorded since the previous write that the
+    metrics window still keeps (a training loss recorded every step: the last
+    ``window`` steps; a validation loss recorded once per period: that value),
+    the others as their newest value. The ETA is the median ``time`` times the
+    iterations left; a finished run shows ``eta: 0:00:00``; without any
+    ``time`` there is no ETA.
 
     >>> m = Metrics().record(0, {"loss": 2.0, "lr": 0.1}).record(1, {"loss": 1.0, "lr": 0.1, "time": 0.5})
     >>> format_line(Line(2, 10, m, ("loss", "lr", "time")))
@@ -148,8 +154,9 @@ def format_line(line: Line) -> str:
     wanted: list[Scalar] = []
     spans: dict[str, tuple[int, int]] = {}
     for name in [*windowed, *(["time"] if timed and "time" not in windowed else [])]:
-        spans[name] = (len(wanted), len(wanted) + len(series[name]))
-        wanted.extend(v for _, v in series[name])
+        recent = [v for i, v in series[name] if i >= line.first] or [series[name][-1][1]]
+        spans[name] = (len(wanted), len(wanted) + len(recent))
+        wanted.extend(recent)
     for name in names:
         if name not in spans:
             spans[name] = (len(wanted), len(wanted) + 1)

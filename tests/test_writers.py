@@ -190,3 +190,14 @@ def test_values_are_converted_only_when_a_line_is_written(monkeypatch, tmp_path)
         20,
         25,
     ]
+
+
+def test_a_loss_recorded_once_per_period_shows_its_own_value_not_a_median_with_older_ones():
+    m = metrics({"loss": 4.0, "val_loss": 0.9})  # an evaluation at the first period
+    for i in range(1, 6):
+        m = m.record(i, {"loss": float(4 - i)})
+    m = m.record(5, {"val_loss": 0.1})
+    # Written at 6, the previous write at 3: training losses 1, 0, -1 and one validation loss since
+    # (over the whole window they would be 1 and 0.5).
+    text = format_line(Line(6, 10, m, ("loss", "val_loss"), first=3))
+    assert "  loss: 0  " in text and text.endswith("val_loss: 0.1")

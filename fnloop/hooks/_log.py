@@ -44,7 +44,7 @@ class _Write:
         try:
             names = since(state.metrics, self.first)
             if names:
-                line = Line(state.iteration, state.max_iter, state.metrics, names)
+                line = Line(state.iteration, state.max_iter, state.metrics, names, first=self.first)
                 for writer in self.writers:
                     writer.write(line)
         finally:
@@ -72,7 +72,7 @@ class _Start:
             return
         names = since(state.metrics, self.again)
         if names:
-            line = Line(state.iteration, state.max_iter, state.metrics, names, resumed=True)
+            line = Line(state.iteration, state.max_iter, state.metrics, names, resumed=True, first=self.again)
             for writer in self.writers:
                 writer.write(line)
 
