@@ -18,7 +18,7 @@ import torch
 
 from fnloop._state import TrainState
 
-__all__ = ["exclusive", "holds_containers", "opt_containers"]
+__all__ = ["Clean", "exclusive", "holds_containers", "opt_containers"]
 
 
 def exclusive(tensors: list[torch.Tensor]) -> bool:
@@ -45,19 +45,67 @@ _BASELINE = _baseline()
 _ATOMS = frozenset({int, float, bool, str, bytes, type(None)})
 
 
-def holds_containers(state: TrainState, containers: set[int]) -> bool:
+class Clean:
+    """Hook states found to hold none of the step's containers, kept to skip them next time.
+
+    Hook states are values: one that is the very same object as at the last
+    check, against the same containers, still holds none of them. Most hook
+    states change only when their hook fires, so most steps walk next to
+    nothing. The objects are held, so their ids stay theirs.
+    """
+
+    def __init__(self) -> None:
+        self.key: tuple[Any, ...] = ()
+        self.values: dict[int, Any] = {}
+
+
+def holds_containers(state: TrainState, containers: set[int], clean: Clean | None = None) -> bool:
     """Whether ``state.hooks`` or ``state.extra`` keeps one of the containers the step updates.
 
     A pure hook can keep things only in the state, so this and the tensors'
     reference counts together find everything that would see a donation.
+    With ``clean``, hook states checked before (the same objects) are skipped.
     """
     if not state.hooks and state.extra is None:
         return False
-    targets = {id(state.params), id(state.buffers), *containers}
-    stack = [state.hooks, state.extra]
+    targets = None
+    roots = [*state.hooks.values(), state.extra]
+    if clean is None:
+        return _holds(roots, frozenset((id(state.params), id(state.buffers), *containers)))
+    # The same dicts and the same set of containers (the step caches it per optimizer state).
+    now = (state.params, state.buffers, containers)
+    last = clean.key
+    same = len(last) == 3 and last[0] is now[0] and last[1] is now[1] and last[2] is now[2]
+    known = clean.values if same else {}
+    if same:
+        for root in roots:  # the fast path: nothing changed since the last check
+            if known.get(id(root)) is not root and type(root) not in _ATOMS:
+                break
+        else:
+            return False
+    fresh: dict[int, Any] = {}
+    for root in roots:
+        if type(root) in _ATOMS:
+            continue
+        key = id(root)
+        if known.get(key) is not root:
+            if targets is None:
+                targets = frozenset((id(state.params), id(state.buffers), *containers))
+            if _holds([root], targets):
+                return True
+        fresh[key] = root
+    clean.key, clean.values = now, fresh
+    return False
+
+
+_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _holds(stack: list[Any], targets: frozenset[int]) -> bool:
     while stack:
         node = stack.pop()
-        if type(node) in _ATOMS:  # the common hook states, at the cost of one lookup
+        kind = type(node)
+        if kind in _ATOMS or kind is torch.Tensor:  # the common leaves, at the cost of one lookup
             continue
         if id(node) in targets:
             return True
@@ -65,8 +113,11 @@ def holds_containers(state: TrainState, containers: set[int]) -> bool:
             stack.extend(v for v in node.values() if not isinstance(v, torch.Tensor))
         elif isinstance(node, (tuple, list)):
             stack.extend(v for v in node if not isinstance(v, torch.Tensor))
-        elif attrs.has(type(node)):
-            stack.extend(getattr(node, f.name) for f in attrs.fields(type(node)))
+        elif attrs.has(kind):
+            names = _FIELDS.get(kind)
+            if names is None:
+                names = _FIELDS[kind] = tuple(f.name for f in attrs.fields(kind))
+            stack.extend(getattr(node, name) for name in names)
     return False
 
 

@@ -12,7 +12,7 @@ import torch
 from torch.func import functional_call, grad_and_value
 from torch.utils import _pytree as pytree
 
-from fnloop._donation import exclusive, holds_containers, opt_containers
+from fnloop._donation import Clean, exclusive, holds_containers, opt_containers
 from fnloop._jit import Entry, Flat, Jit, OverBudget, TraceError, flatten_batch, unflatten_batch
 from fnloop._loop import Step
 from fnloop._messages import got
@@ -327,6 +327,7 @@ class TrainStep:
     _opt_cache: list[Any] = attrs.field(factory=list)
     # The recorded loss and metrics live in long-lived homes: see fnloop/_pool.py.
     _pool: ScalarPool = attrs.field(factory=ScalarPool)
+    _clean: Clean = attrs.field(factory=Clean)
 
     def __call__(self, state: TrainState, batch: Any, /) -> TrainState:
         fresh = replace(
@@ -349,7 +350,7 @@ class TrainStep:
         params, buffers, opt_state = state.params, state.buffers, state.opt_state
         leaves, containers, ospec = self._flat(opt_state)
         owned = exclusive(list(params.values())) and exclusive(list(buffers.values())) and exclusive(leaves)
-        if not owned or holds_containers(state, containers):
+        if not owned or holds_containers(state, containers, self._clean):
             return self(state, batch)
         if not self.model.training:
             self.model.train()
