@@ -379,3 +379,10 @@ def test_non_scalar_metrics_from_the_loss_are_named():
 
 def test_digest_is_deterministic():
     assert checkpoint._digest("null", [], 1) == f"crc32:{zlib.crc32(b'null'):08x}"
+
+
+@pytest.mark.parametrize("make", [fl.hooks.checkpoint, lambda d: fl.hooks.best_checkpoint(d, "x")])
+def test_the_locking_hooks_are_good_hooks(tmp_path, make):
+    state = fl.record(TrainState(max_iter=3, iteration=1, params={"w": torch.ones(2)}), x=1.0)
+    testing.check_hook(make(tmp_path), state)
+    assert os.listdir(tmp_path) == []  # a hook only asks; the fold holds and writes

@@ -59,16 +59,16 @@ class Checkpoint:
     def __call__(self, state: TrainState, phase: Phase, /) -> TrainState:
         if phase is Phase.BEFORE_TRAIN:
             # Before the first step: a second run on this directory is refused at once.
-            return request(state, self.claim, f"hold {self.directory}")
+            return request(state, _Do(self, "claim"), f"hold {self.directory}")
         if phase is Phase.AFTER_STEP:
             # Performed once every hook of the phase has run, on the state the
             # next iteration starts from (iteration == i + 1).
-            return request(state, self.save, f"checkpoint into {self.directory}")
+            return request(state, _Do(self, "save"), f"checkpoint into {self.directory}")
         if phase is Phase.AFTER_TRAIN:
             # The run ended, by success, failure or signal: save the state it
             # ended with, as the fold entered AFTER_TRAIN (before any hook's
             # end-of-run changes), unless that iteration is saved already.
-            return request(state, self.finish, f"final checkpoint into {self.directory}", start=True)
+            return request(state, _Do(self, "finish"), f"final checkpoint into {self.directory}", start=True)
         return state
 
     def claim(self, state: TrainState) -> None:
@@ -242,36 +242,69 @@ def best_checkpoint(
     if mode not in ("min", "max"):
         raise ValueError(f"best_checkpoint() mode must be 'min' or 'max' (got {mode!r}).")
     folder = _directory("best_checkpoint()", directory)
-    target = folder / "best.safetensors"
-    start = Best(math.inf if mode == "min" else -math.inf)
+    update = _BestUpdate(os.fspath(folder), metric, mode, os.fspath(directory))
+    return stateful(name or f"best:{metric}", Best(math.inf if mode == "min" else -math.inf), update)
 
-    def keep_best(state: TrainState) -> None:
-        with holding(folder):
-            save(state, target)
 
-    def finish(state: TrainState) -> None:
-        release(folder)
-        if metric not in state.metrics.series:
-            warnings.warn(
-                never_recorded("best_checkpoint()", metric, state), MetricNeverRecorded, stacklevel=2
-            )
+@attrs.frozen(repr=False)
+class _BestUpdate:
+    """``best_checkpoint``'s update: plain data, so the hook pickles and its requests compare equal."""
 
-    def update(state: TrainState, phase: Phase, best: Best) -> tuple[TrainState, Best]:
+    directory: str
+    metric: str
+    mode: str
+    given: str  # the directory as given, for the repr
+
+    def __call__(self, state: TrainState, phase: Phase, best: Best) -> tuple[TrainState, Best]:
         if phase is Phase.BEFORE_TRAIN:
-            return request(state, lambda s: claim(folder), f"hold {folder}"), best
+            return request(state, _Do(self, "claim"), f"hold {self.directory}"), best
         if phase is Phase.AFTER_TRAIN:
-            # Only after success: a run that failed early may not have reached its first evaluation.
+            # Warn only after success: a run that failed early may not have reached its first evaluation.
             ended = state.iteration == state.max_iter and best.iteration < 0
-            return request(state, finish if ended else lambda s: release(folder), f"release {folder}"), best
-        if phase is not Phase.AFTER_STEP or metric not in state.metrics.series:
+            return request(
+                state, _Do(self, "finish" if ended else "release"), f"release {self.directory}"
+            ), best
+        if phase is not Phase.AFTER_STEP or self.metric not in state.metrics.series:
             return state, best
-        iteration, value = state.metrics.latest_float(metric)
-        if iteration != state.iteration or not _improves(mode, value, best.value):
+        iteration, value = state.metrics.latest_float(self.metric)
+        if iteration != state.iteration or not _improves(self.mode, value, best.value):
             return state, best
-        return request(state, keep_best, f"best {metric} into {target}"), Best(value, iteration)
+        return request(state, _Do(self, "save"), f"best {self.metric} into {self.directory}"), Best(
+            value, iteration
+        )
 
-    update.__qualname__ = f"best_checkpoint({os.fspath(directory)!r}, {metric!r}, {mode!r})"
-    return stateful(name or f"best:{metric}", start, update)
+    def claim(self, state: TrainState) -> None:
+        claim(Path(self.directory))
+
+    def save(self, state: TrainState) -> None:
+        with holding(Path(self.directory)):
+            save(state, Path(self.directory) / "best.safetensors")
+
+    def release(self, state: TrainState) -> None:
+        release(Path(self.directory))
+
+    def finish(self, state: TrainState) -> None:
+        release(Path(self.directory))
+        if self.metric not in state.metrics.series:
+            message = never_recorded("best_checkpoint()", self.metric, state)
+            warnings.warn(message, MetricNeverRecorded, stacklevel=2)
+
+    def __repr__(self) -> str:
+        return f"best_checkpoint({self.given!r}, {self.metric!r}, {self.mode!r})"
+
+
+@attrs.frozen
+class _Do:
+    """An effect a checkpoint hook requests, as data: ``hook.<action>(state)``.
+
+    Equal for equal hooks and actions, and picklable, as the hook itself is.
+    """
+
+    hook: Checkpoint | _BestUpdate
+    action: str
+
+    def __call__(self, state: TrainState) -> None:
+        getattr(self.hook, self.action)(state)
 
 
 def never_recorded(caller: str, metric: str, state: TrainState) -> str:
