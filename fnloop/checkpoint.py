@@ -65,6 +65,10 @@ _NAME = re.compile(r"ckpt-(\d{8,})\.safetensors")
 _PIECE = 1 << 24  # the checksum covers each tensor in pieces of this many bytes: part of the format
 _THREADED = 1 << 25  # below this many bytes of tensors, threads cost more than they save
 _POSITIONAL = hasattr(os, "pwrite") and hasattr(os, "preadv")
+try:
+    _MEMORY = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")  # no file bigger loads
+except (AttributeError, ValueError, OSError):
+    _MEMORY = 1 << 62
 
 
 class CheckpointWarning(UserWarning):
@@ -377,6 +381,8 @@ def _read_file(file: io.BufferedReader, name: str) -> tuple[dict[str, str], dict
     buffers, views, specs = {}, [], {}
     total = sum(end - begin for *_, begin, end in entries)
     try:
+        if total > _MEMORY:  # not left to the allocator: with overcommit, it would say yes
+            raise MemoryError
         for key, dtype, shape, begin, end in entries:
             specs[key] = {"dtype": DTYPES[dtype], "shape": shape}
             if end > begin:
@@ -384,7 +390,7 @@ def _read_file(file: io.BufferedReader, name: str) -> tuple[dict[str, str], dict
                 views.append(_bytes(buffers[key]))
     except (RuntimeError, MemoryError):
         raise CheckpointError(
-            f"{name}: its tensors take {total:,} bytes, more memory than this process can allocate. "
+            f"{name}: its tensors take {total:,} bytes, more memory than this process can get. "
             "Load it on a machine with more memory; if the file is not that large on disk, it is sparse "
             "and damaged."
         ) from None
