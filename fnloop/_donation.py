@@ -98,10 +98,12 @@ def holds_containers(state: TrainState, containers: set[int], clean: Clean | Non
     return False
 
 
-_FIELDS: dict[type, tuple[str, ...]] = {}
+_FIELDS: dict[type, tuple[str, ...] | None] = {}
+"""The field names of each attrs class met, ``None`` for other classes: one lookup per node."""
 
 
 def _holds(stack: list[Any], targets: frozenset[int]) -> bool:
+    fields = _FIELDS
     while stack:
         node = stack.pop()
         kind = type(node)
@@ -109,15 +111,21 @@ def _holds(stack: list[Any], targets: frozenset[int]) -> bool:
             continue
         if id(node) in targets:
             return True
-        if isinstance(node, Mapping):
-            stack.extend(v for v in node.values() if not isinstance(v, torch.Tensor))
+        if kind is dict:
+            stack.extend(node.values())
+            continue
+        if kind is tuple or kind is list:
+            stack.extend(node)
+            continue
+        names = fields.get(kind, ())
+        if names == ():
+            names = fields[kind] = tuple(f.name for f in attrs.fields(kind)) if attrs.has(kind) else None
+        if names is not None:
+            stack.extend([getattr(node, name) for name in names])
+        elif isinstance(node, Mapping):
+            stack.extend(node.values())
         elif isinstance(node, (tuple, list)):
-            stack.extend(v for v in node if not isinstance(v, torch.Tensor))
-        elif attrs.has(kind):
-            names = _FIELDS.get(kind)
-            if names is None:
-                names = _FIELDS[kind] = tuple(f.name for f in attrs.fields(kind))
-            stack.extend(getattr(node, name) for name in names)
+            stack.extend(node)
     return False
 
 

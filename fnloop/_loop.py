@@ -202,6 +202,7 @@ def _fold(
         while state.iteration < state.max_iter:
             i = state.iteration
             began = replace(state, time=clock())
+            start = began.time
             state = hook(began, _BEFORE_STEP)
             if type(state) is not TrainState:
                 raise returned(hook, _BEFORE_STEP, state)
@@ -231,7 +232,8 @@ def _fold(
                     f"step {step!r:.80} returned {new!r:.80} (a {type(new).__name__}) at iteration {i}; "
                     "a step must return a TrainState."
                 )
-            began = replace(new, time=clock(), data_time=fetched - fetching)
+            now = clock()
+            began = replace(new, time=now, data_time=fetched - fetching, step_time=now - start)
             state = hook(began, _AFTER_STEP)
             if type(state) is not TrainState:
                 raise returned(hook, _AFTER_STEP, state)
@@ -241,7 +243,9 @@ def _fold(
                     "only the fold advances it. To end a run early, lower max_iter instead."
                 )
             after = state.effects
-            state = last = replace(state, iteration=i + 1, data=cursor, data_time=0.0, effects=())
+            state = last = replace(
+                state, iteration=i + 1, data=cursor, data_time=0.0, step_time=0.0, effects=()
+            )
             mixed = False
             if after and perform:
                 _perform(after, began, state)

@@ -141,6 +141,10 @@ class TrainState:
         data_time: the seconds the fold waited for the current batch, for
             the ``AFTER_STEP`` hooks (a timer records it); 0 in other phases.
             Like ``effects``, not saved in checkpoints.
+        step_time: the seconds from the start of this iteration's
+            ``BEFORE_STEP`` to the start of its ``AFTER_STEP``: its
+            ``BEFORE_STEP`` hooks and effects, the wait for the batch and the
+            step. Set for ``AFTER_STEP``, 0 elsewhere, not saved.
         effects: effects requested in the current phase (cleared by the fold).
     """
 
@@ -156,6 +160,7 @@ class TrainState:
     extra: Any = None
     time: float = attrs.field(default=0.0, validator=_number)
     data_time: float = attrs.field(default=0.0, validator=_number)
+    step_time: float = attrs.field(default=0.0, validator=_number)
     effects: tuple[Effect, ...] = attrs.field(default=(), validator=_effects)
 
 

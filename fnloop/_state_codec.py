@@ -1,7 +1,7 @@
 """What a checkpoint holds of a ``TrainState``, and how the state comes back.
 
 ``encode_state`` encodes every field but ``effects`` (they carry code) and
-``data_time`` (a reading of the clock for the current step only).
+``data_time``/``step_time`` (readings of the clock for the current step only).
 ``fill_state`` rebuilds the state like a template: its fields strictly
 (``fnloop._fill.fill``), ``metrics`` as saved (they describe themselves), and
 hook states leniently: the ones the template knows strictly, the others as
@@ -22,8 +22,11 @@ from fnloop._state import TrainState, Unclaimed
 
 __all__ = ["STATE_FIELDS", "encode_state", "fill_state"]
 
-STATE_FIELDS = tuple(f.name for f in attrs.fields(TrainState) if f.name not in ("effects", "data_time"))
-"""The fields of TrainState a checkpoint holds: all but ``effects``, which carry code, and ``data_time``."""
+CLOCK_FIELDS = ("data_time", "step_time")
+"""Readings of the fold's clock for the current iteration only: no part of a checkpoint."""
+
+STATE_FIELDS = tuple(f.name for f in attrs.fields(TrainState) if f.name not in ("effects", *CLOCK_FIELDS))
+"""The fields of TrainState a checkpoint holds: all but ``effects``, which carry code, and the clock's."""
 
 
 def encode_state(state: TrainState) -> tuple[Any, dict[str, torch.Tensor]]:

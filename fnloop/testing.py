@@ -78,6 +78,7 @@ def without_clock(state: TrainState) -> TrainState:
         state,
         time=0.0,
         data_time=0.0,
+        step_time=0.0,
         hooks=hooks,
         metrics=Metrics(window=state.metrics.window, series=metrics),
     )

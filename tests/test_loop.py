@@ -107,23 +107,24 @@ def test_the_clock_enters_the_state_at_each_phase_and_times_the_batch():
         TrainState(max_iter=2),
         empty_step,
         [None] * 2,
-        [lambda s, p: (seen.append((p.name, s.time, s.data_time)), s)[1]],
+        [lambda s, p: (seen.append((p.name, s.time, s.data_time, s.step_time)), s)[1]],
         clock=lambda: float(next(ticks)) ** 2,
     )
     assert seen == [
-        ("BEFORE_TRAIN", 0.0, 0.0),
-        ("BEFORE_STEP", 1.0, 0.0),
-        ("AFTER_STEP", 16.0, 9.0 - 4.0),
-        ("BEFORE_STEP", 25.0, 0.0),
-        ("AFTER_STEP", 64.0, 49.0 - 36.0),
-        ("AFTER_TRAIN", 81.0, 0.0),
+        ("BEFORE_TRAIN", 0.0, 0.0, 0.0),
+        ("BEFORE_STEP", 1.0, 0.0, 0.0),
+        ("AFTER_STEP", 16.0, 9.0 - 4.0, 16.0 - 1.0),
+        ("BEFORE_STEP", 25.0, 0.0, 0.0),
+        ("AFTER_STEP", 64.0, 49.0 - 36.0, 64.0 - 25.0),
+        ("AFTER_TRAIN", 81.0, 0.0, 0.0),
     ]
 
 
-def test_data_time_is_not_saved(tmp_path):
-    state = attrs.evolve(TrainState(max_iter=1), data_time=1.5)
+def test_the_clock_of_an_iteration_is_not_saved(tmp_path):
+    state = attrs.evolve(TrainState(max_iter=1), data_time=1.5, step_time=2.5)
     fl.save(state, tmp_path / "s.safetensors")
-    assert fl.load(tmp_path / "s.safetensors", like=TrainState(max_iter=1)).data_time == 0.0
+    loaded = fl.load(tmp_path / "s.safetensors", like=TrainState(max_iter=1))
+    assert (loaded.data_time, loaded.step_time) == (0.0, 0.0)
 
 
 class Stream:

@@ -17,10 +17,9 @@ _BEFORE_TRAIN = Phase.BEFORE_TRAIN
 
 @attrs.frozen
 class TimerState:
-    """Where the run began (``start``) and the clock at the last ``AFTER_STEP`` (or at ``BEFORE_TRAIN``)."""
+    """The first iteration of the current run: its warm-up is counted from there."""
 
     start: int
-    last: float
 
 
 _new = object.__new__
@@ -65,21 +64,20 @@ class Timer:
             memory = state.hooks.get(self.name)
             if type(memory) is not TimerState:
                 memory = self._claim(memory, state)
-            now = state.time
             iteration = state.iteration
-            metrics = state.metrics
-            if iteration >= memory.start + self.warmup:
-                metrics = _metrics(metrics, iteration, now - memory.last, state.data_time)
-            hooks = dict(state.hooks)
-            hooks[self.name] = TimerState(memory.start, now)
-            return replace(state, metrics=metrics, hooks=hooks)
+            if iteration < memory.start + self.warmup:
+                return state
+            # The fold measured the iteration: no memory of ours changes from step to step.
+            return replace(
+                state, metrics=_metrics(state.metrics, iteration, state.step_time, state.data_time)
+            )
         if phase is _BEFORE_TRAIN:
             # Each run (a resumed one too) counts its warm-up from its own first iteration.
-            return replace(state, hooks={**state.hooks, self.name: TimerState(state.iteration, state.time)})
+            return replace(state, hooks={**state.hooks, self.name: TimerState(state.iteration)})
         return state
 
     def _claim(self, memory: object, state: TrainState) -> TimerState:
-        fresh = TimerState(state.iteration, state.time)
+        fresh = TimerState(state.iteration)
         if type(memory) is Unclaimed:
             return memory.claim(fresh)  # type: ignore[no-any-return]
         # No BEFORE_TRAIN reached this timer (a hook called by hand): time this step as a run's first.
@@ -96,13 +94,17 @@ class Timer:
 def timer(*, warmup: int = 3, name: str = "timer") -> Timer:
     """A hook recording ``time`` and ``data_time`` (seconds) at ``AFTER_STEP`` of every step.
 
-    ``time`` is the wall time of a whole iteration: ``state.time`` at this
-    ``AFTER_STEP`` minus ``state.time`` at the previous one (at ``BEFORE_TRAIN``
-    for a run's first step). It includes the hooks, their effects (writes,
-    checkpoints) and the wait for data, so its median times the remaining
-    iterations is an honest ETA. ``data_time`` is ``state.data_time``, the
-    seconds the fold waited for this step's batch. Both are Python floats,
-    recorded under the step's index ``state.iteration``: no tensor, no host sync.
+    ``time`` is ``state.step_time``, the seconds from the start of the
+    iteration's ``BEFORE_STEP`` to the start of its ``AFTER_STEP`` (its
+    ``BEFORE_STEP`` hooks, the wait for data and the step), as detectron2's
+    ``IterationTimer`` measures from ``before_step`` to ``after_step``. The
+    ``AFTER_STEP`` hooks and their effects (writes, checkpoints, evaluations)
+    are not in it; they come every n steps, and the console's ETA is the
+    median ``time`` times the iterations left. ``data_time`` is
+    ``state.data_time``, the seconds the fold waited for this step's batch.
+    Both are Python floats the fold measured, recorded under the step's index
+    ``state.iteration``: no tensor, no host sync, and no hook state that
+    changes from step to step.
 
     The first ``warmup`` iterations of each run (where ``torch.compile``
     traces and caches warm up) are not recorded, as detectron2's
