@@ -282,6 +282,14 @@ def test_progress_draws_a_bar_with_the_loss_on_a_terminal(monkeypatch):
     assert not _BARS, "the bar is closed at AFTER_TRAIN"
 
 
+def test_progress_between_redraws_only_counts_and_ends_at_the_last_step(monkeypatch):
+    screen = Terminal()
+    monkeypatch.setattr(sys, "stderr", screen)
+    fl.run(TrainState(max_iter=10), stepping(Clock()), range(10), [progress(mininterval=1000)])
+    text = screen.getvalue()
+    assert "10/10" in text and "loss" not in text  # never redrawn mid-run: the loss was never read
+
+
 def test_progress_does_nothing_without_a_terminal(monkeypatch):
     screen = io.StringIO()
     monkeypatch.setattr(sys, "stderr", screen)

@@ -69,15 +69,16 @@ class _Tick:
         bar = _BARS.get((os.getpid(), self.name))
         if bar is None:
             return
-        n = state.iteration - bar.n
-        # Read the loss (a host sync) only when tqdm is about to redraw, as its update() decides.
+        # tqdm's own test, first the count (cheap), then the clock: below both it would only count,
+        # so the bar is told only when it may redraw, and the loss (a host sync) read only then.
         if (
-            bar.n + n - bar.last_print_n >= bar.miniters
-            and time.time() - bar.last_print_t >= bar.mininterval
-            and "loss" in state.metrics.series
+            state.iteration - bar.last_print_n < bar.miniters
+            or time.time() - bar.last_print_t < bar.mininterval
         ):
+            return
+        if "loss" in state.metrics.series:
             bar.set_postfix_str(f"loss: {state.metrics.latest_float('loss')[1]:.4g}", refresh=False)
-        bar.update(n)
+        bar.update(state.iteration - bar.n)
 
 
 @attrs.frozen
@@ -87,6 +88,7 @@ class _Close:
     def __call__(self, state: TrainState) -> None:
         bar = _BARS.pop((os.getpid(), self.name), None)
         if bar is not None:
+            bar.update(state.iteration - bar.n)  # the ticks since its last redraw
             bar.close()
 
 
