@@ -266,8 +266,11 @@ class _BestUpdate:
             ), best
         if phase is not Phase.AFTER_STEP or self.metric not in state.metrics.series:
             return state, best
+        # The index first, the value (a host sync) only for a value recorded in this step.
+        if state.metrics.latest(self.metric)[0] != state.iteration:
+            return state, best
         iteration, value = state.metrics.latest_float(self.metric)
-        if iteration != state.iteration or not _improves(self.mode, value, best.value):
+        if not _improves(self.mode, value, best.value):
             return state, best
         return request(state, _Do(self, "save"), f"best {self.metric} into {self.directory}"), Best(
             value, iteration
