@@ -130,3 +130,19 @@ def test_a_transformation_without_a_learning_rate_records_none():
     step = fl.train_step(model, mse, opt, compile=False)
     final = fl.run(fl.init(model, opt, seed=0, max_iter=2), step, data[:2])
     assert final.metrics.names == ("loss",)
+
+
+def test_the_learning_rate_after_a_resume_equals_the_uninterrupted_runs(tmp_path):
+    # detectron2's test_checkpoint_resume for its LRScheduler hook, here a schedule read in the graph.
+    model, mse, data = problem()
+    opt = fl.optim.sgd(fl.optim.warmup_multistep(0.1, (3, 5), warmup_iters=2), momentum=0.9)
+    step = fl.train_step(model, mse, opt, compile=False)
+    state = fl.init(model, opt, seed=0, max_iter=6)
+    whole = fl.run(state, step, data)
+    half = fl.run(attrs.evolve(state, max_iter=4), step, data[:4], [fl.hooks.checkpoint(tmp_path)])
+    assert half.iteration == 4
+    resumed = attrs.evolve(fl.checkpoint.latest(tmp_path, like=state), max_iter=6)
+    final = fl.run(resumed, step, data[4:])
+    assert final.metrics.floats("lr") == whole.metrics.floats("lr")
+    assert len(set(whole.metrics.floats("lr"))) >= 3  # warm-up and two milestones: it did change
+    testing.assert_identical(final.params, whole.params)
