@@ -343,3 +343,16 @@ def test_profile_refuses_bad_windows():
         profile("p", start=0, steps=0)
     with pytest.raises(ValueError, match=r"'start' must be a non-negative int \(got -1 that is an int\)"):
         profile("p", start=-1, steps=1)
+
+
+@pytest.mark.parametrize(
+    ("time", "step_time", "draws"),
+    [(10.3, 0.4, True), (10.7, 0.4, False), (10.7, 2.0, True), (0.05, 0.05, False)],
+)
+def test_progress_asks_for_a_draw_only_when_the_step_crossed_a_multiple_of_mininterval(
+    time, step_time, draws
+):
+    state = attrs.evolve(TrainState(max_iter=10, iteration=3), time=time, step_time=step_time)
+    out = progress(mininterval=1.0)(state, Phase.AFTER_STEP)
+    assert (len(out.effects) == 1) is draws
+    assert progress(mininterval=0)(state, Phase.AFTER_STEP).effects  # 0: every step

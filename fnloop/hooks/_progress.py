@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from typing import Any
 
 import attrs
@@ -55,7 +54,9 @@ class _Open:
             total=state.max_iter,
             initial=state.iteration,
             file=sys.stderr,
-            mininterval=self.mininterval,
+            # The hook decides when to draw (see Progress); tqdm draws when told.
+            mininterval=0,
+            miniters=1,
             dynamic_ncols=True,
             unit="it",
         )
@@ -69,14 +70,7 @@ class _Tick:
         bar = _BARS.get((os.getpid(), self.name))
         if bar is None:
             return
-        # tqdm's own test, first the count (cheap), then the clock: below both it would only count,
-        # so the bar is told only when it may redraw, and the loss (a host sync) read only then.
-        if (
-            state.iteration - bar.last_print_n < bar.miniters
-            or time.time() - bar.last_print_t < bar.mininterval
-        ):
-            return
-        if "loss" in state.metrics.series:
+        if "loss" in state.metrics.series:  # a host sync, as often as the bar is drawn
             bar.set_postfix_str(f"loss: {state.metrics.latest_float('loss')[1]:.4g}", refresh=False)
         bar.update(state.iteration - bar.n)
 
@@ -116,6 +110,11 @@ class Progress:
 
     def __call__(self, state: TrainState, phase: Phase, /) -> TrainState:
         if phase is _AFTER_STEP:
+            # Draw when this iteration crossed a multiple of `mininterval` on the fold's clock: a
+            # pure function of the state, so steps in between cost one comparison and no effect.
+            every, now = self.mininterval, state.time
+            if every and now // every == (now - state.step_time) // every:
+                return state
             return replace(state, effects=(*state.effects, self.tick))
         if phase is _BEFORE_TRAIN:
             return request(state, _Open(self.name, self.mininterval), f"{self.name}: open the bar")
@@ -131,19 +130,22 @@ def progress(*, name: str = "progress", mininterval: float = 0.1) -> Progress:
     """A hook showing a tqdm bar over ``max_iter``, with the loss in its postfix, on a terminal.
 
     The bar opens at ``BEFORE_TRAIN`` (starting at the run's first iteration,
-    so a resumed run's bar and ETA are right), advances after every step and
-    closes at ``AFTER_TRAIN``, all as effects. It is shown only when stderr is
-    a terminal; otherwise there is no bar at all (logs and CI output stay
-    clean). tqdm draws at most every ``mininterval`` seconds and shows the
-    rate and ETA itself; the loss (a host sync) is read only when it draws.
-    The hook keeps no state: the bar is a live object of the process.
+    so a resumed run's bar and ETA are right), is drawn again after a step
+    during which the fold's clock crossed a multiple of ``mininterval``
+    (about every ``mininterval`` seconds, decided from ``state.time`` and
+    ``state.step_time`` alone) and closes at ``AFTER_TRAIN``, all as effects.
+    Steps in between cost one comparison. It is shown only when stderr is a
+    terminal; otherwise there is no bar at all (logs and CI output stay
+    clean). tqdm shows the rate and ETA itself; the loss (a host sync) is read
+    only when the bar is drawn. The hook keeps no state: the bar is a live
+    object of the process.
 
     >>> import fnloop as fl
     >>> final = fl.run(fl.TrainState(max_iter=3), lambda s, b: s, [None] * 3, [progress()])
 
     Args:
         name: tells bars of several progress hooks apart.
-        mininterval: the least seconds between two redraws.
+        mininterval: about how many seconds between two redraws (0: after every step).
 
     Returns:
         The hook.
