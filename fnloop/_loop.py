@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 from fnloop._hooks import Hook, chain, checked, returned, state_names
 from fnloop._phase import Phase
+from fnloop._plan import Plan, call
 from fnloop._state import Effect, TrainState, Unclaimed, replace
 
 __all__ = ["BatchesExhausted", "Preempted", "Step", "UnclaimedHookState", "run", "scan"]
@@ -194,6 +195,8 @@ def _fold(
     last = state
     mixed = False
     try:
+        # The step phases call only the hooks that can act there (see fnloop/_plan.py).
+        plan = Plan(hook)
         state = _drop_unclaimed(state, hook)
         state = last = _phase(hook, replace(state, time=clock()), _BEFORE_TRAIN, perform)
         stream, resumable = _stream(batches, state.data)
@@ -203,9 +206,7 @@ def _fold(
             i = state.iteration
             began = replace(state, time=clock())
             start = began.time
-            state = hook(began, _BEFORE_STEP)
-            if type(state) is not TrainState:
-                raise returned(hook, _BEFORE_STEP, state)
+            state = call(plan.due(_BEFORE_STEP, i), began, _BEFORE_STEP)
             before = state.effects
             if before:
                 state = replace(state, effects=())
@@ -234,9 +235,7 @@ def _fold(
                 )
             now = clock()
             began = replace(new, time=now, data_time=fetched - fetching, step_time=now - start)
-            state = hook(began, _AFTER_STEP)
-            if type(state) is not TrainState:
-                raise returned(hook, _AFTER_STEP, state)
+            state = call(plan.due(_AFTER_STEP, i), began, _AFTER_STEP)
             if state.iteration != i:
                 raise RuntimeError(
                     f"state.iteration changed from {i} to {state.iteration} during iteration {i}; "

@@ -1,0 +1,117 @@
+"""Which hooks can act at a step phase of an iteration, known before the run from the combinators.
+
+``every(n, h)`` returns its state unchanged at the step phases of iterations
+it does not fire at, ``on(phases, h)`` in the phases it does not list, and
+``once(k, h)`` everywhere but iteration ``k``. These combinators are values
+with known periods, so the fold can tell in advance which hooks cannot act at
+an iteration and not call them: with twenty ``every(10, ...)`` hooks, nine
+iterations in ten call none of them. Any other hook (``when``, ``stateful``, a
+function) may act anywhere and is always called. The hooks that are called
+are called in registration order, so the run is the same, bit for bit, as
+calling the whole chain (``property_tests/test_fold_laws.py`` checks it).
+"""
+
+from __future__ import annotations
+
+import math
+
+from fnloop._hooks import Chain, Every, Hook, On, Once, identity, returned
+from fnloop._phase import Phase
+from fnloop._state import TrainState
+
+__all__ = ["Plan", "call", "schedule"]
+
+_STEP_PHASES = (Phase.BEFORE_STEP, Phase.AFTER_STEP)
+
+Firing = tuple[int, int]
+Schedule = Firing | None
+"""When a hook can act in a step phase: ``(period, offset)`` for the iterations ``i`` with
+``(i + 1 - offset) % period == 0`` and ``i + 1 >= offset``; ``None`` for never.
+``(1, 0)`` is always; ``once(k)`` is ``(0, k + 1)``: iteration ``k`` alone."""
+
+_ALWAYS: Schedule = (1, 0)
+
+
+def _both(a: Schedule, b: Schedule) -> Schedule:
+    """The schedule of iterations in both ``a`` and ``b``."""
+    if a is None or b is None:
+        return None
+    p, q = a[0], b[0]
+    if p == 0 or q == 0:  # a single iteration: in the other schedule or not
+        single, other = (a, b) if p == 0 else (b, a)
+        return single if _fires(other, single[1] - 1) else None
+    # Both periodic from 0 (the only periodic offsets the combinators make): every lcm.
+    return (math.lcm(p, q), 0)
+
+
+def _fires(schedule: Schedule, iteration: int) -> bool:
+    if schedule is None:
+        return False
+    period, offset = schedule
+    done = iteration + 1
+    if period == 0:
+        return done == offset
+    return done >= offset and (done - offset) % period == 0
+
+
+def schedule(hook: Hook, phase: Phase) -> Schedule:
+    """When ``hook`` can change the state in step phase ``phase`` (conservative: ``(1, 0)`` if unknown)."""
+    kind = type(hook)
+    if kind is On:
+        return schedule(hook.hook, phase) if phase in hook.phases else None  # type: ignore[attr-defined]
+    if kind is Every:
+        return _both((hook.n, 0), schedule(hook.hook, phase))  # type: ignore[attr-defined]
+    if kind is Once:
+        return _both((0, hook.iteration + 1), schedule(hook.hook, phase))  # type: ignore[attr-defined]
+    return _ALWAYS
+
+
+class Plan:
+    """For each step phase, the hooks that can act at an iteration, in registration order.
+
+    ``due(phase, i)`` costs one comparison at the iterations where no
+    periodic hook fires; the list is worked out again only at the next
+    iteration where one does.
+    """
+
+    def __init__(self, hook: Hook) -> None:
+        hooks = () if hook is identity else hook.hooks if type(hook) is Chain else (hook,)  # type: ignore[attr-defined]
+        self.entries: dict[Phase, list[tuple[Hook, Firing]]] = {
+            phase: [(h, s) for h in hooks if (s := schedule(h, phase)) is not None] for phase in _STEP_PHASES
+        }
+        self.quiet = {p: tuple(h for h, s in e if s == _ALWAYS) for p, e in self.entries.items()}
+        self.next: dict[Phase, float] = dict.fromkeys(_STEP_PHASES, -1)
+
+    def due(self, phase: Phase, iteration: int) -> tuple[Hook, ...]:
+        """The hooks to call in ``phase`` of ``iteration``; the others would return the state unchanged."""
+        if iteration < self.next[phase]:
+            return self.quiet[phase]
+        entries = self.entries[phase]
+        self.next[phase] = min((_after(s, iteration) for _, s in entries if s != _ALWAYS), default=math.inf)
+        if not _any_fires(entries, iteration):
+            return self.quiet[phase]
+        return tuple(h for h, s in entries if _fires(s, iteration))
+
+
+def _any_fires(entries: list[tuple[Hook, Firing]], iteration: int) -> bool:
+    return any(s != _ALWAYS and _fires(s, iteration) for _, s in entries)
+
+
+def _after(schedule: Firing, iteration: int) -> float:
+    """The first iteration after ``iteration`` at which ``schedule`` fires (inf: none)."""
+    period, offset = schedule
+    if period == 0:
+        return offset - 1 if offset - 1 > iteration else math.inf
+    done = iteration + 2  # completed steps after the next iteration
+    start = max(done, offset)
+    return start + (-(start - offset)) % period - 1
+
+
+def call(hooks: tuple[Hook, ...], state: TrainState, phase: Phase) -> TrainState:
+    """``hooks`` run in order on ``state`` in ``phase``, each checked to return a ``TrainState``."""
+    for hook in hooks:
+        new = hook(state, phase)
+        if type(new) is not TrainState:
+            raise returned(hook, phase, new)
+        state = new
+    return state
