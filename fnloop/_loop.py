@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from fnloop._hooks import Hook, chain, checked, returned, state_names
 from fnloop._phase import Phase
-from fnloop._plan import Plan, call
+from fnloop._plan import call, plan
 from fnloop._state import Effect, TrainState, Unclaimed, replace
 
 __all__ = ["BatchesExhausted", "Preempted", "Step", "UnclaimedHookState", "run", "scan"]
@@ -196,7 +196,7 @@ def _fold(
     mixed = False
     try:
         # The step phases call only the hooks that can act there (see fnloop/_plan.py).
-        plan = Plan(hook)
+        before_step, after_step = plan(hook, _BEFORE_STEP), plan(hook, _AFTER_STEP)
         state = _drop_unclaimed(state, hook)
         state = last = _phase(hook, replace(state, time=clock()), _BEFORE_TRAIN, perform)
         stream, resumable = _stream(batches, state.data)
@@ -206,7 +206,8 @@ def _fold(
             i = state.iteration
             began = replace(state, time=clock())
             start = began.time
-            state = call(plan.due(_BEFORE_STEP, i), began, _BEFORE_STEP)
+            due = before_step.quiet if i < before_step.next else before_step(i)
+            state = call(due, began, _BEFORE_STEP) if due else began
             before = state.effects
             if before:
                 state = replace(state, effects=())
@@ -235,7 +236,8 @@ def _fold(
                 )
             now = clock()
             began = replace(new, time=now, data_time=fetched - fetching, step_time=now - start)
-            state = call(plan.due(_AFTER_STEP, i), began, _AFTER_STEP)
+            due = after_step.quiet if i < after_step.next else after_step(i)
+            state = call(due, began, _AFTER_STEP) if due else began
             if state.iteration != i:
                 raise RuntimeError(
                     f"state.iteration changed from {i} to {state.iteration} during iteration {i}; "

@@ -19,7 +19,7 @@ from fnloop._hooks import Chain, Every, Hook, On, Once, identity, returned
 from fnloop._phase import Phase
 from fnloop._state import TrainState
 
-__all__ = ["Plan", "call", "schedule"]
+__all__ = ["Due", "call", "plan", "schedule"]
 
 _STEP_PHASES = (Phase.BEFORE_STEP, Phase.AFTER_STEP)
 
@@ -66,31 +66,34 @@ def schedule(hook: Hook, phase: Phase) -> Schedule:
     return _ALWAYS
 
 
-class Plan:
-    """For each step phase, the hooks that can act at an iteration, in registration order.
+class Due:
+    """The hooks to call in one step phase, by iteration; build them with ``plan``.
 
-    ``due(phase, i)`` costs one comparison at the iterations where no
-    periodic hook fires; the list is worked out again only at the next
-    iteration where one does.
+    ``quiet`` are the hooks called at an iteration where no periodic hook
+    fires, and ``next`` the first iteration, from the last one asked about,
+    where one may: before it, the fold takes ``quiet`` with one comparison.
     """
 
-    def __init__(self, hook: Hook) -> None:
-        hooks = () if hook is identity else hook.hooks if type(hook) is Chain else (hook,)  # type: ignore[attr-defined]
-        self.entries: dict[Phase, list[tuple[Hook, Firing]]] = {
-            phase: [(h, s) for h in hooks if (s := schedule(h, phase)) is not None] for phase in _STEP_PHASES
-        }
-        self.quiet = {p: tuple(h for h, s in e if s == _ALWAYS) for p, e in self.entries.items()}
-        self.next: dict[Phase, float] = dict.fromkeys(_STEP_PHASES, -1)
+    def __init__(self, entries: list[tuple[Hook, Firing]]) -> None:
+        self.entries = entries
+        self.quiet = tuple(h for h, s in entries if s == _ALWAYS)
+        self.next: float = -1
 
-    def due(self, phase: Phase, iteration: int) -> tuple[Hook, ...]:
-        """The hooks to call in ``phase`` of ``iteration``; the others would return the state unchanged."""
-        if iteration < self.next[phase]:
-            return self.quiet[phase]
-        entries = self.entries[phase]
-        self.next[phase] = min((_after(s, iteration) for _, s in entries if s != _ALWAYS), default=math.inf)
+    def __call__(self, iteration: int) -> tuple[Hook, ...]:
+        """The hooks to call at ``iteration``; the others would return the state unchanged."""
+        if iteration < self.next:
+            return self.quiet
+        entries = self.entries
+        self.next = min((_after(s, iteration) for _, s in entries if s != _ALWAYS), default=math.inf)
         if not _any_fires(entries, iteration):
-            return self.quiet[phase]
+            return self.quiet
         return tuple(h for h, s in entries if _fires(s, iteration))
+
+
+def plan(hook: Hook, phase: Phase) -> Due:
+    """Which hooks of ``hook`` (a chain, or one hook) to call in step phase ``phase``, by iteration."""
+    hooks = () if hook is identity else hook.hooks if type(hook) is Chain else (hook,)  # type: ignore[attr-defined]
+    return Due([(h, s) for h in hooks if (s := schedule(h, phase)) is not None])
 
 
 def _any_fires(entries: list[tuple[Hook, Firing]], iteration: int) -> bool:

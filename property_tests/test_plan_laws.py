@@ -1,6 +1,6 @@
 """The fold calls only the hooks that can act at a step phase: the run is the same, bit for bit.
 
-The reference is the fold calling the whole chain in every phase (its ``Plan``
+The reference is the fold calling the whole chain in every phase (its ``plan``
 replaced by one that lists every hook always). Hook lists are drawn with
 combinators nested up to three deep, so ``every(2, once(3, on(AFTER_STEP, h)))``
 and the like are covered, and a stateful counter and a ``when`` among them.
@@ -17,18 +17,19 @@ from hypothesis import strategies as st
 import fnloop as fl
 import fnloop._loop
 from fnloop import Phase, TrainState, testing
-from fnloop._plan import Plan, _after, _fires, schedule
+from fnloop._plan import _after, _fires, plan, schedule
 from fnloop.testing import Tag
 
 
 class Unplanned:
     """The plain fold: every hook of the chain is called in every step phase."""
 
-    def __init__(self, hook):
-        self.hooks = (hook,)
+    def __init__(self, hook, phase):
+        self.quiet = (hook,)
+        self.next = float("inf")
 
-    def due(self, phase, iteration):
-        return self.hooks
+    def __call__(self, iteration):
+        return self.quiet
 
 
 def _key(hook):
@@ -66,21 +67,20 @@ def run(start, max_iter, hooks):
 def test_the_planned_fold_equals_calling_every_hook(bounds, hooks):
     start, max_iter = bounds
     planned = run(start, max_iter, hooks)
-    original = fnloop._loop.Plan
-    fnloop._loop.Plan = Unplanned
+    original = fnloop._loop.plan
+    fnloop._loop.plan = Unplanned
     try:
         plain = run(start, max_iter, hooks)
     finally:
-        fnloop._loop.Plan = original
+        fnloop._loop.plan = original
     testing.assert_identical(planned, plain)
 
 
 @given(st.lists(nested(), min_size=1, max_size=4, unique_by=_key), st.integers(0, 40))
 def test_a_hook_left_out_would_have_changed_nothing(hooks, iteration):
-    plan = Plan(fl.chain(*hooks))
     state = TrainState(max_iter=100, iteration=iteration)
     for phase in (Phase.BEFORE_STEP, Phase.AFTER_STEP):
-        due = plan.due(phase, iteration)
+        due = plan(fl.chain(*hooks), phase)(iteration)
         for hook in fl.chain(*hooks).hooks if len(hooks) > 1 else hooks:
             if hook not in due:
                 assert hook(state, phase) is state, (hook, phase, iteration)
@@ -108,6 +108,6 @@ def test_schedules_of_the_combinators():
 
 @pytest.mark.parametrize("n", [1, 3, 10])
 def test_twenty_periodic_hooks_are_called_only_where_they_fire(n):
-    plan = Plan(fl.chain(*[fl.every(10, Tag(f"h{k}")) for k in range(20)], Tag("always")))
-    calls = [len(plan.due(Phase.AFTER_STEP, i)) for i in range(0, 30, n)]
+    due = plan(fl.chain(*[fl.every(10, Tag(f"h{k}")) for k in range(20)], Tag("always")), Phase.AFTER_STEP)
+    calls = [len(due(i)) for i in range(0, 30, n)]
     assert calls == [21 if (i + 1) % 10 == 0 else 1 for i in range(0, 30, n)]
