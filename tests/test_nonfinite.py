@@ -146,3 +146,23 @@ def test_the_learning_rate_after_a_resume_equals_the_uninterrupted_runs(tmp_path
     assert final.metrics.floats("lr") == whole.metrics.floats("lr")
     assert len(set(whole.metrics.floats("lr"))) >= 3  # warm-up and two milestones: it did change
     testing.assert_identical(final.params, whole.params)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compile", [False, True])
+def test_a_non_finite_gradient_under_a_finite_loss_is_caught_compiled_too(compile):
+    # The clamp cuts the loss to 1, and its gradient w.r.t. the weight is 0 * inf = nan. (A guard
+    # written as `(g * 0).sum()` passes this eagerly and fails it compiled: inductor folds `* 0`.)
+    model = torch.nn.Linear(1, 1)
+    with torch.no_grad():
+        model.weight.fill_(0.5)
+
+    def clamped(forward, batch):
+        return forward(batch).clamp(max=1.0).sum()
+
+    opt = fl.optim.sgd(0.1)
+    step = fl.train_step(model, clamped, opt, compile=compile)
+    state = fl.init(model, opt, seed=0, max_iter=1)
+    with pytest.raises(fl.NonFiniteLoss, match=r"step 0: a gradient was not finite \(loss 2\)") as info:
+        fl.run(state, step, [torch.full((2, 1), float("inf"))])
+    testing.assert_identical(info.value.state.params, state.params)
