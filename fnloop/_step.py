@@ -16,9 +16,11 @@ from fnloop._donation import Clean, exclusive, holds_containers, opt_containers
 from fnloop._jit import Entry, Flat, Jit, OverBudget, TraceError, flatten_batch, unflatten_batch
 from fnloop._loop import Step
 from fnloop._messages import got
+from fnloop._metrics import Scalar
 from fnloop._pool import ScalarPool
 from fnloop._state import TrainState, replace
 from fnloop.optim import Optimizer, learning_rates
+from fnloop.optim._base import fixed_learning_rates
 
 __all__ = ["GraphBreakError", "NonFiniteLoss", "RecompileError", "TrainStep", "init", "train_step"]
 
@@ -251,7 +253,8 @@ def _kernel(
             b.copy_(torch.where(finite, new_buffers[k], b))
         for old, new in zip(pytree.tree_leaves(opt_state), pytree.tree_leaves(new_opt_state)):
             old.copy_(torch.where(finite, new, old))
-        rates = learning_rates(optimizer, iteration)
+        # Fixed learning rates are recorded as the numbers they are, outside the graph (TrainStep.fixed).
+        rates = {k: v for k, v in learning_rates(optimizer, iteration).items() if isinstance(v, torch.Tensor)}
         return loss, finite, {**rates, **{k: v.detach() for k, v in metrics.items()}}
 
     return kernel
@@ -323,6 +326,8 @@ class TrainStep:
     """The kernel traced and compiled, when ``compiled``."""
     skip_nonfinite: bool = False
     """Skip non-finite steps and count them (metric ``skipped``) instead of raising ``NonFiniteLoss``."""
+    fixed: dict[str, float] = attrs.field(factory=dict)
+    """The optimizer's fixed learning rates, recorded every step as numbers (no graph output)."""
     _counters: dict[torch.device, torch.Tensor] = attrs.field(factory=dict)
     _opt_cache: list[Any] = attrs.field(factory=list)
     # The recorded loss and metrics live in long-lived homes: see fnloop/_pool.py.
@@ -382,7 +387,11 @@ class TrainStep:
             exc.torn = any(t._version != v for t, v in zip(donated, versions))  # type: ignore[attr-defined]
             raise
         keep = self._pool.keep
-        recorded = {"loss": keep(loss), **{name: keep(value) for name, value in metrics.items()}}
+        recorded: dict[str, Scalar] = {
+            "loss": keep(loss),
+            **self.fixed,
+            **{name: keep(value) for name, value in metrics.items()},
+        }
         if self.skip_nonfinite:
             recorded["skipped"] = keep(self._skipped(state, finite))
         elif not finite.item():
@@ -527,7 +536,8 @@ def train_step(
     jit = _jit_kernel(kernel, 1 + recompiles, options) if compile else None
     if type(skip_nonfinite) is not bool:
         raise TypeError(f"'skip_nonfinite' must be a bool ({got(skip_nonfinite)}).")
-    step = TrainStep(model, loss_fn, optimizer, recompiles, kernel, jit, skip_nonfinite)
+    fixed = fixed_learning_rates(optimizer)
+    step = TrainStep(model, loss_fn, optimizer, recompiles, kernel, jit, skip_nonfinite, fixed)
     return step if donate else _Undonated(step)
 
 

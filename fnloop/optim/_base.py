@@ -26,6 +26,7 @@ __all__ = [
     "Schedule",
     "apply_updates",
     "learning_rates",
+    "fixed_learning_rates",
     "check_keys",
     "describe",
     "first_device",
@@ -148,23 +149,32 @@ def apply_updates(params: Params, updates: Params) -> Params:
 
 def learning_rates(
     transform: GradientTransformation | Optimizer, iteration: torch.Tensor
-) -> dict[str, torch.Tensor]:
-    """The learning rates ``transform`` applies at step ``iteration``, as 0-d float64 tensors.
+) -> dict[str, torch.Tensor | float]:
+    """The learning rates ``transform`` applies at step ``iteration``: a float, or a schedule's 0-d tensor.
 
     ``{"lr": ...}`` for a transformation with one ``scale_by_learning_rate``
     stage; ``{"lr/<group>": ...}`` per group of a ``partition``; ``{}`` for a
     transformation that has no learning rate or does not say (one of your own
-    can by offering a ``learning_rates(iteration)`` method). Torch ops only,
-    so ``train_step`` records them from inside its compiled graph.
+    can by offering a ``learning_rates(iteration)`` method). A fixed learning
+    rate is the float it is; a schedule's value is computed with torch ops, so
+    ``train_step`` records it from inside its compiled graph.
 
     >>> from fnloop.optim import sgd, cosine
     >>> learning_rates(sgd(cosine(0.1, max_iter=10)), torch.tensor(5))
     {'lr': tensor(0.0500, dtype=torch.float64)}
+    >>> learning_rates(sgd(0.1), torch.tensor(5))
+    {'lr': 0.1}
     """
     if isinstance(transform, Optimizer):
         transform = transform.transform
     rates = getattr(transform, "learning_rates", None)
     return dict(rates(iteration)) if callable(rates) else {}
+
+
+def fixed_learning_rates(transform: GradientTransformation | Optimizer) -> dict[str, float]:
+    """The learning rates of ``transform`` that are fixed numbers, known without running a step."""
+    rates = learning_rates(transform, torch.zeros((), dtype=torch.int64))
+    return {name: value for name, value in rates.items() if not isinstance(value, torch.Tensor)}
 
 
 _ITERATION = (

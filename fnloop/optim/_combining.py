@@ -44,8 +44,8 @@ class _Chain:
             new_state.append(inner)
         return updates, tuple(new_state)
 
-    def learning_rates(self, iteration: torch.Tensor, /) -> dict[str, torch.Tensor]:
-        rates: dict[str, torch.Tensor] = {}
+    def learning_rates(self, iteration: torch.Tensor, /) -> dict[str, torch.Tensor | float]:
+        rates: dict[str, torch.Tensor | float] = {}
         for transform in self.transforms:
             for name, value in learning_rates(transform, iteration).items():
                 rates.setdefault(name, value)
@@ -159,7 +159,7 @@ class _Partition:
             new_updates.update(group_updates)
         return {k: new_updates[k] for k in params}, new_state
 
-    def learning_rates(self, iteration: torch.Tensor, /) -> dict[str, torch.Tensor]:
+    def learning_rates(self, iteration: torch.Tensor, /) -> dict[str, torch.Tensor | float]:
         return {
             f"{name}/{label}": value
             for label, transform in self.transforms.items()

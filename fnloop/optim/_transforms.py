@@ -364,9 +364,8 @@ class _ScaleByLearningRate:
         step = -_scheduled(self.lr, iteration) if callable(self.lr) else -self.lr
         return {k: u * step for k, u in updates.items()}, state
 
-    def learning_rates(self, iteration: torch.Tensor, /) -> dict[str, torch.Tensor]:
-        lr = _scheduled(self.lr, iteration) if callable(self.lr) else self.lr
-        return {"lr": torch.as_tensor(lr, dtype=torch.float64, device=iteration.device)}
+    def learning_rates(self, iteration: torch.Tensor, /) -> dict[str, torch.Tensor | float]:
+        return {"lr": _scheduled(self.lr, iteration) if callable(self.lr) else self.lr}
 
     def __repr__(self) -> str:
         return f"scale_by_learning_rate({self.lr!r})"
