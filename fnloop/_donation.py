@@ -50,13 +50,15 @@ class Clean:
 
     Hook states are values: one that is the very same object as at the last
     check, against the same containers, still holds none of them. Most hook
-    states change only when their hook fires, so most steps walk next to
-    nothing. The objects are held, so their ids stay theirs.
+    states change only when their hook fires, so on most steps ``state.hooks``
+    is the very dict of the last check and nothing is walked. The objects are
+    held, so their ids stay theirs.
     """
 
     def __init__(self) -> None:
         self.key: tuple[Any, ...] = ()
         self.values: dict[int, Any] = {}
+        self.seen: tuple[Any, Any] = (None, None)
 
 
 def holds_containers(state: TrainState, containers: set[int], clean: Clean | None = None) -> bool:
@@ -76,13 +78,10 @@ def holds_containers(state: TrainState, containers: set[int], clean: Clean | Non
     now = (state.params, state.buffers, containers)
     last = clean.key
     same = len(last) == 3 and last[0] is now[0] and last[1] is now[1] and last[2] is now[2]
+    seen = clean.seen
+    if same and seen[0] is state.hooks and seen[1] is state.extra:
+        return False  # the very hook states and extra of the last check
     known = clean.values if same else {}
-    if same:
-        for root in roots:  # the fast path: nothing changed since the last check
-            if known.get(id(root)) is not root and type(root) not in _ATOMS:
-                break
-        else:
-            return False
     fresh: dict[int, Any] = {}
     for root in roots:
         if type(root) in _ATOMS:
@@ -94,7 +93,7 @@ def holds_containers(state: TrainState, containers: set[int], clean: Clean | Non
             if _holds([root], targets):
                 return True
         fresh[key] = root
-    clean.key, clean.values = now, fresh
+    clean.key, clean.values, clean.seen = now, fresh, (state.hooks, state.extra)
     return False
 
 
