@@ -11,7 +11,7 @@ import torch
 
 import fnloop as fl
 from fnloop import Phase, TrainState, testing
-from fnloop.hooks import EarlyStopState, MetricNotRecorded, early_stop, evaluate
+from fnloop.hooks import EarlyStopState, MetricNeverRecorded, early_stop, evaluate
 from fnloop.hooks import _early_stop as module
 
 
@@ -128,7 +128,8 @@ def test_the_count_survives_a_resume(tmp_path):
 def test_a_metric_never_recorded_warns_at_the_end_naming_what_was_recorded():
     step = lambda s, b: fl.record(s, loss=1.0)  # noqa: E731
     with pytest.warns(
-        MetricNotRecorded, match=r"the metric 'val_loss' was never recorded.*Recorded metrics: \['loss'\]"
+        MetricNeverRecorded,
+        match=r"the metric 'val_loss' was never recorded in this run \(recorded: \['loss'\]\)",
     ):
         fl.run(TrainState(max_iter=3), step, [None] * 3, [early_stop("val_loss", patience=2)])
 

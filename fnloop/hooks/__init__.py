@@ -1,10 +1,11 @@
-"""Ready-made hooks: checkpoints (more to come).
+"""Ready-made hooks: see a run (timer, log, progress, memory, profile), steer it (evaluate,
+early_stop, ema, precise_bn) and keep it (checkpoint, best_checkpoint).
 
 Combinators (``every``, ``on``, ...) live at the top level, ``fnloop.every``.
 """
 
-from fnloop.hooks._checkpoint import Best, DirectoryInUse, MetricNeverRecorded, best_checkpoint, checkpoint
-from fnloop.hooks._early_stop import EarlyStopState, MetricNotRecorded, early_stop
+from fnloop.hooks._checkpoint import Best, DirectoryInUse, best_checkpoint, checkpoint
+from fnloop.hooks._early_stop import EarlyStopState, early_stop
 from fnloop.hooks._ema import EmaState, ema, ema_params
 from fnloop.hooks._evaluate import Evaluated, MeanOver, evaluate, mean_over
 from fnloop.hooks._log import Log, LogState, log
@@ -13,6 +14,7 @@ from fnloop.hooks._precise_bn import PreciseBNState, precise_bn
 from fnloop.hooks._profile import Profile, profile, trace_path
 from fnloop.hooks._progress import Progress, progress
 from fnloop.hooks._timer import Timer, TimerState, timer
+from fnloop.hooks._unrecorded import MetricNeverRecorded
 
 __all__ = [
     "Best",
@@ -25,7 +27,6 @@ __all__ = [
     "EmaState",
     "Evaluated",
     "MeanOver",
-    "MetricNotRecorded",
     "PreciseBNState",
     "early_stop",
     "ema",

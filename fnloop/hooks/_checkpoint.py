@@ -17,14 +17,11 @@ from fnloop._messages import got
 from fnloop._phase import Phase
 from fnloop._state import TrainState, request
 from fnloop.checkpoint import CheckpointWarning, checkpoints, path_for, save
+from fnloop.hooks._unrecorded import MetricNeverRecorded, never_recorded
 
 __all__ = ["Best", "DirectoryInUse", "MetricNeverRecorded", "best_checkpoint", "checkpoint"]
 
 _ABANDONED = re.compile(r"ckpt-(\d{8,})\.safetensors\.abandoned")
-
-
-class MetricNeverRecorded(UserWarning):
-    """A hook watched a metric that the run never recorded; the message names it and the recorded ones."""
 
 
 def _keep(instance: object, attribute: attrs.Attribute, value: object) -> None:
@@ -308,13 +305,3 @@ class _Do:
 
     def __call__(self, state: TrainState) -> None:
         getattr(self.hook, self.action)(state)
-
-
-def never_recorded(caller: str, metric: str, state: TrainState) -> str:
-    """The message of ``MetricNeverRecorded``: the metric, the metrics recorded, and the likely fixes."""
-    recorded = sorted(state.metrics.series)
-    return (
-        f"{caller}: the metric {metric!r} was never recorded in this run (recorded: {recorded}), so "
-        "nothing was done with it. Check its spelling against the names your loss_fn, step or "
-        "evaluate() records."
-    )

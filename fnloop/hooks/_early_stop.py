@@ -12,12 +12,9 @@ from fnloop._messages import got
 from fnloop._metrics import to_floats
 from fnloop._phase import Phase
 from fnloop._state import TrainState, request
+from fnloop.hooks._unrecorded import MetricNeverRecorded, never_recorded
 
-__all__ = ["EarlyStopState", "MetricNotRecorded", "early_stop"]
-
-
-class MetricNotRecorded(UserWarning):
-    """A hook watched a metric that the run never recorded (a typo, or a missing ``evaluate``)."""
+__all__ = ["EarlyStopState", "early_stop"]
 
 
 @attrs.frozen
@@ -28,13 +25,7 @@ class _Warn:
     metric: str
 
     def __call__(self, state: TrainState) -> None:
-        warnings.warn(
-            f"{self.hook}: the metric {self.metric!r} was never recorded in this run, so it never "
-            f"acted. Recorded metrics: {list(state.metrics.names)}. Check the name, and that the hook "
-            "recording it (evaluate, ...) runs, and runs before this one in the list.",
-            MetricNotRecorded,
-            stacklevel=2,
-        )
+        warnings.warn(never_recorded(self.hook, self.metric, state), MetricNeverRecorded, stacklevel=2)
 
 
 @attrs.frozen
@@ -142,7 +133,7 @@ def early_stop(
 
     Its memory (``state.hooks[name]``, an ``EarlyStopState``) says why the run
     stopped and survives a resume. If a successful run never recorded
-    ``metric``, it warns (``MetricNotRecorded``) at ``AFTER_TRAIN``.
+    ``metric``, it warns (``MetricNeverRecorded``) at ``AFTER_TRAIN``.
 
     >>> import fnloop as fl
     >>> losses = [3.0, 2.0, 2.5, 2.2, 1.0, 0.5]
