@@ -134,11 +134,12 @@ def _order(name: str) -> int:
 def format_line(line: Line) -> str:
     """The console's text for ``line``: ``eta: H:MM:SS  iter: N  loss: ...  lr: ...  time: ...``.
 
-    Losses (names containing ``loss``), ``time`` and ``data_time`` are shown as
-    the median of their entries recorded since the previous write that the
-    metrics window still keeps (a training loss recorded every step: the last
-    ``window`` steps; a validation loss recorded once per period: that value),
-    the others as their newest value. The ETA is the median ``time`` times the
+    Each metric is shown as the median of its entries recorded since the
+    previous write that the metrics window still keeps (a training loss or
+    batch accuracy recorded every step: the last ``window`` steps; a
+    validation metric recorded once per period: that value), as detectron2
+    smooths its losses; ``lr``, ``max_mem`` and ``skipped`` (a rate, a peak
+    and a running count) as their newest value. The ETA is the median ``time`` times the
     iterations left; a finished run shows ``eta: 0:00:00``; without any
     ``time`` there is no ETA.
 
@@ -148,7 +149,8 @@ def format_line(line: Line) -> str:
     """
     names = sorted(line.names, key=_order)
     series = line.metrics.series
-    windowed = [n for n in names if _order(n) in (0, 3, 4)]
+    # Counts and peaks (a running total, the memory high-water mark) and the lr read as they are now.
+    windowed = [n for n in names if _order(n) not in (2, 5) and n != "skipped"]
     timed = "time" in series
     # One host sync for every value this line shows.
     wanted: list[Scalar] = []

@@ -201,3 +201,12 @@ def test_a_loss_recorded_once_per_period_shows_its_own_value_not_a_median_with_o
     # (over the whole window they would be 1 and 0.5).
     text = format_line(Line(6, 10, m, ("loss", "val_loss"), first=3))
     assert "  loss: 0  " in text and text.endswith("val_loss: 0.1")
+
+
+def test_every_metric_but_lr_peak_and_counts_is_a_median_since_the_previous_write():
+    m = Metrics(window=10)
+    for i, acc in enumerate([0.0, 0.0, 1.0, 0.5, 1.0]):
+        m = m.record(i, {"accuracy": acc, "lr": 0.1 * (i + 1), "skipped": i, "max_mem": 100.0 + i})
+    text = format_line(Line(5, 10, m, ("accuracy", "lr", "skipped", "max_mem"), first=2))
+    assert "accuracy: 1  " in text  # median of 1.0, 0.5, 1.0, not the newest value alone
+    assert "lr: 5.000e-01" in text and "skipped: 4" in text and text.endswith("max_mem: 104M")
