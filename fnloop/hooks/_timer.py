@@ -5,7 +5,6 @@ from __future__ import annotations
 import attrs
 
 from fnloop._messages import got
-from fnloop._metrics import Metrics
 from fnloop._phase import Phase
 from fnloop._state import TrainState, Unclaimed, replace
 
@@ -20,26 +19,6 @@ class TimerState:
     """The first iteration of the current run: its warm-up is counted from there."""
 
     start: int
-
-
-_new = object.__new__
-_set = object.__setattr__
-
-
-def _metrics(old: Metrics, iteration: int, time: float, data_time: float) -> Metrics:
-    # Metrics.record rebuilds the record through its validators (about 1.8 us); the timer runs every
-    # step and records two floats it computed itself, so it builds the same value without them.
-    series = dict(old.series)
-    window = old.window
-    keep = 1 - window
-    times = series.get("time", ())
-    waits = series.get("data_time", ())
-    series["time"] = (times[keep:] if keep else ()) + ((iteration, time),)
-    series["data_time"] = (waits[keep:] if keep else ()) + ((iteration, data_time),)
-    new = _new(Metrics)
-    _set(new, "window", window)
-    _set(new, "series", series)
-    return new
 
 
 def _warmup(instance: object, attribute: attrs.Attribute, value: object) -> None:
@@ -68,9 +47,8 @@ class Timer:
             if iteration < memory.start + self.warmup:
                 return state
             # The fold measured the iteration: no memory of ours changes from step to step.
-            return replace(
-                state, metrics=_metrics(state.metrics, iteration, state.step_time, state.data_time)
-            )
+            times = {"time": state.step_time, "data_time": state.data_time}
+            return replace(state, metrics=state.metrics.record(iteration, times))
         if phase is _BEFORE_TRAIN:
             # Each run (a resumed one too) counts its warm-up from its own first iteration.
             return replace(state, hooks={**state.hooks, self.name: TimerState(state.iteration)})

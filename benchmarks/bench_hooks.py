@@ -1,0 +1,154 @@
+"""What a realistic hook set costs per step, beside the bare compiled step, side by side, one thread.
+
+Run: python benchmarks/bench_hooks.py [--iters N] [--repeats R]
+
+Two runs of the tiny MLP (32->64->10, batch 32, SGD, compiled), taking turns in one
+process:
+
+* bare: ``fl.run(state, step, batches)`` with no hook;
+* hooks: the same with ``timer()``, ``every(20, log(console(), jsonl(...)))``, ``progress()``
+  (on a terminal: stderr is a stand-in tty writing to /dev/null), ``every(100, checkpoint(...))``
+  and ``every(100, evaluate(mean_over(eval_step(...), val)))``.
+
+Each hook's share is the set's median less the median of the set without that hook.
+The fold's clock is wrapped to keep its readings, so each iteration's time is known
+without adding a hook. "Between writes" is the median iteration: writes (every 20th
+step) and checkpoints/evaluations (every 100th) are a few percent of the iterations,
+so the median is a step on which no hook wrote. The mean, writes included, is shown too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import itertools
+import logging
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+import fnloop as fl
+
+torch.set_num_threads(1)
+
+READINGS_PER_STEP = 4
+"""The fold reads its clock at BEFORE_STEP, around the batch fetch, and at AFTER_STEP."""
+
+
+def problem():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    data = [(torch.randn(32, 32), torch.randint(0, 10, (32,))) for _ in range(16)]
+    return model, data
+
+
+def cross_entropy(forward, batch):
+    x, y = batch
+    return torch.nn.functional.cross_entropy(forward(x), y)
+
+
+def accuracy(forward, batch):
+    x, y = batch
+    return {"accuracy": (forward(x).argmax(1) == y).float().mean()}
+
+
+class Tty(io.TextIOWrapper):
+    """A terminal stand-in, so the progress bar is drawn (into /dev/null)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+NAMES = ("timer", "log", "progress", "checkpoint", "evaluate")
+
+
+def hook_set(model, val, folder, leave_out=None):
+    evaluate = fl.hooks.evaluate(fl.hooks.mean_over(fl.eval_step(model, accuracy), val, prefix="val_"))
+    hooks = [
+        fl.hooks.timer(),
+        fl.every(20, fl.hooks.log(fl.writers.console(), fl.writers.jsonl(f"{folder}/metrics.jsonl"))),
+        fl.hooks.progress(),
+        fl.every(100, fl.hooks.checkpoint(f"{folder}/ckpt", keep=2)),
+        fl.every(100, evaluate),
+    ]
+    return [h for name, h in zip(NAMES, hooks) if name != leave_out]
+
+
+def runner(hooks_for):
+    model, data = problem()
+    opt = fl.optim.sgd(0.01)
+    step = fl.train_step(model, cross_entropy, opt)
+    state = fl.init(model, opt, seed=0, max_iter=1)
+    val = data[:4]
+
+    def run(n):
+        readings = []
+        clock = time.perf_counter
+
+        def reading():
+            t = clock()
+            readings.append(t)
+            return t
+
+        with tempfile.TemporaryDirectory() as folder:
+            final = fl.run(
+                fl.TrainState(**{**state.__dict__, "max_iter": n}),
+                step,
+                (data[i % len(data)] for i in range(n)),
+                hooks_for(model, val, folder),
+                clock=reading,
+            )
+        assert final.iteration == n
+        starts = readings[1:-1:READINGS_PER_STEP]  # BEFORE_STEP of each iteration
+        return [b - a for a, b in itertools.pairwise(starts)]
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--iters", type=int, default=2000)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+
+    logging.basicConfig(stream=open("/dev/null", "w"), level=logging.INFO)  # noqa: SIM115
+    sys.stderr = Tty(open("/dev/null", "wb"))  # noqa: SIM115
+    runs = {"bare": runner(lambda model, val, folder: []), "hooks": runner(hook_set)}
+    for name in NAMES:  # each hook's share: the set without it
+        runs[f"hooks - {name}"] = runner(
+            lambda model, val, folder, name=name: hook_set(model, val, folder, name)
+        )
+    for run in runs.values():
+        run(120)  # compile (step and evaluation) and warm up
+    medians = {name: [] for name in runs}
+    means = {name: [] for name in runs}
+    for _ in range(args.repeats):
+        for name, run in runs.items():
+            times = run(args.iters)[10:]
+            medians[name].append(statistics.median(times) * 1e6)
+            means[name].append(statistics.fmean(times) * 1e6)
+    out = sys.stdout
+    print(f"tiny MLP, compiled, {args.iters} iterations x {args.repeats}, one thread", file=out)
+    for name in runs:
+        print(
+            f"  {name:20s} median {statistics.median(medians[name]):7.1f} us/it   "
+            f"mean (writes included) {statistics.median(means[name]):7.1f} us/it",
+            file=out,
+        )
+    whole = statistics.median(medians["hooks"])
+    for name in NAMES:
+        share = whole - statistics.median(medians[f"hooks - {name}"])
+        print(f"  {name:12s} costs about {share:5.1f} us/it between writes (the set with it, minus without)")
+    ratios = [h / b for h, b in zip(medians["hooks"], medians["bare"])]
+    print(
+        f"  hooks / bare between writes: {statistics.median(ratios):.3f} "
+        f"(each repeat: {', '.join(f'{r:.3f}' for r in ratios)}; target <= 1.10)",
+        file=out,
+    )
+
+
+if __name__ == "__main__":
+    main()
