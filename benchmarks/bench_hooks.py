@@ -34,6 +34,9 @@ import fnloop as fl
 
 torch.set_num_threads(1)
 
+WRITE_EVERY = 20
+"""The log's period; checkpoints and evaluations (every 100) fall on its writes."""
+
 READINGS_PER_STEP = 4
 """The fold reads its clock at BEFORE_STEP, around the batch fetch, and at AFTER_STEP."""
 
@@ -69,7 +72,9 @@ def hook_set(model, val, folder, leave_out=None):
     evaluate = fl.hooks.evaluate(fl.hooks.mean_over(fl.eval_step(model, accuracy), val, prefix="val_"))
     hooks = [
         fl.hooks.timer(),
-        fl.every(20, fl.hooks.log(fl.writers.console(), fl.writers.jsonl(f"{folder}/metrics.jsonl"))),
+        fl.every(
+            WRITE_EVERY, fl.hooks.log(fl.writers.console(), fl.writers.jsonl(f"{folder}/metrics.jsonl"))
+        ),
         fl.hooks.progress(),
         fl.every(100, fl.hooks.checkpoint(f"{folder}/ckpt", keep=2)),
         fl.every(100, evaluate),
@@ -128,17 +133,23 @@ def main() -> None:
     for hooks_for in runs.values():
         run(120, hooks_for)  # compile (step and evaluation) and warm up
     medians = {name: [] for name in runs}
+    steadies = {name: [] for name in runs}
     means = {name: [] for name in runs}
     for _ in range(args.repeats):
         for name, hooks_for in runs.items():
-            times = run(args.iters, hooks_for)[10:]
-            medians[name].append(statistics.median(times) * 1e6)
-            means[name].append(statistics.fmean(times) * 1e6)
+            times = run(args.iters, hooks_for)
+            medians[name].append(statistics.median(times[10:]) * 1e6)
+            means[name].append(statistics.fmean(times[10:]) * 1e6)
+            # Iterations 5 to 18 after each write (every 20th step): what a step costs once the
+            # caches the write disturbed have refilled.
+            steady = [t for i, t in enumerate(times) if i >= 10 and (i + 1) % WRITE_EVERY >= 5]
+            steadies[name].append(statistics.median(steady) * 1e6)
     out = sys.stdout
     print(f"tiny MLP, compiled, {args.iters} iterations x {args.repeats}, one thread", file=out)
     for name in runs:
         print(
             f"  {name:20s} median {statistics.median(medians[name]):7.1f} us/it   "
+            f"steady {statistics.median(steadies[name]):7.1f} us/it   "
             f"mean (writes included) {statistics.median(means[name]):7.1f} us/it",
             file=out,
         )
@@ -146,6 +157,12 @@ def main() -> None:
     for name in NAMES:
         share = whole - statistics.median(medians[f"hooks - {name}"])
         print(f"  {name:12s} costs about {share:5.1f} us/it between writes (the set with it, minus without)")
+    steady = [h / b for h, b in zip(steadies["hooks"], steadies["bare"])]
+    print(
+        f"  hooks / bare, 5 or more steps after a write: {statistics.median(steady):.3f} "
+        f"(each repeat: {', '.join(f'{r:.3f}' for r in steady)})",
+        file=out,
+    )
     ratios = [h / b for h, b in zip(medians["hooks"], medians["bare"])]
     print(
         f"  hooks / bare between writes: {statistics.median(ratios):.3f} "
