@@ -7,7 +7,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
-from fnloop._messages import got
+from fnloop._messages import non_empty_str, non_negative_int, positive_int
 from fnloop._phase import Phase
 from fnloop._state import TrainState, Unclaimed, replace
 
@@ -208,21 +208,11 @@ def on(phase: Phase | Collection[Phase], hook: Hook) -> Hook:
     return On(_phases(phase), hook)
 
 
-def _positive_int(instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if type(value) is not int or value < 1:
-        raise ValueError(f"'{attribute.name}' must be a positive int ({got(value)}).")
-
-
-def _non_negative_int(instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if type(value) is not int or value < 0:
-        raise ValueError(f"'{attribute.name}' must be a non-negative int ({got(value)}).")
-
-
 @attrs.frozen(repr=False)
 class Every(_Wrapper):
     """``hook`` run after every ``n``-th step; build it with ``every``."""
 
-    n: int = attrs.field(validator=_positive_int)
+    n: int = attrs.field(validator=positive_int)
     hook: Hook
 
     def __call__(self, state: TrainState, phase: Phase, /) -> TrainState:
@@ -285,7 +275,7 @@ def when(pred: Callable[[TrainState], bool], hook: Hook) -> Hook:
 class Once(_Wrapper):
     """``hook`` run in the step phases of one iteration; build it with ``once``."""
 
-    iteration: int = attrs.field(validator=_non_negative_int)
+    iteration: int = attrs.field(validator=non_negative_int)
     hook: Hook
 
     def __call__(self, state: TrainState, phase: Phase, /) -> TrainState:
@@ -311,16 +301,11 @@ def once(iteration: int, hook: Hook) -> Hook:
     return Once(iteration, hook)
 
 
-def _hook_name(instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if type(value) is not str or not value:
-        raise ValueError(f"'{attribute.name}' must be a non-empty str ({got(value)}).")
-
-
 @attrs.frozen(repr=False)
 class Stateful:
     """A hook with memory kept in ``state.hooks[name]``; build it with ``stateful``."""
 
-    name: str = attrs.field(validator=_hook_name)
+    name: str = attrs.field(validator=non_empty_str)
     init: Any
     update: Callable[[TrainState, Phase, Any], tuple[TrainState, Any]]
 

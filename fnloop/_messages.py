@@ -1,6 +1,8 @@
-"""Pieces of error messages shared by the validators."""
+"""Pieces of error messages shared by the validators, and the validators many records share."""
 
 from __future__ import annotations
+
+import attrs
 
 
 def got(value: object) -> str:
@@ -12,3 +14,24 @@ def got(value: object) -> str:
     name = type(value).__name__
     article = "an" if name[:1].lower() in "aeiou" else "a"
     return f"got {value!r:.80} that is {article} {name}"
+
+
+# The attrs validators most records share; a record-specific one lives beside its record.
+
+
+def positive_int(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    """attrs validator: an int of at least 1."""
+    if type(value) is not int or value < 1:
+        raise ValueError(f"'{attribute.name}' must be a positive int ({got(value)}).")
+
+
+def non_negative_int(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    """attrs validator: an int of at least 0."""
+    if type(value) is not int or value < 0:
+        raise ValueError(f"'{attribute.name}' must be a non-negative int ({got(value)}).")
+
+
+def non_empty_str(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    """attrs validator: a str with at least one character (a hook state's name, say)."""
+    if type(value) is not str or not value:
+        raise ValueError(f"'{attribute.name}' must be a non-empty str ({got(value)}).")

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 import attrs
 import torch
 
-from fnloop._messages import got
+from fnloop._messages import got, positive_int
 
 __all__ = ["Metrics", "Scalar"]
 
@@ -20,11 +20,6 @@ Entry = tuple[int, Scalar]
 
 _new = object.__new__
 _set = object.__setattr__
-
-
-def _positive_int(instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if type(value) is not int or value < 1:
-        raise ValueError(f"'{attribute.name}' must be a positive int ({got(value)}).")
 
 
 def _series_mapping(instance: object, attribute: attrs.Attribute, value: object) -> None:
@@ -76,7 +71,7 @@ class Metrics:
         series: name -> tuple of ``(iteration, value)`` pairs, oldest first.
     """
 
-    window: int = attrs.field(default=20, validator=_positive_int)
+    window: int = attrs.field(default=20, validator=positive_int)
     series: Mapping[str, tuple[Entry, ...]] = attrs.field(factory=dict, validator=_series_mapping)
 
     def record(self, iteration: int, values: Mapping[str, Scalar]) -> Metrics:

@@ -8,15 +8,10 @@ from typing import Any
 import attrs
 import torch
 
-from fnloop._messages import got
+from fnloop._messages import got, non_negative_int
 from fnloop._metrics import Metrics, Scalar
 
 __all__ = ["Effect", "TrainState", "Unclaimed", "hook_state", "record", "request", "with_hook_state"]
-
-
-def _non_negative_int(instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if type(value) is not int or value < 0:
-        raise ValueError(f"'{attribute.name}' must be a non-negative int ({got(value)}).")
 
 
 def _tensor_mapping(instance: object, attribute: attrs.Attribute, value: object) -> None:
@@ -148,12 +143,12 @@ class TrainState:
         effects: effects requested in the current phase (cleared by the fold).
     """
 
-    max_iter: int = attrs.field(validator=_non_negative_int)
-    iteration: int = attrs.field(default=0, validator=_non_negative_int)
+    max_iter: int = attrs.field(validator=non_negative_int)
+    iteration: int = attrs.field(default=0, validator=non_negative_int)
     params: Mapping[str, torch.Tensor] = attrs.field(factory=dict, validator=_tensor_mapping)
     buffers: Mapping[str, torch.Tensor] = attrs.field(factory=dict, validator=_tensor_mapping)
     opt_state: Any = None
-    rng: int = attrs.field(default=0, validator=_non_negative_int)
+    rng: int = attrs.field(default=0, validator=non_negative_int)
     data: Any = 0
     metrics: Metrics = attrs.field(factory=Metrics, validator=_metrics)
     hooks: Mapping[str, Any] = attrs.field(factory=dict, validator=_str_mapping)

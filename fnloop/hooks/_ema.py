@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import attrs
 import torch
 
-from fnloop._messages import got
+from fnloop._messages import got, non_empty_str
 from fnloop._phase import Phase
 from fnloop._state import TrainState, Unclaimed, replace
 
@@ -28,11 +28,6 @@ def _decay(instance: object, attribute: attrs.Attribute, value: object) -> None:
             f"'{attribute.name}' must be a float in [0, 1] ({got(value)}); typical values are "
             "0.999 or 0.9999 (the average then spans about 1 / (1 - decay) steps)."
         )
-
-
-def _name(instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if type(value) is not str or not value:
-        raise ValueError(f"'{attribute.name}' must be a non-empty str ({got(value)}).")
 
 
 def _copy(params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -64,7 +59,7 @@ class Ema:
     """An EMA of the parameters in ``state.hooks[name]``; build it with ``ema``."""
 
     decay: float = attrs.field(validator=_decay)
-    name: str = attrs.field(default="ema", validator=_name)
+    name: str = attrs.field(default="ema", validator=non_empty_str)
 
     def __call__(self, state: TrainState, phase: Phase, /) -> TrainState:
         if phase is Phase.BEFORE_TRAIN:

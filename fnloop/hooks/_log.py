@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from fnloop._messages import got
+from fnloop._messages import got, non_empty_str
 from fnloop._phase import Phase
 from fnloop._state import TrainState, Unclaimed, replace, request
 from fnloop.writers import Line, Writer, since
@@ -91,17 +91,12 @@ def _writers(instance: object, attribute: attrs.Attribute, value: tuple[object, 
             )
 
 
-def _name(instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if type(value) is not str or not value:
-        raise ValueError(f"'{attribute.name}' must be a non-empty str ({got(value)}).")
-
-
 @attrs.frozen(repr=False)
 class Log:
     """Write metrics to ``writers``; build it with ``log``."""
 
     writers: tuple[Writer, ...] = attrs.field(validator=_writers)
-    name: str = attrs.field(validator=_name)
+    name: str = attrs.field(validator=non_empty_str)
 
     def __call__(self, state: TrainState, phase: Phase, /) -> TrainState:
         if phase is _AFTER_STEP:

@@ -11,7 +11,7 @@ from typing import Any
 import attrs
 import torch
 
-from fnloop._messages import got
+from fnloop._messages import got, non_negative_int, positive_int
 from fnloop._phase import Phase
 from fnloop._state import TrainState, request
 
@@ -71,23 +71,13 @@ def _path(value: str | os.PathLike[str]) -> str:
     return os.fspath(value)
 
 
-def _non_negative(instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if type(value) is not int or value < 0:
-        raise ValueError(f"'{attribute.name}' must be a non-negative int ({got(value)}).")
-
-
-def _positive(instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if type(value) is not int or value < 1:
-        raise ValueError(f"'{attribute.name}' must be a positive int ({got(value)}).")
-
-
 @attrs.frozen(repr=False)
 class Profile:
     """Profile iterations ``[start, start + steps)``; build it with ``profile``."""
 
     directory: str = attrs.field(converter=_path)
-    start: int = attrs.field(validator=_non_negative)
-    steps: int = attrs.field(validator=_positive)
+    start: int = attrs.field(validator=non_negative_int)
+    steps: int = attrs.field(validator=positive_int)
 
     def __call__(self, state: TrainState, phase: Phase, /) -> TrainState:
         if phase is Phase.BEFORE_STEP:

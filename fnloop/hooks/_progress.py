@@ -8,7 +8,7 @@ from typing import Any
 
 import attrs
 
-from fnloop._messages import got
+from fnloop._messages import got, non_empty_str
 from fnloop._phase import Phase
 from fnloop._state import Effect, TrainState, replace, request
 
@@ -86,11 +86,6 @@ class _Close:
             bar.close()
 
 
-def _name(instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if type(value) is not str or not value:
-        raise ValueError(f"'{attribute.name}' must be a non-empty str ({got(value)}).")
-
-
 def _seconds(instance: object, attribute: attrs.Attribute, value: object) -> None:
     if type(value) not in (int, float) or not value >= 0:  # type: ignore[operator]
         raise ValueError(f"'{attribute.name}' must be a non-negative number of seconds ({got(value)}).")
@@ -100,7 +95,7 @@ def _seconds(instance: object, attribute: attrs.Attribute, value: object) -> Non
 class Progress:
     """A tqdm bar over the run; build it with ``progress``."""
 
-    name: str = attrs.field(validator=_name)
+    name: str = attrs.field(validator=non_empty_str)
     mininterval: float = attrs.field(validator=_seconds)
     tick: Effect = attrs.field(init=False, eq=False, repr=False)
 

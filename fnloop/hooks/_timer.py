@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from fnloop._messages import got
+from fnloop._messages import non_empty_str, non_negative_int
 from fnloop._phase import Phase
 from fnloop._state import TrainState, Unclaimed, replace
 
@@ -21,22 +21,12 @@ class TimerState:
     start: int
 
 
-def _warmup(instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if type(value) is not int or value < 0:
-        raise ValueError(f"'{attribute.name}' must be a non-negative int ({got(value)}).")
-
-
-def _name(instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if type(value) is not str or not value:
-        raise ValueError(f"'{attribute.name}' must be a non-empty str ({got(value)}).")
-
-
 @attrs.frozen(repr=False)
 class Timer:
     """Record ``time`` and ``data_time`` after every step; build it with ``timer``."""
 
-    warmup: int = attrs.field(validator=_warmup)
-    name: str = attrs.field(validator=_name)
+    warmup: int = attrs.field(validator=non_negative_int)
+    name: str = attrs.field(validator=non_empty_str)
 
     def __call__(self, state: TrainState, phase: Phase, /) -> TrainState:
         if phase is _AFTER_STEP:
