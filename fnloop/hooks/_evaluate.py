@@ -62,6 +62,24 @@ def checked_results(where: str, results: object) -> dict[str, Scalar]:
     return out
 
 
+def due(state: TrainState, phase: Phase, last: int) -> int | None:
+    """The completed steps a periodic evaluation acts for in ``phase``, or ``None`` when it does not act.
+
+    At ``AFTER_STEP`` of step ``i``: ``i + 1``. At ``AFTER_TRAIN``: the run's
+    steps, but only after success (a failed run's last state was never meant
+    to be evaluated). ``None`` as well when ``last``, the count acted for
+    before, is the same: 30 steps with ``every(15, ...)`` act twice, as
+    detectron2's ``EvalHook`` does, and 31 three times.
+    """
+    if phase is Phase.AFTER_STEP:
+        steps = state.iteration + 1
+    elif phase is Phase.AFTER_TRAIN and state.iteration == state.max_iter:
+        steps = state.iteration
+    else:
+        return None
+    return None if steps == last else steps
+
+
 @attrs.frozen
 class Evaluated:
     """How many completed steps the last evaluation saw (-1: none yet)."""
@@ -76,14 +94,8 @@ class _Evaluate:
     ema: str | None
 
     def __call__(self, state: TrainState, phase: Phase, memory: Evaluated) -> tuple[TrainState, Evaluated]:
-        if phase is Phase.AFTER_STEP:
-            steps = state.iteration + 1
-        elif phase is Phase.AFTER_TRAIN and state.iteration == state.max_iter:
-            # Only after success: a failed run's last state was never meant to be evaluated.
-            steps = state.iteration
-        else:
-            return state, memory
-        if steps == memory.steps:
+        steps = due(state, phase, memory.steps)
+        if steps is None:
             return state, memory
         seen = state if self.ema is None else replace(state, params=ema_params(state, self.ema))
         values = checked_results(_name(self.name, self.fn), self.fn(seen))

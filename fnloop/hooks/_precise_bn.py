@@ -17,6 +17,7 @@ from fnloop._phase import Phase
 from fnloop._state import TrainState, replace
 from fnloop._step import _seeded
 from fnloop.data import Batches
+from fnloop.hooks._evaluate import due
 
 __all__ = ["PreciseBNState", "precise_bn"]
 
@@ -54,13 +55,8 @@ class _PreciseBN:
     def __call__(
         self, state: TrainState, phase: Phase, memory: PreciseBNState
     ) -> tuple[TrainState, PreciseBNState]:
-        if phase is Phase.AFTER_STEP:
-            steps = state.iteration + 1
-        elif phase is Phase.AFTER_TRAIN and state.iteration == state.max_iter:
-            steps = state.iteration
-        else:
-            return state, memory
-        if steps == memory.steps:
+        steps = due(state, phase, memory.steps)
+        if steps is None:
             return state, memory
         return replace(state, buffers=self.recompute(state)), PreciseBNState(steps)
 
