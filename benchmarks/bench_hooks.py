@@ -29,6 +29,8 @@ import tempfile
 import time
 
 import torch
+from bench_step import cross_entropy
+from bench_step import tiny_problem as problem
 
 import fnloop as fl
 
@@ -39,18 +41,6 @@ WRITE_EVERY = 20
 
 READINGS_PER_STEP = 4
 """The fold reads its clock at BEFORE_STEP, around the batch fetch, and at AFTER_STEP."""
-
-
-def problem():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
-    data = [(torch.randn(32, 32), torch.randint(0, 10, (32,))) for _ in range(16)]
-    return model, data
-
-
-def cross_entropy(forward, batch):
-    x, y = batch
-    return torch.nn.functional.cross_entropy(forward(x), y)
 
 
 def accuracy(forward, batch):
