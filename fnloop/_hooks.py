@@ -39,6 +39,11 @@ class Hook(Protocol):
     mutates the state it is given; it returns a new one (``attrs.evolve``).
     Memory it needs between calls lives in ``state.hooks[name]`` (see
     ``stateful``), so it is checkpointed with the rest of the run.
+
+    A hook object may declare ``acts_in``, a ``frozenset`` of the phases it
+    may change the state in; the fold then does not call it in the other step
+    phases (a saving for hooks run every step). ``fnloop.testing.check_hook``
+    checks that the declaration holds.
     """
 
     def __call__(self, state: TrainState, phase: Phase, /) -> TrainState: ...

@@ -5,8 +5,10 @@ it does not fire at, ``on(phases, h)`` in the phases it does not list, and
 ``once(k, h)`` everywhere but iteration ``k``. These combinators are values
 with known periods, so the fold can tell in advance which hooks cannot act at
 an iteration and not call them: with twenty ``every(10, ...)`` hooks, nine
-iterations in ten call none of them. Any other hook (``when``, ``stateful``, a
-function) may act anywhere and is always called. The hooks that are called
+iterations in ten call none of them. A hook may also declare ``acts_in``, the
+frozenset of phases outside which it returns its input unchanged (the
+library's timer acts in ``BEFORE_TRAIN`` and ``AFTER_STEP`` only). Any other
+hook (``when``, ``stateful``, a function) may act anywhere and is always called. The hooks that are called
 are called in registration order, so the run is the same, bit for bit, as
 calling the whole chain (``property_tests/test_fold_laws.py`` checks it).
 """
@@ -63,6 +65,9 @@ def schedule(hook: Hook, phase: Phase) -> Schedule:
         return _both((hook.n, 0), schedule(hook.hook, phase))  # type: ignore[attr-defined]
     if kind is Once:
         return _both((0, hook.iteration + 1), schedule(hook.hook, phase))  # type: ignore[attr-defined]
+    acts_in = getattr(hook, "acts_in", None)
+    if type(acts_in) is frozenset and phase not in acts_in:
+        return None  # the hook says it returns its input unchanged here
     return _ALWAYS
 
 

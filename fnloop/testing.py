@@ -261,8 +261,9 @@ def check_hook(hook: Hook, state: TrainState, phases: tuple[Phase, ...] = tuple(
     """Assert that ``hook`` behaves as a hook must, in every phase, on ``state``.
 
     It returns a ``TrainState``; it leaves its input untouched (no field
-    rebound, no tensor written in place); it is deterministic; and it survives
-    ``pickle`` with the same behaviour.
+    rebound, no tensor written in place); it is deterministic; it survives
+    ``pickle`` with the same behaviour; and where it declares ``acts_in``, it
+    returns its input itself in the other phases.
 
     >>> check_hook(every(2, Tag("x")), TrainState(max_iter=3))
     """
@@ -288,3 +289,9 @@ def check_hook(hook: Hook, state: TrainState, phases: tuple[Phase, ...] = tuple(
         found = first_difference(out, restored(state, phase))
         if found is not None:
             raise AssertionError(f"{hook!r} behaves differently after pickling, in {phase!r}: {found}")
+        acts_in = getattr(hook, "acts_in", None)
+        if type(acts_in) is frozenset and phase not in acts_in and out is not state:
+            raise AssertionError(
+                f"{hook!r} declares acts_in={sorted(p.name for p in acts_in)} but changed the state "
+                f"in {phase!r}; the fold would not call it there. Add the phase to acts_in."
+            )

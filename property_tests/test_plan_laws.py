@@ -32,6 +32,18 @@ class Unplanned:
         return self.quiet
 
 
+class Declared:
+    """A hook that acts in AFTER_STEP only, and says so."""
+
+    acts_in = frozenset({Phase.AFTER_STEP})
+
+    def __init__(self, label):
+        self.tag = Tag(label)
+
+    def __call__(self, state, phase):
+        return self.tag(state, phase) if phase is Phase.AFTER_STEP else state
+
+
 def _key(hook):
     # Hooks differ in repr, and stateful ones in name (the fold refuses a clash).
     return fl.state_names(hook) or (repr(hook),)
@@ -44,7 +56,7 @@ def _odd(state):
 @st.composite
 def nested(draw, depth=3):
     k = draw(st.integers(0, 10**6))
-    hook = draw(st.sampled_from([Tag(f"t{k}"), testing.counter(f"c{k}")]))
+    hook = draw(st.sampled_from([Tag(f"t{k}"), testing.counter(f"c{k}"), Declared(f"d{k}")]))
     for _ in range(draw(st.integers(0, depth))):
         kind = draw(st.sampled_from(["every", "on", "once", "when"]))
         if kind == "every":
@@ -111,3 +123,21 @@ def test_twenty_periodic_hooks_are_called_only_where_they_fire(n):
     due = plan(fl.chain(*[fl.every(10, Tag(f"h{k}")) for k in range(20)], Tag("always")), Phase.AFTER_STEP)
     calls = [len(due(i)) for i in range(0, 30, n)]
     assert calls == [21 if (i + 1) % 10 == 0 else 1 for i in range(0, 30, n)]
+
+
+def test_a_hook_declaring_its_phases_is_not_called_in_the_others():
+    hook = Declared("d")
+    assert schedule(hook, Phase.BEFORE_STEP) is None
+    assert schedule(hook, Phase.AFTER_STEP) == (1, 0)
+    assert schedule(fl.every(3, hook), Phase.BEFORE_STEP) is None
+    testing.check_hook(hook, TrainState(max_iter=3))
+
+
+class Liar(Declared):
+    def __call__(self, state, phase):
+        return self.tag(state, phase)  # acts in every phase, says AFTER_STEP only
+
+
+def test_check_hook_catches_a_false_declaration():
+    with pytest.raises(AssertionError, match=r"declares acts_in=\['AFTER_STEP'\] but changed the state"):
+        testing.check_hook(Liar("l"), TrainState(max_iter=3))

@@ -8,6 +8,7 @@ import os
 import re
 import warnings
 from pathlib import Path
+from typing import ClassVar
 
 import attrs
 
@@ -49,6 +50,9 @@ def _directory(caller: str, directory: str | os.PathLike[str]) -> Path:
 @attrs.frozen(repr=False)
 class Checkpoint:
     """Save the state into ``directory``; build it with ``checkpoint``."""
+
+    acts_in: ClassVar[frozenset[Phase]] = frozenset({Phase.BEFORE_TRAIN, Phase.AFTER_STEP, Phase.AFTER_TRAIN})
+    """The phases it may change the state in; the fold does not call it in the others."""
 
     directory: str = attrs.field(converter=_path)
     keep: int | None = attrs.field(validator=_keep)

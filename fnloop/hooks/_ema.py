@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import ClassVar
 
 import attrs
 import torch
@@ -57,6 +58,9 @@ def _current(state: TrainState, name: str) -> EmaState | None:
 @attrs.frozen(repr=False)
 class Ema:
     """An EMA of the parameters in ``state.hooks[name]``; build it with ``ema``."""
+
+    acts_in: ClassVar[frozenset[Phase]] = frozenset({Phase.BEFORE_TRAIN, Phase.AFTER_STEP})
+    """The phases it may change the state in; the fold does not call it in the others."""
 
     decay: float = attrs.field(validator=_decay)
     name: str = attrs.field(default="ema", validator=non_empty_str)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import attrs
 
 from fnloop._messages import got, non_empty_str
@@ -94,6 +96,9 @@ def _writers(instance: object, attribute: attrs.Attribute, value: tuple[object, 
 @attrs.frozen(repr=False)
 class Log:
     """Write metrics to ``writers``; build it with ``log``."""
+
+    acts_in: ClassVar[frozenset[Phase]] = frozenset({Phase.BEFORE_TRAIN, Phase.AFTER_STEP, Phase.AFTER_TRAIN})
+    """The phases it may change the state in; the fold does not call it in the others."""
 
     writers: tuple[Writer, ...] = attrs.field(validator=_writers)
     name: str = attrs.field(validator=non_empty_str)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from typing import ClassVar
 
 import attrs
 import torch
@@ -39,6 +40,9 @@ def peak_mib(state: TrainState) -> float:
 @attrs.frozen(repr=False)
 class Memory:
     """Record ``max_mem`` after a step; build it with ``memory``."""
+
+    acts_in: ClassVar[frozenset[Phase]] = frozenset({Phase.AFTER_STEP})
+    """The phases it may change the state in; the fold does not call it in the others."""
 
     def __call__(self, state: TrainState, phase: Phase, /) -> TrainState:
         if phase is not Phase.AFTER_STEP:

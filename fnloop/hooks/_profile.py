@@ -6,7 +6,7 @@ import contextlib
 import os
 import secrets
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import torch
@@ -74,6 +74,9 @@ def _path(value: str | os.PathLike[str]) -> str:
 @attrs.frozen(repr=False)
 class Profile:
     """Profile iterations ``[start, start + steps)``; build it with ``profile``."""
+
+    acts_in: ClassVar[frozenset[Phase]] = frozenset({Phase.BEFORE_STEP, Phase.AFTER_STEP, Phase.AFTER_TRAIN})
+    """The phases it may change the state in; the fold does not call it in the others."""
 
     directory: str = attrs.field(converter=_path)
     start: int = attrs.field(validator=non_negative_int)

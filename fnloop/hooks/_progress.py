@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
@@ -94,6 +94,9 @@ def _seconds(instance: object, attribute: attrs.Attribute, value: object) -> Non
 @attrs.frozen(repr=False)
 class Progress:
     """A tqdm bar over the run; build it with ``progress``."""
+
+    acts_in: ClassVar[frozenset[Phase]] = frozenset({Phase.BEFORE_TRAIN, Phase.AFTER_STEP, Phase.AFTER_TRAIN})
+    """The phases it may change the state in; the fold does not call it in the others."""
 
     name: str = attrs.field(validator=non_empty_str)
     mininterval: float = attrs.field(validator=_seconds)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import attrs
 
 from fnloop._messages import non_empty_str, non_negative_int
@@ -24,6 +26,9 @@ class TimerState:
 @attrs.frozen(repr=False)
 class Timer:
     """Record ``time`` and ``data_time`` after every step; build it with ``timer``."""
+
+    acts_in: ClassVar[frozenset[Phase]] = frozenset({Phase.BEFORE_TRAIN, Phase.AFTER_STEP})
+    """The phases it may change the state in; the fold does not call it in the others."""
 
     warmup: int = attrs.field(validator=non_negative_int)
     name: str = attrs.field(validator=non_empty_str)
