@@ -52,8 +52,48 @@ def _number(name: str, value: object, *, low: float = 0.0, below: float | None =
     return value
 
 
+# torch's schedulers and the fnloop schedule that gives the same learning rates.
+_EQUIVALENTS = {
+    "CosineAnnealingLR": "fnloop.optim.cosine(base, max_iter=T_max, final=eta_min)",
+    "StepLR": "fnloop.optim.multistep(base, milestones=(step_size, 2 * step_size, ...), gamma=gamma)",
+    "MultiStepLR": "fnloop.optim.multistep(base, milestones, gamma=gamma)",
+    "LinearLR": "fnloop.optim.linear_warmup(base, warmup_iters=total_iters, start_factor=start_factor)",
+    "ConstantLR": "fnloop.optim.warmup(fnloop.optim.constant(base), total_iters, factor=factor, "
+    "method='constant')",
+}
+
+_SCHEDULES = (
+    "fnloop schedules are functions of the iteration, traced into the step: fnloop.optim.cosine(...), "
+    "warmup(...), multistep(...), linear_warmup(...), constant(...), or any function of the 0-d "
+    "iteration tensor"
+)
+
+
+def _torch_lr_mistake(lr: object) -> str | None:
+    """Why ``lr``, a torch scheduler or optimizer, is no learning rate, and the fix; ``None`` otherwise."""
+    kind = type(lr)
+    if isinstance(lr, torch.optim.Optimizer):
+        return (
+            f"'lr' must be a float or a fnloop schedule, not a torch.optim.{kind.__name__}; "
+            "fnloop's optimizers take the learning rate itself, e.g. fnloop.optim.adamw(1e-3). "
+            f"{_SCHEDULES}."
+        )
+    schedulers = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+    if not isinstance(lr, schedulers):
+        return None
+    same = _EQUIVALENTS.get(kind.__name__)
+    here = f" Here: {same}." if same else ""
+    return (
+        f"'lr' must be a float or a fnloop schedule, not a torch.optim.lr_scheduler.{kind.__name__}: "
+        f"a torch scheduler changes a torch optimizer in place, and fnloop has none to change. "
+        f"{_SCHEDULES}.{here}"
+    )
+
+
 def check_lr(lr: object) -> LearningRate:
     """``lr`` as a float or a schedule; raise if it is neither or is negative."""
+    if (mistake := _torch_lr_mistake(lr)) is not None:
+        raise TypeError(mistake)
     if isinstance(lr, torch.Tensor):
         raise TypeError(
             f"'lr' must be a float or a schedule, not a tensor (got {lr!r}). A tensor would "
