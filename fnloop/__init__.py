@@ -2,6 +2,7 @@
 
 from fnloop import checkpoint, data, hooks, optim, replay, writers
 from fnloop._eval import EvalStep, eval_step
+from fnloop._export import load_state_dict, state_dict
 from fnloop._hooks import Hook, chain, checked, every, identity, on, once, state_names, stateful, when
 from fnloop._loop import BatchesExhausted, Preempted, Step, UnclaimedHookState, run, scan
 from fnloop._metrics import Metrics
@@ -39,6 +40,7 @@ __all__ = [
     "identity",
     "init",
     "load",
+    "load_state_dict",
     "on",
     "optim",
     "once",
@@ -48,6 +50,7 @@ __all__ = [
     "run",
     "save",
     "scan",
+    "state_dict",
     "state_names",
     "stateful",
     "train_step",
