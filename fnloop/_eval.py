@@ -12,7 +12,23 @@ from torch.func import functional_call
 from fnloop._jit import Flat, Jit, flatten_batch, unflatten_batch
 from fnloop._state import TrainState
 
-__all__ = ["EvalStep", "eval_step"]
+__all__ = ["EvalStep", "eval_step", "plain_module"]
+
+
+def plain_module(model: object, caller: str) -> torch.nn.Module:
+    """``model`` itself, or the module inside a ``torch.compile`` wrapper; raise if it is no module.
+
+    fnloop traces and compiles the whole step itself, so a wrapper would only
+    put dynamo in the way (and prefix every parameter name with ``_orig_mod.``).
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(
+            f"{caller}() expected a torch.nn.Module, got {model!r:.80} (a {type(model).__name__})."
+        )
+    inner = getattr(model, "_orig_mod", None)
+    if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) and isinstance(inner, torch.nn.Module):
+        return inner
+    return model
 
 
 @attrs.frozen(eq=False, repr=False)
@@ -70,7 +86,8 @@ def eval_step(
     never written (BatchNorm uses its running statistics in eval mode).
     Compiled, it is traced once per signature like ``train_step`` (``options``
     as there); a batch of another shape compiles again, with no budget, since
-    a last smaller batch is common in evaluation.
+    a last smaller batch is common in evaluation. A module wrapped by
+    ``torch.compile`` is unwrapped: fnloop compiles the evaluation itself.
 
     >>> import fnloop as fl
     >>> model = torch.nn.Linear(2, 2)
@@ -79,6 +96,7 @@ def eval_step(
     >>> sorted(evaluate(state, torch.ones(3, 2)))
     ['out']
     """
+    model = plain_module(model, "eval_step")
 
     def kernel(params: dict, buffers: dict, batch: Any) -> dict[str, torch.Tensor]:
         def forward(*args: Any, **kwargs: Any) -> Any:

@@ -13,6 +13,7 @@ from torch.func import functional_call, grad_and_value
 from torch.utils import _pytree as pytree
 
 from fnloop._donation import Clean, exclusive, holds_containers, opt_containers
+from fnloop._eval import plain_module
 from fnloop._jit import Entry, Flat, Jit, OverBudget, TraceError, flatten_batch, unflatten_batch
 from fnloop._loop import Step
 from fnloop._messages import got
@@ -98,15 +99,15 @@ def init(
     (['bias', 'weight'], False)
 
     Args:
-        model: the module whose parameters and buffers are trained.
+        model: the module whose parameters and buffers are trained (one
+            wrapped by ``torch.compile`` is unwrapped: the names stay plain).
         optimizer: a pure optimizer (``fnloop.optim``); its ``init`` builds ``opt_state``.
         seed: the run's seed (``state.rng``); the step's randomness is a function
             of ``(seed, iteration)``.
         max_iter: how many steps the run takes.
         extra: your own data, kept in ``state.extra``.
     """
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"init() expected a torch.nn.Module, got {model!r:.80} (a {type(model).__name__}).")
+    model = plain_module(model, "init")
     if not isinstance(optimizer, Optimizer):
         kind = type(optimizer)
         where = "torch.optim" if isinstance(optimizer, torch.optim.Optimizer) else kind.__module__
@@ -498,6 +499,7 @@ def train_step(
 
     Args:
         model: the module; only its structure and forward are used, never its tensors.
+            One wrapped by ``torch.compile`` is unwrapped: fnloop compiles the whole step itself.
         loss_fn: ``loss_fn(forward, batch)``, where ``forward(*args)`` runs the
             model on the state's params and buffers; returns a scalar loss, or
             ``(loss, metrics)`` with ``metrics`` a dict of scalar tensors.
@@ -523,12 +525,14 @@ def train_step(
     Returns:
         The step. With ``donate=False`` it has no ``donating`` variant.
     """
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"train_step() expected a torch.nn.Module, got {model!r:.80}.")
+    model = plain_module(model, "train_step")
     if not isinstance(optimizer, Optimizer):
+        kind = optimizer if isinstance(optimizer, type) else type(optimizer)
+        where = "torch.optim" if issubclass(kind, torch.optim.Optimizer) else kind.__module__
+        article = "the class" if kind is optimizer else "a"
         raise TypeError(
-            f"train_step() expected a fnloop.optim.Optimizer, got {optimizer!r:.80} "
-            f"(a {type(optimizer).__name__}); build one with fnloop.optim.sgd/adam/adamw."
+            f"train_step() expected a fnloop.optim.Optimizer, got {article} {where}.{kind.__qualname__}; "
+            "build one with fnloop.optim.sgd/adam/adamw (the same numbers as torch.optim's)."
         )
     kernel = _kernel(model, loss_fn, optimizer, _check_positive("accumulate", accumulate), autocast)
     if type(recompiles) is not int or recompiles < 0:
