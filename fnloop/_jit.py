@@ -56,6 +56,13 @@ def _data_dependent() -> tuple[type[BaseException], ...]:
     return (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
 
 
+_TO_NUMBER = (
+    "the traced function converts a tensor to a Python number (.item(), float(t) or int(t), for "
+    "example inside a print or an f-string). While tracing, the value is not known (a print shows a "
+    "symbol such as zuf0), and at run time it would force a host sync. To watch a value, return it "
+    "as a metric (a tensor) and write it with a hook; to debug with print, run eagerly."
+)
+
 DEFAULT_OPTIONS: Mapping[str, Any] = {"cpp_wrapper": True}
 """fnloop's inductor settings: a C++ wrapper calls the kernels, not Python.
 
@@ -93,6 +100,10 @@ def _compile(function: Flat, leaves: list[torch.Tensor], options: Mapping[str, A
         graph = make_fx(function, tracing_mode="fake", _allow_non_fake_inputs=True)(*leaves)
     except _data_dependent() as exc:
         raise TraceError(str(exc)) from exc
+    # A number read out of a tensor whose value nothing in the graph uses (print(loss.item()))
+    # traces without complaint; inductor then fails on it with an internal assertion.
+    if any(node.target is torch.ops.aten._local_scalar_dense.default for node in graph.graph.nodes):
+        raise TraceError(_TO_NUMBER)
     random = any(
         isinstance(node.target, torch._ops.OpOverload)
         and torch.Tag.nondeterministic_seeded in node.target.tags

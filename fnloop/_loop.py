@@ -14,6 +14,7 @@ from fnloop._hooks import Hook, chain, checked, returned, state_names
 from fnloop._phase import Phase
 from fnloop._plan import call, plan
 from fnloop._state import Effect, TrainState, Unclaimed, replace
+from fnloop.data import DataRestarts, restarts
 
 __all__ = ["BatchesExhausted", "Preempted", "Step", "UnclaimedHookState", "run", "scan"]
 
@@ -134,10 +135,13 @@ def _start(state: object, step: object, hooks: Sequence[Hook | None] | None, deb
     return checked(hook) if debug else hook
 
 
-def _stream(batches: Iterable[Any], cursor: Any) -> tuple[Iterator[Any], bool]:
+def _stream(batches: Iterable[Any], state: TrainState) -> tuple[Iterator[Any], bool]:
     iter_from = getattr(batches, "iter_from", None)
     if iter_from is not None:
-        return iter_from(cursor), True
+        return iter_from(state.data), True
+    restart = restarts(batches, state.iteration, state.max_iter)
+    if restart is not None:
+        warnings.warn(restart, DataRestarts, stacklevel=4)
     return iter(batches), False
 
 
@@ -199,7 +203,7 @@ def _fold(
         before_step, after_step = plan(hook, _BEFORE_STEP), plan(hook, _AFTER_STEP)
         state = _drop_unclaimed(state, hook)
         state = last = _phase(hook, replace(state, time=clock()), _BEFORE_TRAIN, perform)
-        stream, resumable = _stream(batches, state.data)
+        stream, resumable = _stream(batches, state)
         donating = getattr(step, "donating", None) if donate else None
         apply = donating if donating is not None and donate_input else step
         while state.iteration < state.max_iter:

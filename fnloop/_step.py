@@ -34,7 +34,13 @@ class RecompileError(RuntimeError):
 
 
 class GraphBreakError(RuntimeError):
-    """The step could not be compiled as one graph."""
+    """The step is not one graph of tensor operations; the message names the cause and the fix.
+
+    Raised when ``loss_fn`` needs a tensor's value in Python while it is traced
+    (``.item()``, ``float(t)``, ``if loss > 0:``, printing such a value), and,
+    compiled or eager alike, when it returns a metric that is not a tensor (a
+    Python number, or the result of ``.item()``).
+    """
 
 
 class NonFiniteLoss(FloatingPointError):
@@ -74,6 +80,25 @@ _GRAPH_BREAK = (
     "Return metrics as tensors instead, use torch.where for branches, or use train_step(..., "
     "compile=False) to run eagerly."
 )
+
+_NUMBER_METRIC = (
+    "loss_fn returned the metric {name!r} as {what}, not a tensor. A metric must stay a tensor, "
+    "compiled or eager: the step is one graph traced once (a Python number is not an output of it, "
+    "and its value would be frozen at the trace), and converting a tensor to a number forces a host "
+    "sync every step. Return the tensor itself, for example {{{name!r}: acc}} instead of "
+    "{{{name!r}: acc.item()}}, or torch.tensor(value) for a number; writers convert metrics to "
+    "numbers only when they write."
+)
+
+
+def _number(value: object) -> str | None:
+    """How a metric that is a Python number (or a traced one) is described, or None for a tensor."""
+    if isinstance(value, (torch.SymFloat, torch.SymInt, torch.SymBool)):
+        return "the result of .item() or float()/int() of a tensor (a number known only when the step runs)"
+    if isinstance(value, (bool, int, float)):
+        return f"a Python {type(value).__name__} ({value!r})"
+    return None
+
 
 _RECOMPILED = (
     "the compiled step would be compiled again at iteration {i} ({n} recompiles, budget {budget}): "
@@ -177,6 +202,9 @@ def _split(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             "value (for example .mean())."
         )
     for name, value in metrics.items():
+        what = _number(value)
+        if what is not None:
+            raise GraphBreakError(_NUMBER_METRIC.format(name=name, what=what))
         if isinstance(value, torch.Tensor) and value.numel() != 1:
             raise TypeError(
                 f"loss_fn returned the metric {name!r} as a tensor of shape {tuple(value.shape)}; a "

@@ -8,16 +8,16 @@ holds it and a resumed run continues with the very batch it would have seen.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import attrs
 import torch
-from torch.utils.data import DataLoader, IterableDataset, default_collate
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, default_collate
 
 from fnloop._messages import got
 
-__all__ = ["Batch", "Batches", "batches"]
+__all__ = ["Batch", "Batches", "DataRestarts", "Resumable", "batches", "resumable"]
 
 Batch = Any
 """What a stream yields: a tensor, a tuple of tensors, or what ``collate_fn`` returns."""
@@ -321,15 +321,15 @@ class _IndexLists:
         return (idx.tolist() for idx in self.stream._indices(self.cursor))
 
 
-def _cursor(cursor: object, where: str) -> int:
+def _cursor(cursor: object, where: str, owner: str = "Batches") -> int:
     if type(cursor) is not int:
         raise TypeError(
-            f"Batches.{where}: cursor must be an int ({got(cursor)}). "
+            f"{owner}.{where}: cursor must be an int ({got(cursor)}). "
             "It counts the global batches already consumed: state.data, 0 at the start of a run."
         )
     if cursor < 0:
         raise ValueError(
-            f"Batches.{where}: cursor must be >= 0 (got {cursor}). It counts the global batches "
+            f"{owner}.{where}: cursor must be >= 0 (got {cursor}). It counts the global batches "
             "already consumed: state.data, 0 at the start of a run."
         )
     return cursor
@@ -414,3 +414,196 @@ def batches(
         rank=rank,
         world_size=world_size,
     )
+
+
+class DataRestarts(UserWarning):
+    """A resumed run was given batches that start again from the first one.
+
+    The fold warns once per run when the state's iteration is above 0 and
+    ``batches`` is a plain iterable (no ``iter_from``): a list or a
+    ``DataLoader`` cannot skip what the interrupted run consumed, so the
+    resumed run sees the first batches again. Wrap it in :func:`resumable`, or
+    use :func:`batches`. A sized iterable shorter than ``max_iter`` could not
+    have fed the run from iteration 0, so it is taken to be the remaining
+    batches and does not warn.
+    """
+
+
+def restarts(batches: Iterable[Any], iteration: int, max_iter: int) -> str | None:
+    """Why a resumed run over ``batches`` restarts its data, or None when it does not.
+
+    >>> restarts([1, 2, 3], 1, 3) is not None, restarts([2, 3], 1, 3), restarts([1, 2, 3], 0, 3)
+    (True, None, None)
+    """
+    if iteration == 0 or hasattr(batches, "iter_from"):
+        return None
+    try:
+        if len(batches) < max_iter:  # type: ignore[arg-type]
+            return None
+    except TypeError:
+        pass
+    return (
+        f"this run resumes at iteration {iteration}, but its batches ({type(batches).__name__}) have no "
+        "iter_from(cursor), so they start again from the first batch: the resumed run sees the batches "
+        "of iterations 0, 1, ... again, and state.data stays where it was. To continue the data, wrap "
+        "them: fnloop.data.resumable(loader_or_list) (its cursor is saved in state.data), or use "
+        "fnloop.data.batches(dataset, batch_size=..., seed=...). If these are the remaining batches on "
+        "purpose, silence this with warnings.simplefilter('ignore', fnloop.data.DataRestarts)."
+    )
+
+
+_NO_GENERATOR = (
+    "fnloop.data.resumable: this DataLoader shuffles (a RandomSampler) without a generator, so each "
+    "epoch's order comes from the global RNG and a resumed run cannot see the order the interrupted "
+    "one saw. Pass generator=torch.Generator().manual_seed(seed) to the DataLoader (resumable then "
+    "re-seeds it at every epoch from (seed, epoch)), or give a function epoch -> loader."
+)
+
+
+def _shuffle_seed(source: object) -> int | None:
+    """The seed of a shuffling DataLoader's generator, as it was when wrapped."""
+    if not isinstance(source, DataLoader) or not isinstance(source.sampler, RandomSampler):
+        return None
+    generator = source.sampler.generator or source.generator
+    if generator is None:
+        raise ValueError(_NO_GENERATOR)
+    return generator.initial_seed()
+
+
+@attrs.frozen(kw_only=True)
+class Resumable:
+    """A re-iterable (a list, a ``DataLoader``) as an endless stream that resumes from an int cursor.
+
+    Build one with :func:`resumable`. Epoch ``e`` is ``iter(source)`` (after
+    setting up the epoch, see :func:`resumable`) or ``source(e)`` for a
+    function. ``iter_from(cursor)`` skips ``cursor`` batches: whole epochs of a
+    sized source without touching them, the rest by iterating (for a loader,
+    loading them: O(cursor % len)).
+
+    >>> stream = resumable([10, 20, 30])
+    >>> it = stream.iter_from(4)
+    >>> next(it), next(it)
+    ((20, 5), (30, 6))
+    """
+
+    source: Any
+    seed: int | None = None
+    """The seed of a shuffling DataLoader's generator; it is re-seeded from ``(seed, epoch)``."""
+
+    def epoch(self, epoch: int) -> Iterable[Any]:
+        """The batches of epoch ``epoch``, in order."""
+        source = self.source
+        if not _iterable(source):
+            return source(epoch)  # type: ignore[no-any-return]
+        sampler = getattr(source, "sampler", None)
+        if callable(getattr(sampler, "set_epoch", None)):
+            # DistributedSampler and the like draw each epoch's order from it.
+            sampler.set_epoch(epoch)  # type: ignore[union-attr]
+        if self.seed is not None:
+            generator = source.sampler.generator or source.generator
+            generator.manual_seed(_mix(self.seed, epoch))
+        return source  # type: ignore[no-any-return]
+
+    def iter_from(self, cursor: int) -> Iterator[tuple[Batch, int]]:
+        """The stream from ``cursor`` on, as ``(batch, cursor after it)`` pairs.
+
+        Args:
+            cursor: batches already consumed (``state.data``; 0 at the start).
+
+        Returns:
+            An endless iterator; the first pair carries ``cursor + 1``.
+
+        Raises:
+            TypeError: ``cursor`` is not an int.
+            ValueError: ``cursor`` is negative, or an epoch gives no batch.
+        """
+        return self._from(_cursor(cursor, "iter_from", "Resumable"))
+
+    def __iter__(self) -> Iterator[Batch]:
+        return (batch for batch, _ in self.iter_from(0))
+
+    def _from(self, cursor: int) -> Iterator[tuple[Batch, int]]:
+        epoch, skip = 0, cursor
+        while True:
+            batches = self.epoch(epoch)
+            size = _size(batches)
+            if size is not None and 0 < size <= skip:
+                epoch, skip = epoch + 1, skip - size
+                continue
+            empty = True
+            for batch in batches:
+                empty = False
+                if skip:
+                    skip -= 1
+                    continue
+                cursor += 1
+                yield batch, cursor
+            if empty:
+                raise ValueError(
+                    f"fnloop.data.resumable: epoch {epoch} of {self.source!r:.80} gave no batch; the "
+                    "stream repeats epochs forever, so each must give at least one."
+                )
+            epoch += 1
+
+
+def _iterable(source: object) -> bool:
+    return hasattr(source, "__iter__")
+
+
+def _size(batches: object) -> int | None:
+    try:
+        return len(batches)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def resumable(source: Iterable[Any] | Callable[[int], Iterable[Any]]) -> Resumable:
+    """An endless stream over ``source``, one epoch after another, that resumes from ``state.data``.
+
+    The fold keeps its cursor (batches consumed) in ``state.data``, so a
+    checkpoint holds it and a resumed run continues with the batch it would
+    have seen. Each epoch must give the same batches whenever it is iterated:
+
+    * a list of batches, or a ``DataLoader`` that does not shuffle: as is;
+    * a ``DataLoader(..., shuffle=True, generator=torch.Generator().manual_seed(s))``:
+      before each epoch the generator is re-seeded from ``(s, epoch)``, and a
+      sampler with ``set_epoch`` (``DistributedSampler``) is told the epoch;
+    * a function ``epoch -> iterable`` for anything else (augmentation seeded
+      by the epoch, say): it is called once per epoch.
+
+    Skipped batches of a partial epoch are iterated (a loader loads them);
+    :func:`batches` jumps there for free.
+
+    Args:
+        source: a re-iterable (a list, a ``DataLoader``, torchdata's
+            ``StatefulDataLoader``), or a function of the epoch returning one.
+
+    Returns:
+        A :class:`Resumable` with ``iter_from(cursor)``.
+
+    Raises:
+        TypeError: ``source`` is a one-shot iterator (a generator), or neither
+            iterable nor callable.
+        ValueError: a shuffling ``DataLoader`` without a generator.
+
+    >>> import fnloop as fl
+    >>> seen = lambda state, batch: fl.record(state, x=batch)
+    >>> stream = resumable([1.0, 2.0, 3.0])
+    >>> half = fl.run(fl.TrainState(max_iter=2), seen, stream)
+    >>> rest = fl.run(attrs.evolve(half, max_iter=4), seen, stream)
+    >>> rest.data, rest.metrics.latest("x")
+    (4, (3, 1.0))
+    """
+    if _iterable(source):
+        if isinstance(source, Iterator):
+            raise TypeError(
+                f"fnloop.data.resumable: the source must be iterable again from its start (got "
+                f"{source!r:.80} that is a {type(source).__name__}, a one-shot iterator). Pass the list or "
+                "DataLoader itself, or a function epoch -> iterable."
+            )
+    elif not callable(source):
+        raise TypeError(
+            f"fnloop.data.resumable: the source must be a re-iterable (a list, a DataLoader) or a function "
+            f"epoch -> iterable ({got(source)})."
+        )
+    return Resumable(source=source, seed=_shuffle_seed(source))
