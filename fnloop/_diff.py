@@ -2,13 +2,19 @@
 
 Tensors are compared bit for bit (a NaN equals itself, ``-0.0`` differs from
 ``0.0``); ``--atol`` lets floats and float tensors differ a little. A long
-series of plain data that differs in many places is reported in one line.
+series of plain data that differs in many places is reported in one line, so
+are many differing tensors of one name -> tensor dict (``params``), and the
+optimizer state is one line grouped by moment. Runs are compared, not clocks:
+the driver's time, the timer's metrics and its hook state are left out unless
+``--clock`` is given.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import re
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,6 +27,28 @@ __all__ = ["run"]
 
 _COLLAPSE = 4  # a series (list or tuple of plain data) with more differences is reported in one line
 
+# What the wall clock writes into a state (fnloop.testing.without_clock leaves the same out).
+_CLOCK = (
+    "state.time",
+    "state.data_time",
+    "state.step_time",
+    "state.metrics.series['time']",
+    "state.metrics.series['data_time']",
+)
+_TIMER_STATE = ".TimerState"
+_LAST_KEY = re.compile(r"\[[^\[\]]*\]$")
+
+
+def clock_paths(*trees: Any) -> tuple[str, ...]:
+    """The paths of ``trees`` (raw states) that the clock writes: time fields, timer metrics and states."""
+    paths = dict.fromkeys(_CLOCK)
+    for tree in trees:
+        hooks = tree.get("hooks") if type(tree) is Record else None
+        for name, value in hooks.items() if isinstance(hooks, dict) else ():
+            if type(value) is Record and value.type.endswith(_TIMER_STATE):
+                paths[f"state.hooks[{name!r}]"] = None
+    return tuple(paths)
+
 
 def _plain_sequence(node: Any) -> bool:
     """Whether ``node`` is a list or tuple of numbers, strings, tensors and such lists or tuples."""
@@ -32,8 +60,11 @@ def _plain_sequence(node: Any) -> bool:
 class _Diff:
     """The differences found walking two raw trees side by side."""
 
-    def __init__(self, atol: float | None, ignore: Sequence[str]) -> None:
+    def __init__(self, atol: float | None, ignore: Sequence[str], clock: Sequence[str] = ()) -> None:
         self.atol = atol
+        self.clock = clock  # paths compared apart, into clock_found
+        self.clock_found: _Diff | None = _Diff(atol, ignore) if clock else None
+        self.diffs: dict[str, float] = {}  # path -> abs difference, of the leaves that have one
         self.ignore = [p if p.startswith("state") else "state." + p for p in ignore]
         self.leaves = 0
         self.differ = 0
@@ -47,6 +78,9 @@ class _Diff:
 
     def walk(self, a: Any, b: Any, path: str) -> None:
         if self.skipped(path):
+            return
+        if self.clock_found is not None and path in self.clock:
+            self.clock_found.walk(a, b, path)
             return
         ka, kb = children(a), children(b)
         if ka is None and kb is None:
@@ -72,14 +106,48 @@ class _Diff:
         for step, child in kb:
             if step not in steps_a and not self.skipped(path + step):
                 self.one_side("B", path + step, child)
-        if len(self.lines) - before[0] > _COLLAPSE and _plain_sequence(a) and _plain_sequence(b):
+        found = len(self.lines) - before[0]
+        if found > _COLLAPSE and _plain_sequence(a) and _plain_sequence(b):
             self.lines[before[0] :] = [(path, self.collapsed(*before[1:4]))]
+        elif found > _COLLAPSE and _tensor_dict(a) and _tensor_dict(b):
+            self.lines[before[0] :] = [
+                (path, self.tensors(path, before[0], len(steps_a.keys() | steps_b.keys())))
+            ]
+        elif found > 1 and path == "state.opt_state":
+            self.lines[before[0] :] = [(path, self.grouped(path, before[0], *before[1:4]))]
         self.max_diff = max(self.max_diff, before[4])
 
-    def collapsed(self, leaves: int, differ: int, only: dict[str, int]) -> str:
+    def largest(self, path: str, start: int) -> str:
+        """`` (largest at <where>)``: the lines from ``start`` on, the one of the largest difference."""
+        found = [(self.diffs.get(at, -1.0), at) for at, *_ in self.lines[start:]]
+        gap, at = max(found)
+        return f" (largest at {at.removeprefix(path)})" if gap > 0 else ""
+
+    def tensors(self, path: str, start: int, total: int) -> str:
+        """One line for the many differing tensors of a name -> tensor dict, from line ``start`` on."""
+        what = f"{len(self.lines) - start} of {total} tensors differ"
+        if self.max_diff:
+            what += f", max abs diff {self.max_diff:.4g}{self.largest(path, start)}"
+        return what
+
+    def grouped(self, path: str, start: int, leaves: int, differ: int, only: dict[str, int]) -> str:
+        """One line for an optimizer state's differences, counted per moment (``[0].mu``, ``[0].nu``)."""
+        what = self.collapsed(leaves, differ, only, self.largest(path, start))
+        relative = [at.removeprefix(path) for at, *_ in self.lines[start:]]
+        groups = Counter(_LAST_KEY.sub("", at) or at for at in relative)
+        return what + ": " + ", ".join(f"{group} {many(n, 'tensor')}" for group, n in groups.items())
+
+    def clock_differences(self) -> list[str]:
+        """The clock's entries that differ (compared apart, not counted in the summary)."""
+        if self.clock_found is None:
+            return []
+        found = [at for at, *_ in self.clock_found.lines]
+        return [p for p in self.clock if any(at == p or at.startswith((p + ".", p + "[")) for at in found)]
+
+    def collapsed(self, leaves: int, differ: int, only: dict[str, int], where: str = "") -> str:
         what = f"{self.differ - differ} of {self.leaves - leaves} leaves differ"
         if self.max_diff:
-            what += f", max abs diff {self.max_diff:.4g}"
+            what += f", max abs diff {self.max_diff:.4g}{where}"
         for side in "AB":
             if self.only[side] > only[side]:
                 what += f"; {many(self.only[side] - only[side], 'entry', 'entries')} only in {side}"
@@ -109,6 +177,7 @@ class _Diff:
                 self.close += 1
                 return
             self.max_diff = max(self.max_diff, diff)
+            self.diffs[path] = diff
         self.different(path, what)
 
     def summary(self) -> str:
@@ -121,6 +190,11 @@ class _Diff:
             f"different: {self.differ} of {self.leaves} leaves differ{largest}{within}; "
             f"{many(self.only['A'], 'entry', 'entries')} only in A, {self.only['B']} only in B"
         )
+
+
+def _tensor_dict(node: Any) -> bool:
+    """Whether ``node`` is a non-empty name -> tensor dict (``params``, ``buffers``, a moment)."""
+    return isinstance(node, dict) and bool(node) and all(isinstance(v, torch.Tensor) for v in node.values())
 
 
 def _abs_diff(a: float, b: float) -> float:
@@ -175,9 +249,11 @@ def run(args: argparse.Namespace) -> int:
     path_b, _, b = read(args.b)
     print(f"A: {path_a} (iteration {short(a.get('iteration'))})")
     print(f"B: {path_b} (iteration {short(b.get('iteration'))})")
-    found = _Diff(args.atol, args.ignore)
+    found = _Diff(args.atol, args.ignore, () if args.clock else clock_paths(a, b))
     found.walk(a, b, "state")
     for line in table(found.lines, indent=""):
         print(line)
+    if clock := found.clock_differences():
+        print(f"not compared: the clock ({', '.join(clock)} differ); --clock compares it")
     print(found.summary())
     return 1 if found.lines else 0

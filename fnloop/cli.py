@@ -14,9 +14,10 @@ import math
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from fnloop import _diff, _inspect
-from fnloop.checkpoint import CheckpointError
+from fnloop.checkpoint import CheckpointError, checkpoints
 
 __all__ = ["main", "parser"]
 
@@ -36,6 +37,21 @@ def _replay(args: argparse.Namespace) -> int:
         print("fnloop replay: error: this fnloop has no fnloop.replay module", file=sys.stderr)
         return 2
     return int(replay.main(list(args.args)) or 0)
+
+
+# -- a run directory --------------------------------------------------------------------------------
+
+
+def _check_not_a_run_directory(name: str) -> None:
+    """Raise, naming the checkpoint directories inside, if ``name`` is a run's directory (``ckpt/``, ``best/``)."""
+    path = Path(name)
+    if not path.is_dir() or checkpoints(path):
+        return
+    inside = sorted(str(sub) for sub in path.iterdir() if sub.is_dir() and checkpoints(sub))
+    if inside:
+        raise CheckpointError(
+            f"{path}: a run directory; its checkpoints are in {', '.join(inside)} (pass one of these)"
+        )
 
 
 # -- the command -------------------------------------------------------------------------------------
@@ -76,7 +92,8 @@ def parser() -> argparse.ArgumentParser:
         help="compare two checkpoints, leaf by leaf",
         description="Compare two checkpoints leaf by leaf: which entries differ and by how much "
         "(max abs difference for tensors, both values for others), and which exist in one file "
-        "only. Exit status: 0 identical (bit for bit, or within --atol), 1 different, 2 error.",
+        "only. Runs are compared, not clocks: what the wall clock wrote is left out (--clock "
+        "compares it). Exit status: 0 identical (bit for bit, or within --atol), 1 different, 2 error.",
         epilog=_EPILOG,
     )
     diff.add_argument("a", metavar="A", help="a checkpoint file (or directory)")
@@ -87,7 +104,12 @@ def parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     diff.add_argument(
         "--ignore", action="append", default=[], metavar="PATH",
-        help="skip an entry and everything under it, e.g. --ignore time (the driver's clock); repeatable",
+        help="skip an entry and everything under it, e.g. --ignore extra; repeatable",
+    )  # fmt: skip
+    diff.add_argument(
+        "--clock", action="store_true",
+        help="also compare what the clock wrote (state.time, the metrics time and data_time, a timer's "
+        "state), which two runs of the same job never share; left out by default",
     )  # fmt: skip
     diff.set_defaults(run=_diff.run)
 
@@ -118,6 +140,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser().parse_args(argv)
     run: Callable[[argparse.Namespace], int] = args.run
     try:
+        for name in (getattr(args, "ckpt", None), getattr(args, "a", None), getattr(args, "b", None)):
+            if name is not None:
+                _check_not_a_run_directory(name)
         code = run(args)
         sys.stdout.flush()
     except CheckpointError as exc:
