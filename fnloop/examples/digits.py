@@ -175,16 +175,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     ckpt = Path(args.out) / "ckpt"
     # The template is built by the same code as the saved run: loading checks every entry against it.
-    state = fl.checkpoint.latest(ckpt, like=template)
-    if state is None:
-        state = template
-        print(f"started fresh: checkpoints go to {ckpt}")
-    elif (state.rng, state.max_iter) != (template.rng, template.max_iter):
-        # Resuming under another seed or schedule would be neither run.
+    # Another --max-iter extends (or shortens) the run, with a warning; another --seed is another run.
+    try:
+        state = fl.checkpoint.resume(ckpt, like=template)
+    except fl.checkpoint.CheckpointMismatch as exc:
         sys.exit(
-            f"{ckpt} holds a run with --seed {state.rng} --max-iter {state.max_iter}: "
-            "pass those to resume it, or another --out to start a new run."
+            f"cannot resume: {exc}\nOn this command line: resume it with the --seed it was run with (and a "
+            "--max-iter of at least its iteration), or start a new run with another --out."
         )
+    if state is template:
+        print(f"started fresh: checkpoints go to {ckpt}")
     else:
         print(f"resumed from iteration {state.iteration} ({ckpt})")
 
