@@ -67,7 +67,10 @@ class Metrics:
     1.5
 
     Args:
-        window: how many entries to keep per name (default 20).
+        window: how many entries to keep per name (default 20). A run keeps
+            the window of the state it starts from: ``attrs.evolve(state,
+            metrics=Metrics(window=1000))``. The full history belongs on disk
+            (``fnloop.writers.jsonl``, ``fnloop.writers.tensorboard``).
         series: name -> tuple of ``(iteration, value)`` pairs, oldest first.
     """
 
