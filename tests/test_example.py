@@ -162,7 +162,7 @@ def test_the_default_run_reaches_95_percent_and_a_rerun_resumes_at_the_end(tmp_p
     assert accuracy(again) == accuracy(output)
 
 
-def test_main_in_process_resumes_and_refuses_another_configuration(tmp_path, capsys):
+def test_main_in_process_resumes_extends_and_refuses_another_seed(tmp_path, capsys):
     args = ["--out", str(tmp_path), "--eager", "--max-iter", "60", "--checkpoint-every", "20", "--quiet"]
     digits.main(args)
     first = capsys.readouterr().out
@@ -176,8 +176,16 @@ def test_main_in_process_resumes_and_refuses_another_configuration(tmp_path, cap
     digits.main(args)
     assert resumed_from(capsys.readouterr().out) == 60
 
-    with pytest.raises(SystemExit, match=r"--seed 0 --max-iter 60: pass those to resume it"):
-        digits.main(["--out", str(tmp_path), "--eager", "--max-iter", "80"])
+    with pytest.raises(SystemExit, match=r"seeded 0, but the template is seeded 1"):
+        digits.main(["--out", str(tmp_path), "--eager", "--max-iter", "60", "--seed", "1"])
+
+    # A longer run extends this one, and says so (fl.checkpoint.resume: the template's max_iter wins).
+    with pytest.warns(fl.checkpoint.RunChanged, match=r"max_iter"):
+        digits.main(
+            ["--out", str(tmp_path), "--eager", "--max-iter", "80", "--checkpoint-every", "20", "--quiet"]
+        )
+    assert resumed_from(capsys.readouterr().out) == 60
+    assert fl.checkpoint.checkpoints(tmp_path / "ckpt")[0].name == "ckpt-00000080.safetensors"
 
 
 def test_job_is_one_definition_of_the_run():
