@@ -48,14 +48,15 @@ _in_flight: set[str] = set()  # temporary names this process is writing now
 def write_atomically(path: Path, write: Callable[[int], object]) -> None:
     """Make ``path`` the file that ``write`` writes to the descriptor it is given, or leave it untouched.
 
-    >>> import tempfile
-    >>> with tempfile.TemporaryDirectory() as d:
-    ...     write_atomically(Path(d) / "f", lambda fd: os.write(fd, b"new"))
-    ...     (Path(d) / "f").read_bytes(), os.listdir(d)
-    (b'new', ['f'])
-
     Raises:
         OSError: the file cannot be written; an existing file at ``path`` is untouched.
+
+    Examples:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     write_atomically(Path(d) / "f", lambda fd: os.write(fd, b"new"))
+        ...     (Path(d) / "f").read_bytes(), os.listdir(d)
+        (b'new', ['f'])
     """
     temp_name = f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     temp = path.with_name(temp_name)
@@ -122,16 +123,17 @@ _guard = threading.Lock()
 def claim(directory: Path) -> None:
     """Hold ``directory`` for this process, creating it if needed; each claim needs one ``release``.
 
-    >>> import tempfile
-    >>> d = Path(tempfile.mkdtemp())
-    >>> claim(d); claim(d); holds(d)
-    True
-    >>> release(d); release(d); holds(d)
-    False
-
     Raises:
         DirectoryInUse: another process holds ``directory``.
         NotADirectoryError: ``directory`` is an existing file.
+
+    Examples:
+        >>> import tempfile
+        >>> d = Path(tempfile.mkdtemp())
+        >>> claim(d); claim(d); holds(d)
+        True
+        >>> release(d); release(d); holds(d)
+        False
     """
     key = os.path.realpath(directory)
     with _guard:

@@ -172,14 +172,15 @@ def encode(tree: Any, path: str = "state") -> tuple[Any, dict[str, torch.Tensor]
 
     The same tensor object reached twice is stored once.
 
-    >>> skeleton, tensors = encode({"w": torch.zeros(2), "lr": 0.5})
-    >>> skeleton["items"][1]
-    ['lr', {'kind': 'float', 'value': '0.5'}]
-    >>> list(tensors)
-    ["state['w']"]
-
     Raises:
         TypeError: the tree holds something a checkpoint cannot hold; the path is named.
+
+    Examples:
+        >>> skeleton, tensors = encode({"w": torch.zeros(2), "lr": 0.5})
+        >>> skeleton["items"][1]
+        ['lr', {'kind': 'float', 'value': '0.5'}]
+        >>> list(tensors)
+        ["state['w']"]
     """
     encoder = _Encoder()
     return encoder.node(tree, path), encoder.tensors
@@ -201,12 +202,13 @@ def decode(node: Any, tensors: Mapping[str, torch.Tensor], where: str) -> Any:
 
     ``where`` prefixes every error message (file and path).
 
-    >>> skeleton, tensors = encode((1, 2.5, "x"))
-    >>> decode(skeleton, tensors, "example: state")
-    (1, 2.5, 'x')
-
     Raises:
         DamagedCheckpoint: the skeleton is not one ``encode`` writes.
+
+    Examples:
+        >>> skeleton, tensors = encode((1, 2.5, "x"))
+        >>> decode(skeleton, tensors, "example: state")
+        (1, 2.5, 'x')
     """
     kind = type(node)
     if node is None or kind is bool or kind is int or kind is str:

@@ -89,12 +89,13 @@ def eval_step(
     a last smaller batch is common in evaluation. A module wrapped by
     ``torch.compile`` is unwrapped: fnloop compiles the evaluation itself.
 
-    >>> import fnloop as fl
-    >>> model = torch.nn.Linear(2, 2)
-    >>> evaluate = fl.eval_step(model, lambda f, b: {"out": f(b).sum()}, compile=False)
-    >>> state = fl.init(model, fl.optim.sgd(0.1), seed=0, max_iter=1)
-    >>> sorted(evaluate(state, torch.ones(3, 2)))
-    ['out']
+    Examples:
+        >>> import fnloop as fl
+        >>> model = torch.nn.Linear(2, 2)
+        >>> evaluate = fl.eval_step(model, lambda f, b: {"out": f(b).sum()}, compile=False)
+        >>> state = fl.init(model, fl.optim.sgd(0.1), seed=0, max_iter=1)
+        >>> sorted(evaluate(state, torch.ones(3, 2)))
+        ['out']
     """
     model = plain_module(model, "eval_step")
 

@@ -37,14 +37,6 @@ def state_dict(state: TrainState, model: torch.nn.Module | None = None) -> Order
     the module's the same way): ``load_state_dict`` and ``torch.save`` copy
     them, so clone one only to write into it.
 
-    >>> import fnloop as fl
-    >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
-    >>> state = fl.init(model, fl.optim.sgd(0.1), seed=0, max_iter=1)
-    >>> list(fl.state_dict(state, model)) == list(model.state_dict())
-    True
-    >>> model.load_state_dict(fl.state_dict(state))
-    <All keys matched successfully>
-
     Args:
         state: a state whose params and buffers came from ``fnloop.init(model, ...)``.
         model: the module, for its exact keys and order (needed for tied weights).
@@ -56,6 +48,15 @@ def state_dict(state: TrainState, model: torch.nn.Module | None = None) -> Order
         TypeError: ``state`` is not a TrainState, or ``model`` not a module.
         KeyError: ``model`` has an entry the state lacks (the state was built
             from another model).
+
+    Examples:
+        >>> import fnloop as fl
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+        >>> state = fl.init(model, fl.optim.sgd(0.1), seed=0, max_iter=1)
+        >>> list(fl.state_dict(state, model)) == list(model.state_dict())
+        True
+        >>> model.load_state_dict(fl.state_dict(state))
+        <All keys matched successfully>
     """
     if type(state) is not TrainState:
         raise TypeError(f"state_dict() expected a fnloop.TrainState ({got(state)}).")
@@ -116,13 +117,6 @@ def load_state_dict(
     a pretrained start is ``model.load_state_dict(pretrained)`` before
     ``fnloop.init(model, ...)``.
 
-    >>> import fnloop as fl
-    >>> model = torch.nn.Linear(2, 1)
-    >>> state = fl.init(model, fl.optim.adamw(1e-3), seed=0, max_iter=10)
-    >>> pretrained = {"weight": torch.ones(1, 2), "bias": torch.zeros(1)}
-    >>> fl.load_state_dict(state, pretrained).params["weight"]
-    tensor([[1., 1.]])
-
     Args:
         state: the state to start from (usually ``fnloop.init(model, ...)``).
         state_dict: name -> tensor, as ``model.state_dict()`` or a file gives it.
@@ -139,6 +133,14 @@ def load_state_dict(
         KeyError: with ``strict``, a name is missing or unexpected.
         ValueError: a tensor's shape or dtype differs from the state's.
         TypeError: a value is not a tensor.
+
+    Examples:
+        >>> import fnloop as fl
+        >>> model = torch.nn.Linear(2, 1)
+        >>> state = fl.init(model, fl.optim.adamw(1e-3), seed=0, max_iter=10)
+        >>> pretrained = {"weight": torch.ones(1, 2), "bias": torch.zeros(1)}
+        >>> fl.load_state_dict(state, pretrained).params["weight"]
+        tensor([[1., 1.]])
     """
     if type(state) is not TrainState:
         raise TypeError(f"load_state_dict() expected a fnloop.TrainState ({got(state)}).")

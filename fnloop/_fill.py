@@ -80,16 +80,17 @@ def fill(data: Any, like: Any, where: str) -> Any:
     (placed on the template tensor's device). A float in the template also
     accepts an int. Dict entries keep the file's order.
 
-    >>> fill({"w": torch.ones(2)}, {"w": torch.zeros(2)}, "f: state")
-    {'w': tensor([1., 1.])}
-    >>> try:
-    ...     fill({"w": torch.ones(3)}, {"w": torch.zeros(2)}, "f: state")
-    ... except CheckpointMismatch as e:
-    ...     print(str(e).split(". ")[0])
-    f: state['w']: expected shape (2,), got (3,)
-
     Raises:
         CheckpointMismatch: ``data`` does not fit ``like``; the message names the path.
+
+    Examples:
+        >>> fill({"w": torch.ones(2)}, {"w": torch.zeros(2)}, "f: state")
+        {'w': tensor([1., 1.])}
+        >>> try:
+        ...     fill({"w": torch.ones(3)}, {"w": torch.zeros(2)}, "f: state")
+        ... except CheckpointMismatch as e:
+        ...     print(str(e).split(". ")[0])
+        f: state['w']: expected shape (2,), got (3,)
     """
     kind = type(like)
     if isinstance(like, torch.Tensor):

@@ -52,9 +52,10 @@ class Hook(Protocol):
 def identity(state: TrainState, phase: Phase, /) -> TrainState:
     """The hook that changes nothing; ``chain()`` returns it.
 
-    >>> s = TrainState(max_iter=1)
-    >>> identity(s, Phase.BEFORE_TRAIN) is s
-    True
+    Examples:
+        >>> s = TrainState(max_iter=1)
+        >>> identity(s, Phase.BEFORE_TRAIN) is s
+        True
     """
     return state
 
@@ -79,8 +80,9 @@ def returned(hook: object, phase: Phase, got: object) -> TypeError:
 def state_names(hook: object) -> tuple[str, ...]:
     """The names of the hook states that ``hook`` (and any hook inside it) keeps.
 
-    >>> state_names(chain(stateful("a", 0, lambda s, p, m: (s, m)), identity))
-    ('a',)
+    Examples:
+        >>> state_names(chain(stateful("a", 0, lambda s, p, m: (s, m)), identity))
+        ('a',)
     """
     return tuple(getattr(hook, "state_names", ()))
 
@@ -145,16 +147,17 @@ def chain(*hooks: Hook | None) -> Hook:
     ``identity`` and ``chain(h)`` is ``h``, so ``chain`` is associative and
     ``chain(chain(a, b), c) == chain(a, chain(b, c))``.
 
-    >>> def tick(state, phase):
-    ...     return attrs.evolve(state, extra=(state.extra or 0) + 1)
-    >>> chain(tick, None, tick)(TrainState(max_iter=1), Phase.BEFORE_STEP).extra
-    2
-    >>> chain() is identity
-    True
-
     Raises:
         TypeError: an entry is not callable.
         ValueError: two hooks keep their state under the same name.
+
+    Examples:
+        >>> def tick(state, phase):
+        ...     return attrs.evolve(state, extra=(state.extra or 0) + 1)
+        >>> chain(tick, None, tick)(TrainState(max_iter=1), Phase.BEFORE_STEP).extra
+        2
+        >>> chain() is identity
+        True
     """
     flat: list[Hook] = []
     for hook in hooks:
@@ -204,10 +207,11 @@ class On(_Wrapper):
 def on(phase: Phase | Collection[Phase], hook: Hook) -> Hook:
     """``hook`` run in ``phase`` (one phase or several) and skipped in the others.
 
-    >>> from fnloop import testing
-    >>> trace = testing.phase_trace(lambda h: on(Phase.AFTER_STEP, h), max_iter=2)
-    >>> [(p.name, i) for p, i in trace]
-    [('AFTER_STEP', 0), ('AFTER_STEP', 1)]
+    Examples:
+        >>> from fnloop import testing
+        >>> trace = testing.phase_trace(lambda h: on(Phase.AFTER_STEP, h), max_iter=2)
+        >>> [(p.name, i) for p, i in trace]
+        [('AFTER_STEP', 0), ('AFTER_STEP', 1)]
     """
     _check_hook(hook, "on()")
     return On(_phases(phase), hook)
@@ -237,10 +241,11 @@ def every(n: int, hook: Hook) -> Hook:
     ``every(200, checkpoint(...))`` also saves when the run ends and a periodic
     writer flushes at the end. ``every(1, h)`` is ``h``.
 
-    >>> from fnloop import testing
-    >>> trace = testing.phase_trace(lambda h: every(3, on(Phase.AFTER_STEP, h)), max_iter=6)
-    >>> [i for _, i in trace]
-    [2, 5]
+    Examples:
+        >>> from fnloop import testing
+        >>> trace = testing.phase_trace(lambda h: every(3, on(Phase.AFTER_STEP, h)), max_iter=6)
+        >>> [i for _, i in trace]
+        [2, 5]
     """
     _check_hook(hook, "every()")
     periodic = Every(n, hook)
@@ -266,10 +271,11 @@ class When(_Wrapper):
 def when(pred: Callable[[TrainState], bool], hook: Hook) -> Hook:
     """``hook`` run in every phase where ``pred(state)`` is true.
 
-    >>> from fnloop import testing
-    >>> odd = lambda h: when(lambda s: s.iteration % 2 == 1, on(Phase.BEFORE_STEP, h))
-    >>> [i for _, i in testing.phase_trace(odd, max_iter=4)]
-    [1, 3]
+    Examples:
+        >>> from fnloop import testing
+        >>> odd = lambda h: when(lambda s: s.iteration % 2 == 1, on(Phase.BEFORE_STEP, h))
+        >>> [i for _, i in testing.phase_trace(odd, max_iter=4)]
+        [1, 3]
     """
     _check_hook(pred, "when() predicate:")
     _check_hook(hook, "when()")
@@ -298,9 +304,10 @@ def once(iteration: int, hook: Hook) -> Hook:
     ``BEFORE_TRAIN`` and ``AFTER_TRAIN`` do not reach it; combine with ``on``
     to pick one of the two step phases.
 
-    >>> from fnloop import testing
-    >>> [(p.name, i) for p, i in testing.phase_trace(lambda h: once(1, h), max_iter=3)]
-    [('BEFORE_STEP', 1), ('AFTER_STEP', 1)]
+    Examples:
+        >>> from fnloop import testing
+        >>> [(p.name, i) for p, i in testing.phase_trace(lambda h: once(1, h), max_iter=3)]
+        [('BEFORE_STEP', 1), ('AFTER_STEP', 1)]
     """
     _check_hook(hook, "once()")
     return Once(iteration, hook)
@@ -350,14 +357,15 @@ def stateful(
     ``name``). The name must be unique among the hooks of a run; ``chain`` and
     ``run`` refuse a clash rather than lose a state.
 
-    >>> def count(state, phase, n):
-    ...     return state, n + (phase is Phase.AFTER_STEP)
-    >>> from fnloop import run
-    >>> run(TrainState(max_iter=3), lambda s, b: s, [None] * 3, [stateful("steps", 0, count)]).hooks
-    {'steps': 3}
-
     Raises:
         ValueError: ``name`` is empty or not a str.
+
+    Examples:
+        >>> def count(state, phase, n):
+        ...     return state, n + (phase is Phase.AFTER_STEP)
+        >>> from fnloop import run
+        >>> run(TrainState(max_iter=3), lambda s, b: s, [None] * 3, [stateful("steps", 0, count)]).hooks
+        {'steps': 3}
     """
     _check_hook(update, "stateful()")
     return Stateful(name, init, update)
@@ -398,14 +406,15 @@ def checked(hook: Hook) -> Hook:
     after each call, and names the hook and the tensor's path. ``run(...,
     debug=True)`` applies it to every hook.
 
-    >>> def bad(state, phase):
-    ...     for p in state.params.values():
-    ...         p.add_(1)
-    ...     return state
-    >>> import torch
-    >>> checked(bad)(TrainState(max_iter=1, params={"w": torch.zeros(1)}), Phase.BEFORE_STEP)
-    Traceback (most recent call last):
-    RuntimeError: hook bad wrote into state.params['w'] in place in Phase.BEFORE_STEP. ...
+    Examples:
+        >>> def bad(state, phase):
+        ...     for p in state.params.values():
+        ...         p.add_(1)
+        ...     return state
+        >>> import torch
+        >>> checked(bad)(TrainState(max_iter=1, params={"w": torch.zeros(1)}), Phase.BEFORE_STEP)
+        Traceback (most recent call last):
+        RuntimeError: hook bad wrote into state.params['w'] in place in Phase.BEFORE_STEP. ...
     """
     hooks = hook.hooks if isinstance(hook, Chain) else (hook,)
     return chain(*[Checked(h) for h in hooks])

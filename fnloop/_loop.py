@@ -303,10 +303,6 @@ def scan(
     yielded state stays valid; nothing is reused in place. Closing the
     iterator early runs ``AFTER_TRAIN`` with the last yielded state.
 
-    >>> from fnloop import TrainState
-    >>> [s.iteration for s in scan(TrainState(max_iter=2), lambda s, b: s, [0, 1])]
-    [1, 2, 2]
-
     Args:
         state: where to start; iterations ``state.iteration .. state.max_iter - 1`` run.
         step: ``(state, batch) -> state``.
@@ -322,6 +318,11 @@ def scan(
         TypeError: ``state`` is not a TrainState, or a hook/step returns something else.
         ValueError: ``state.iteration > state.max_iter``, or two hooks share a state name.
         BatchesExhausted: ``batches`` ended early.
+
+    Examples:
+        >>> from fnloop import TrainState
+        >>> [s.iteration for s in scan(TrainState(max_iter=2), lambda s, b: s, [0, 1])]
+        [1, 2, 2]
     """
     hook = _start(state, step, hooks, debug)
     return _fold(state, step, batches, hook, clock, effects, donate=False)
@@ -351,11 +352,6 @@ def run(
     (the state after the last completed iteration); then the original
     exception propagates unchanged, carrying that state as ``exc.state``.
 
-    >>> from fnloop import TrainState, record
-    >>> final = run(TrainState(max_iter=3), lambda s, b: record(s, x=b), [1.0, 2.0, 3.0])
-    >>> final.iteration, final.metrics.latest("x")
-    (3, (2, 3.0))
-
     SIGTERM and SIGINT (preemption, Ctrl-C) during ``run`` let the current
     step finish, then run ``AFTER_TRAIN`` (where a checkpoint hook saves the
     last consistent state) and raise ``Preempted`` (SIGTERM) or
@@ -376,6 +372,12 @@ def run(
 
     Returns:
         The final state, after ``AFTER_TRAIN``.
+
+    Examples:
+        >>> from fnloop import TrainState, record
+        >>> final = run(TrainState(max_iter=3), lambda s, b: record(s, x=b), [1.0, 2.0, 3.0])
+        >>> final.iteration, final.metrics.latest("x")
+        (3, (2, 3.0))
     """
     hook = _start(state, step, hooks, debug)
     final: Any = None

@@ -8,8 +8,9 @@ import attrs
 def got(value: object) -> str:
     """``got <value> that is a(n) <type>``, as attrs words it, with the article right.
 
-    >>> got(-1), got("x")
-    ('got -1 that is an int', "got 'x' that is a str")
+    Examples:
+        >>> got(-1), got("x")
+        ('got -1 that is an int', "got 'x' that is a str")
     """
     name = type(value).__name__
     article = "an" if name[:1].lower() in "aeiou" else "a"

@@ -60,18 +60,19 @@ class Metrics:
     concatenates each name's entries (``self`` first) and keeps the newest
     ``window``.
 
-    >>> m = Metrics().record(0, {"loss": 2.0}).record(1, {"loss": 1.0})
-    >>> m.latest("loss")
-    (1, 1.0)
-    >>> m.mean("loss")
-    1.5
-
     Args:
         window: how many entries to keep per name (default 20). A run keeps
             the window of the state it starts from: ``attrs.evolve(state,
             metrics=Metrics(window=1000))``. The full history belongs on disk
             (``fnloop.writers.jsonl``, ``fnloop.writers.tensorboard``).
         series: name -> tuple of ``(iteration, value)`` pairs, oldest first.
+
+    Examples:
+        >>> m = Metrics().record(0, {"loss": 2.0}).record(1, {"loss": 1.0})
+        >>> m.latest("loss")
+        (1, 1.0)
+        >>> m.mean("loss")
+        1.5
     """
 
     window: int = attrs.field(default=20, validator=positive_int)

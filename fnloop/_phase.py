@@ -14,8 +14,9 @@ class Phase(enum.Enum):
     iteration ``BEFORE_STEP``, the step itself and ``AFTER_STEP``, and finally
     ``AFTER_TRAIN`` once, also when the run fails.
 
-    >>> [p.name for p in Phase]
-    ['BEFORE_TRAIN', 'BEFORE_STEP', 'AFTER_STEP', 'AFTER_TRAIN']
+    Examples:
+        >>> [p.name for p in Phase]
+        ['BEFORE_TRAIN', 'BEFORE_STEP', 'AFTER_STEP', 'AFTER_TRAIN']
     """
 
     BEFORE_TRAIN = 0

@@ -39,11 +39,12 @@ _FREE = _baseline()
 class ScalarPool:
     """Homes for recorded scalars; ``keep(value)`` returns one holding ``value``'s value.
 
-    >>> pool = ScalarPool()
-    >>> first = pool.keep(torch.tensor(1.0))
-    >>> second = pool.keep(torch.tensor(2.0))  # `first` is still held here: a new home
-    >>> first.item(), second.item(), first is second
-    (1.0, 2.0, False)
+    Examples:
+        >>> pool = ScalarPool()
+        >>> first = pool.keep(torch.tensor(1.0))
+        >>> second = pool.keep(torch.tensor(2.0))  # `first` is still held here: a new home
+        >>> first.item(), second.item(), first is second
+        (1.0, 2.0, False)
     """
 
     def __init__(self) -> None:

@@ -99,8 +99,9 @@ def json_number(x: float | int) -> float | int | str:
 def tensor_stats(t: torch.Tensor) -> dict[str, Any]:
     """dtype, shape and a summary of ``t``: its value if it has one element, else norm/mean/min/max.
 
-    >>> tensor_stats(torch.tensor([3.0, 4.0]))["norm"]
-    5.0
+    Examples:
+        >>> tensor_stats(torch.tensor([3.0, 4.0]))["norm"]
+        5.0
     """
     stats: dict[str, Any] = {"dtype": dtype_name(t), "shape": list(t.shape), "numel": t.numel()}
     if t.numel() == 0:
@@ -144,8 +145,9 @@ def compact(value: Any) -> str:
 def short(value: Any, limit: int = 100) -> str:
     """A one-line rendering of a raw value, records by their short class name, cut at ``limit``.
 
-    >>> short(Record({"value": 1.0, "iteration": 3}, kind="record", type="fnloop.hooks.Best"))
-    'Best(value=1.0, iteration=3)'
+    Examples:
+        >>> short(Record({"value": 1.0, "iteration": 3}, kind="record", type="fnloop.hooks.Best"))
+        'Best(value=1.0, iteration=3)'
     """
     text = _render(value, _DEEP)
     return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -63,8 +63,9 @@ _FEW = 1024  # headers of so few tensors are cheap to parse, and then say better
 def layout(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
     """The header entries of ``tensors``, in the order their bytes follow each other in the file.
 
-    >>> layout({"step": torch.tensor(3, dtype=torch.int8), "w": torch.zeros(2)})
-    {'w': {'dtype': 'F32', 'shape': [2], 'data_offsets': [0, 8]}, 'step': {'dtype': 'I8', 'shape': [], 'data_offsets': [8, 9]}}
+    Examples:
+        >>> layout({"step": torch.tensor(3, dtype=torch.int8), "w": torch.zeros(2)})
+        {'w': {'dtype': 'F32', 'shape': [2], 'data_offsets': [0, 8]}, 'step': {'dtype': 'I8', 'shape': [], 'data_offsets': [8, 9]}}
     """
     # Widest items first, so every tensor starts aligned to its item size, as safetensors does.
     order = sorted(tensors.items(), key=lambda kv: -kv[1].element_size())
@@ -84,8 +85,9 @@ def layout(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
 def header(skeleton: str, entries: dict[str, dict[str, Any]], checksum: str) -> bytes:
     """The bytes in front of the tensors: the header's length, then the header, padded to 8 bytes.
 
-    >>> len(header("null", {}, PLACEHOLDER)) % 8
-    0
+    Examples:
+        >>> len(header("null", {}, PLACEHOLDER)) % 8
+        0
     """
     metadata = {
         "fnloop.format": str(FORMAT_VERSION),

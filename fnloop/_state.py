@@ -111,12 +111,6 @@ class TrainState:
     ``attrs.evolve``. Only ``max_iter`` is required, so a state needs no model:
     ``TrainState(max_iter=10)`` can be driven by any pure step.
 
-    >>> s = TrainState(max_iter=3)
-    >>> s.iteration, s.max_iter
-    (0, 3)
-    >>> attrs.evolve(s, iteration=1).iteration
-    1
-
     Args:
         max_iter: the run ends when ``iteration`` reaches it. Lowering it from
             a hook ends the run early, as a success.
@@ -141,6 +135,13 @@ class TrainState:
             ``BEFORE_STEP`` hooks and effects, the wait for the batch and the
             step. Set for ``AFTER_STEP``, 0 elsewhere, not saved.
         effects: effects requested in the current phase (cleared by the fold).
+
+    Examples:
+        >>> s = TrainState(max_iter=3)
+        >>> s.iteration, s.max_iter
+        (0, 3)
+        >>> attrs.evolve(s, iteration=1).iteration
+        1
     """
 
     max_iter: int = attrs.field(validator=non_negative_int)
@@ -162,8 +163,9 @@ class TrainState:
 def record(state: TrainState, **values: Scalar) -> TrainState:
     """``state`` with scalars recorded at ``state.iteration``.
 
-    >>> record(TrainState(max_iter=1), loss=0.5).metrics.latest("loss")
-    (0, 0.5)
+    Examples:
+        >>> record(TrainState(max_iter=1), loss=0.5).metrics.latest("loss")
+        (0, 0.5)
     """
     return attrs.evolve(state, metrics=state.metrics.record(state.iteration, values))
 
@@ -176,9 +178,10 @@ def request(
     ``perform`` gets the state as the phase ends, or with ``start=True`` as it
     began (see ``Effect``).
 
-    >>> s = request(TrainState(max_iter=1), print, "print")
-    >>> [e.label for e in s.effects]
-    ['print']
+    Examples:
+        >>> s = request(TrainState(max_iter=1), print, "print")
+        >>> [e.label for e in s.effects]
+        ['print']
     """
     return attrs.evolve(state, effects=(*state.effects, Effect(perform, label, start)))
 

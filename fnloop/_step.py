@@ -118,11 +118,6 @@ def init(
     ``model.named_parameters()`` and ``model.named_buffers()``; the model itself
     is never changed by fnloop.
 
-    >>> import fnloop as fl
-    >>> s = fl.init(torch.nn.Linear(3, 2), fl.optim.sgd(0.1), seed=0, max_iter=10)
-    >>> sorted(s.params), s.params["weight"].requires_grad
-    (['bias', 'weight'], False)
-
     Args:
         model: the module whose parameters and buffers are trained (one
             wrapped by ``torch.compile`` is unwrapped: the names stay plain).
@@ -131,6 +126,12 @@ def init(
             of ``(seed, iteration)``.
         max_iter: how many steps the run takes.
         extra: your own data, kept in ``state.extra``.
+
+    Examples:
+        >>> import fnloop as fl
+        >>> s = fl.init(torch.nn.Linear(3, 2), fl.optim.sgd(0.1), seed=0, max_iter=10)
+        >>> sorted(s.params), s.params["weight"].requires_grad
+        (['bias', 'weight'], False)
     """
     model = plain_module(model, "init")
     if not isinstance(optimizer, Optimizer):
@@ -161,8 +162,9 @@ _MASK = (1 << 64) - 1
 def step_seed(seed: int, iteration: int) -> int:
     """The seed of step ``iteration`` of a run seeded ``seed`` (splitmix64 of the pair).
 
-    >>> step_seed(0, 1) != step_seed(1, 0)
-    True
+    Examples:
+        >>> step_seed(0, 1) != step_seed(1, 0)
+        True
     """
     z = (seed * 0x9E3779B97F4A7C15 + iteration + 1) & _MASK
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
@@ -514,17 +516,6 @@ def train_step(
     ``state.metrics`` as tensors, at the step's index. Randomness (dropout) is seeded from ``(state.rng, iteration)``
     for each step, so a step replays identically after a resume.
 
-    >>> import fnloop as fl
-    >>> model = torch.nn.Linear(2, 1)
-    >>> def loss_fn(forward, batch):
-    ...     x, y = batch
-    ...     return ((forward(x) - y) ** 2).mean()
-    >>> step = fl.train_step(model, loss_fn, fl.optim.sgd(0.1), compile=False)
-    >>> state = fl.init(model, fl.optim.sgd(0.1), seed=0, max_iter=1)
-    >>> new = step(state, (torch.ones(4, 2), torch.zeros(4, 1)))
-    >>> new.metrics.names, torch.equal(state.params["weight"], model.weight.detach())
-    (('loss', 'lr'), True)
-
     Args:
         model: the module; only its structure and forward are used, never its tensors.
             One wrapped by ``torch.compile`` is unwrapped: fnloop compiles the whole step itself.
@@ -552,6 +543,18 @@ def train_step(
 
     Returns:
         The step. With ``donate=False`` it has no ``donating`` variant.
+
+    Examples:
+        >>> import fnloop as fl
+        >>> model = torch.nn.Linear(2, 1)
+        >>> def loss_fn(forward, batch):
+        ...     x, y = batch
+        ...     return ((forward(x) - y) ** 2).mean()
+        >>> step = fl.train_step(model, loss_fn, fl.optim.sgd(0.1), compile=False)
+        >>> state = fl.init(model, fl.optim.sgd(0.1), seed=0, max_iter=1)
+        >>> new = step(state, (torch.ones(4, 2), torch.zeros(4, 1)))
+        >>> new.metrics.names, torch.equal(state.params["weight"], model.weight.detach())
+        (('loss', 'lr'), True)
     """
     model = plain_module(model, "train_step")
     if not isinstance(optimizer, Optimizer):

@@ -66,8 +66,9 @@ def _same_leaf(a: Any, b: Any) -> str | None:
 def first_difference(a: Any, b: Any, path: str = "state") -> str | None:
     """Where ``a`` and ``b`` first differ, bit for bit, as ``"path: what"``; ``None`` if identical.
 
-    >>> first_difference({"w": torch.zeros(2)}, {"w": torch.tensor([0.0, 1.0])})
-    "state['w']: values differ (max abs difference 1)"
+    Examples:
+        >>> first_difference({"w": torch.zeros(2)}, {"w": torch.tensor([0.0, 1.0])})
+        "state['w']: values differ (max abs difference 1)"
     """
     ka, kb = children(a), children(b)
     if ka is None or kb is None:

@@ -85,11 +85,12 @@ class RunChanged(UserWarning):
 def path_for(directory: StrPath, iteration: int) -> Path:
     """The file a checkpoint of ``iteration`` has in ``directory``: ``ckpt-{iteration:08d}.safetensors``.
 
-    >>> path_for("run/ckpt", 12).name
-    'ckpt-00000012.safetensors'
-
     Raises:
         ValueError: ``iteration`` is not a non-negative int.
+
+    Examples:
+        >>> path_for("run/ckpt", 12).name
+        'ckpt-00000012.safetensors'
     """
     if type(iteration) is not int or iteration < 0:
         raise ValueError(f"'iteration' must be a non-negative int (got {iteration!r}).")
@@ -102,8 +103,9 @@ def checkpoints(directory: StrPath) -> list[Path]:
     Temporary files of saves in progress (or interrupted) are not listed.
     A missing directory has none.
 
-    >>> checkpoints("no/such/directory")
-    []
+    Examples:
+        >>> checkpoints("no/such/directory")
+        []
     """
     try:
         names = os.listdir(directory)
@@ -124,13 +126,6 @@ def save(state: TrainState, path: StrPath) -> Path:
     in that directory are removed. Tensors are saved from CPU memory; a tensor
     reached twice is stored once.
 
-    >>> import tempfile
-    >>> state = TrainState(max_iter=10, params={"w": torch.ones(2)})
-    >>> with tempfile.TemporaryDirectory() as d:
-    ...     path = save(state, path_for(d, state.iteration))
-    ...     load(path, like=state).params
-    {'w': tensor([1., 1.])}
-
     Args:
         state: the state to save; it must have no pending ``effects``.
         path: the file to write (usually ``path_for(directory, state.iteration)``).
@@ -144,6 +139,14 @@ def save(state: TrainState, path: StrPath) -> Path:
             message names its path.
         ValueError: ``state`` has pending effects.
         OSError: the file cannot be written; an existing file at ``path`` is untouched.
+
+    Examples:
+        >>> import tempfile
+        >>> state = TrainState(max_iter=10, params={"w": torch.ones(2)})
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     path = save(state, path_for(d, state.iteration))
+        ...     load(path, like=state).params
+        {'w': tensor([1., 1.])}
     """
     if type(state) is not TrainState:
         raise TypeError(f"save() expected a fnloop.TrainState, got {state!r:.80} (a {type(state).__name__}).")
@@ -267,14 +270,6 @@ def load(path: StrPath, *, like: TrainState) -> TrainState:
     run's hook of that name claims (or the fold drops, with a warning); a hook
     of the template with no saved state keeps its template value.
 
-    >>> import tempfile
-    >>> state = TrainState(max_iter=10, iteration=4, hooks={"steps": 4})
-    >>> with tempfile.TemporaryDirectory() as d:
-    ...     path = save(state, path_for(d, 4))
-    ...     loaded = load(path, like=TrainState(max_iter=10))
-    >>> loaded.iteration, loaded.hooks["steps"].claim(0)
-    (4, 4)
-
     Args:
         path: a file written by ``save``.
         like: a state built by the same code as the saved one (its values are not used).
@@ -288,6 +283,15 @@ def load(path: StrPath, *, like: TrainState) -> TrainState:
         CheckpointMismatch: the file is intact but does not fit ``like``.
         CheckpointError: the file was written in another format version. All
             three are ``CheckpointError``\\ s and name the file.
+
+    Examples:
+        >>> import tempfile
+        >>> state = TrainState(max_iter=10, iteration=4, hooks={"steps": 4})
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     path = save(state, path_for(d, 4))
+        ...     loaded = load(path, like=TrainState(max_iter=10))
+        >>> loaded.iteration, loaded.hooks["steps"].claim(0)
+        (4, 4)
     """
     if type(like) is not TrainState:
         raise TypeError(
@@ -305,15 +309,16 @@ def latest(directory: StrPath, *, like: TrainState) -> TrainState | None:
     not fit ``like``, or is of another format version, raises: resuming from
     an older checkpoint, or from scratch, would hide that the code changed.
 
-    >>> latest("no/such/directory", like=TrainState(max_iter=1)) is None
-    True
-
     To continue a run, ``resume(directory, like=template)`` does this and
     checks the run's settings against the template.
 
     Raises:
         CheckpointMismatch: the newest intact checkpoint does not fit ``like``.
         CheckpointError: the newest intact checkpoint is of another format version.
+
+    Examples:
+        >>> latest("no/such/directory", like=TrainState(max_iter=1)) is None
+        True
     """
     if type(like) is not TrainState:
         raise TypeError(f"latest() expected like= a fnloop.TrainState, got {like!r:.80}.")
@@ -338,17 +343,6 @@ def resume(directory: StrPath, *, like: TrainState) -> TrainState:
     template with another seed (``rng``) would make it another run: that is an
     error.
 
-    >>> import tempfile
-    >>> template = TrainState(max_iter=500, rng=7)
-    >>> with tempfile.TemporaryDirectory() as d:
-    ...     fresh = resume(d, like=template)
-    ...     _ = save(attrs.evolve(template, max_iter=200, iteration=200), path_for(d, 200))
-    ...     with warnings.catch_warnings(record=True) as caught:
-    ...         warnings.simplefilter("always")
-    ...         resumed = resume(d, like=template)
-    >>> fresh is template, resumed.iteration, resumed.max_iter, caught[0].category.__name__
-    (True, 200, 500, 'RunChanged')
-
     Args:
         directory: the run's checkpoint directory (missing or empty: a fresh start).
         like: the run's first state, built by the same code as the saved one.
@@ -360,6 +354,18 @@ def resume(directory: StrPath, *, like: TrainState) -> TrainState:
         CheckpointMismatch: the checkpoint was written with another seed, is
             past the template's ``max_iter``, or does not fit ``like``.
         CheckpointError: as ``latest``.
+
+    Examples:
+        >>> import tempfile
+        >>> template = TrainState(max_iter=500, rng=7)
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     fresh = resume(d, like=template)
+        ...     _ = save(attrs.evolve(template, max_iter=200, iteration=200), path_for(d, 200))
+        ...     with warnings.catch_warnings(record=True) as caught:
+        ...         warnings.simplefilter("always")
+        ...         resumed = resume(d, like=template)
+        >>> fresh is template, resumed.iteration, resumed.max_iter, caught[0].category.__name__
+        (True, 200, 500, 'RunChanged')
     """
     if type(like) is not TrainState:
         raise TypeError(f"resume() expected like= a fnloop.TrainState, got {like!r:.80}.")
@@ -400,18 +406,19 @@ def read_raw(path: StrPath) -> tuple[dict[str, str], Any]:
     strings and CPU tensors; records come back as dicts of their fields
     (``Record``, with ``.type`` the saved class's name).
 
-    >>> import tempfile
-    >>> with tempfile.TemporaryDirectory() as d:
-    ...     meta, tree = read_raw(save(TrainState(max_iter=3, extra=(1, 2.5)), path_for(d, 0)))
-    >>> meta["fnloop.format"], tree["max_iter"], tree["extra"]
-    ('2', 3, (1, 2.5))
-
     Returns:
         ``(metadata, tree)``: the file's ``fnloop.*`` metadata other than the
         skeleton (format, version, checksum), and the state's fields.
 
     Raises:
         CheckpointError: as ``load``, for everything but the template.
+
+    Examples:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     meta, tree = read_raw(save(TrainState(max_iter=3, extra=(1, 2.5)), path_for(d, 0)))
+        >>> meta["fnloop.format"], tree["max_iter"], tree["extra"]
+        ('2', 3, (1, 2.5))
     """
     metadata, raw = _read(path)
     return {k: v for k, v in metadata.items() if k != "fnloop.skeleton"}, raw

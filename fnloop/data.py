@@ -164,11 +164,12 @@ class Batches:
     Attributes:
         batches_per_epoch: global batches in one epoch.
 
-    >>> stream = batches(torch.arange(6), batch_size=2, seed=0, shuffle=False)
-    >>> [b.tolist() for b, _ in zip(stream, range(4))]
-    [[0, 1], [2, 3], [4, 5], [0, 1]]
-    >>> next(stream.iter_from(2))
-    (tensor([4, 5]), 3)
+    Examples:
+        >>> stream = batches(torch.arange(6), batch_size=2, seed=0, shuffle=False)
+        >>> [b.tolist() for b, _ in zip(stream, range(4))]
+        [[0, 1], [2, 3], [4, 5], [0, 1]]
+        >>> next(stream.iter_from(2))
+        (tensor([4, 5]), 3)
     """
 
     dataset: Any = attrs.field(repr=_describe, eq=attrs.cmp_using(eq=_same_data), hash=False)
@@ -227,8 +228,9 @@ class Batches:
     def epoch_of(self, cursor: int) -> int:
         """The epoch the batch at ``cursor`` belongs to.
 
-        >>> batches(torch.arange(10), batch_size=5, seed=0).epoch_of(3)
-        1
+        Examples:
+            >>> batches(torch.arange(10), batch_size=5, seed=0).epoch_of(3)
+            1
         """
         return _cursor(cursor, "epoch_of") // self.batches_per_epoch
 
@@ -249,10 +251,11 @@ class Batches:
             TypeError: ``cursor`` is not an int.
             ValueError: ``cursor`` is negative.
 
-        >>> stream = batches(torch.arange(4), batch_size=2, seed=0, shuffle=False)
-        >>> it = stream.iter_from(1)
-        >>> next(it), next(it)
-        ((tensor([2, 3]), 2), (tensor([0, 1]), 3))
+        Examples:
+            >>> stream = batches(torch.arange(4), batch_size=2, seed=0, shuffle=False)
+            >>> it = stream.iter_from(1)
+            >>> next(it), next(it)
+            ((tensor([2, 3]), 2), (tensor([0, 1]), 3))
         """
         cursor = _cursor(cursor, "iter_from")
         if self.num_workers and _kind(self.dataset) == "map":
@@ -385,16 +388,17 @@ def batches(
         ValueError: an empty dataset, unequal tensor lengths, a ``batch_size`` that is
             not positive, too large for ``drop_last`` or not divisible by ``world_size``.
 
-    >>> xs = torch.arange(10.0)
-    >>> stream = batches((xs, 2 * xs), batch_size=4, seed=0)
-    >>> stream.batches_per_epoch
-    2
-    >>> (x, y), cursor = next(stream.iter_from(0))
-    >>> x.shape, cursor, torch.equal(y, 2 * x)
-    (torch.Size([4]), 1, True)
-    >>> resumed, cursor = next(stream.iter_from(3))  # the 2nd batch of epoch 1
-    >>> cursor
-    4
+    Examples:
+        >>> xs = torch.arange(10.0)
+        >>> stream = batches((xs, 2 * xs), batch_size=4, seed=0)
+        >>> stream.batches_per_epoch
+        2
+        >>> (x, y), cursor = next(stream.iter_from(0))
+        >>> x.shape, cursor, torch.equal(y, 2 * x)
+        (torch.Size([4]), 1, True)
+        >>> resumed, cursor = next(stream.iter_from(3))  # the 2nd batch of epoch 1
+        >>> cursor
+        4
 
     See Also:
         ``fnloop.run``, which keeps the cursor in ``state.data``.
@@ -432,8 +436,9 @@ class DataRestarts(UserWarning):
 def restarts(batches: Iterable[Any], iteration: int, max_iter: int) -> str | None:
     """Why a resumed run over ``batches`` restarts its data, or None when it does not.
 
-    >>> restarts([1, 2, 3], 1, 3) is not None, restarts([2, 3], 1, 3), restarts([1, 2, 3], 0, 3)
-    (True, None, None)
+    Examples:
+        >>> restarts([1, 2, 3], 1, 3) is not None, restarts([2, 3], 1, 3), restarts([1, 2, 3], 0, 3)
+        (True, None, None)
     """
     if iteration == 0 or hasattr(batches, "iter_from"):
         return None
@@ -480,10 +485,11 @@ class Resumable:
     sized source without touching them, the rest by iterating (for a loader,
     loading them: O(cursor % len)).
 
-    >>> stream = resumable([10, 20, 30])
-    >>> it = stream.iter_from(4)
-    >>> next(it), next(it)
-    ((20, 5), (30, 6))
+    Examples:
+        >>> stream = resumable([10, 20, 30])
+        >>> it = stream.iter_from(4)
+        >>> next(it), next(it)
+        ((20, 5), (30, 6))
     """
 
     source: Any
@@ -586,13 +592,14 @@ def resumable(source: Iterable[Any] | Callable[[int], Iterable[Any]]) -> Resumab
             iterable nor callable.
         ValueError: a shuffling ``DataLoader`` without a generator.
 
-    >>> import fnloop as fl
-    >>> seen = lambda state, batch: fl.record(state, x=batch)
-    >>> stream = resumable([1.0, 2.0, 3.0])
-    >>> half = fl.run(fl.TrainState(max_iter=2), seen, stream)
-    >>> rest = fl.run(attrs.evolve(half, max_iter=4), seen, stream)
-    >>> rest.data, rest.metrics.latest("x")
-    (4, (3, 1.0))
+    Examples:
+        >>> import fnloop as fl
+        >>> seen = lambda state, batch: fl.record(state, x=batch)
+        >>> stream = resumable([1.0, 2.0, 3.0])
+        >>> half = fl.run(fl.TrainState(max_iter=2), seen, stream)
+        >>> rest = fl.run(attrs.evolve(half, max_iter=4), seen, stream)
+        >>> rest.data, rest.metrics.latest("x")
+        (4, (3, 1.0))
     """
     if _iterable(source):
         if isinstance(source, Iterator):

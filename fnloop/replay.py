@@ -37,8 +37,9 @@ def fingerprint(state: TrainState) -> dict[str, float]:
 
     One host sync for all of them.
 
-    >>> fingerprint(TrainState(max_iter=1, params={"w": torch.ones(3)}))
-    {"state.params['w']": 3.0}
+    Examples:
+        >>> fingerprint(TrainState(max_iter=1, params={"w": torch.ones(3)}))
+        {"state.params['w']": 3.0}
     """
     tensors = [
         (path, leaf)
@@ -88,12 +89,13 @@ def fingerprints(path: str | os.PathLike[str]) -> Hook:
     the device once per recorded step: wrap it in ``every(n, ...)`` to record
     less often.
 
-    >>> import tempfile, fnloop as fl
-    >>> log = Path(tempfile.mkdtemp()) / "fp.jsonl"
-    >>> step = lambda s, b: fl.TrainState(max_iter=s.max_iter, iteration=s.iteration, params={"w": torch.full((2,), b)})
-    >>> _ = fl.run(fl.TrainState(max_iter=2), step, [1.0, 2.0], [fingerprints(log)])
-    >>> read_log(log)
-    {0: {"state.params['w']": 2.0}, 1: {"state.params['w']": 4.0}}
+    Examples:
+        >>> import tempfile, fnloop as fl
+        >>> log = Path(tempfile.mkdtemp()) / "fp.jsonl"
+        >>> step = lambda s, b: fl.TrainState(max_iter=s.max_iter, iteration=s.iteration, params={"w": torch.full((2,), b)})
+        >>> _ = fl.run(fl.TrainState(max_iter=2), step, [1.0, 2.0], [fingerprints(log)])
+        >>> read_log(log)
+        {0: {"state.params['w']": 2.0}, 1: {"state.params['w']": 4.0}}
     """
     return Fingerprints(path)
 

@@ -51,7 +51,8 @@ Trace = list[tuple[Phase, int]]
 def assert_identical(a: Any, b: Any) -> None:
     """Assert two states (or any trees) are identical, bit for bit, naming the first difference.
 
-    >>> assert_identical(TrainState(max_iter=1), TrainState(max_iter=1))
+    Examples:
+        >>> assert_identical(TrainState(max_iter=1), TrainState(max_iter=1))
     """
     found = first_difference(a, b)
     if found is not None:
@@ -69,8 +70,9 @@ def without_clock(state: TrainState) -> TrainState:
     timer's hook states are left out. Everything else, the run itself, stays;
     a resumed run equals an uninterrupted one under this view.
 
-    >>> a = attrs.evolve(TrainState(max_iter=1), time=1.0)
-    >>> assert_identical(without_clock(a), without_clock(TrainState(max_iter=1)))
+    Examples:
+        >>> a = attrs.evolve(TrainState(max_iter=1), time=1.0)
+        >>> assert_identical(without_clock(a), without_clock(TrainState(max_iter=1)))
     """
     metrics = {k: v for k, v in state.metrics.series.items() if k not in CLOCK_METRICS}
     hooks = {k: v for k, v in state.hooks.items() if not _is_timer_state(v)}
@@ -116,8 +118,9 @@ def phase_trace(combinator: Callable[[Hook], Hook] | None = None, *, max_iter: i
     Runs an empty step from ``start`` to ``max_iter`` with the single hook
     ``combinator(recorder)`` and returns what the recorder saw.
 
-    >>> [(p.name, i) for p, i in phase_trace(max_iter=1)]
-    [('BEFORE_TRAIN', 0), ('BEFORE_STEP', 0), ('AFTER_STEP', 0), ('AFTER_TRAIN', 1)]
+    Examples:
+        >>> [(p.name, i) for p, i in phase_trace(max_iter=1)]
+        [('BEFORE_TRAIN', 0), ('BEFORE_STEP', 0), ('AFTER_STEP', 0), ('AFTER_TRAIN', 1)]
     """
     hook = recorder("trace")
     wrapped = hook if combinator is None else combinator(hook)
@@ -129,8 +132,9 @@ def phase_trace(combinator: Callable[[Hook], Hook] | None = None, *, max_iter: i
 def expected_trace(start: int, max_iter: int) -> Trace:
     """The phase protocol of a successful run from ``start`` to ``max_iter``.
 
-    >>> [(p.name, i) for p, i in expected_trace(2, 3)]
-    [('BEFORE_TRAIN', 2), ('BEFORE_STEP', 2), ('AFTER_STEP', 2), ('AFTER_TRAIN', 3)]
+    Examples:
+        >>> [(p.name, i) for p, i in expected_trace(2, 3)]
+        [('BEFORE_TRAIN', 2), ('BEFORE_STEP', 2), ('AFTER_STEP', 2), ('AFTER_TRAIN', 3)]
     """
     out: Trace = [(Phase.BEFORE_TRAIN, start)]
     for i in range(start, max_iter):
@@ -265,7 +269,8 @@ def check_hook(hook: Hook, state: TrainState, phases: tuple[Phase, ...] = tuple(
     ``pickle`` with the same behaviour; and where it declares ``acts_in``, it
     returns its input itself in the other phases.
 
-    >>> check_hook(every(2, Tag("x")), TrainState(max_iter=3))
+    Examples:
+        >>> check_hook(every(2, Tag("x")), TrainState(max_iter=3))
     """
     restored = pickle.loads(pickle.dumps(hook))  # noqa: S301 - our own bytes, just written
     for phase in phases:

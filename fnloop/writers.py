@@ -143,9 +143,10 @@ def format_line(line: Line) -> str:
     iterations left; a finished run shows ``eta: 0:00:00``; without any
     ``time`` there is no ETA.
 
-    >>> m = Metrics().record(0, {"loss": 2.0, "lr": 0.1}).record(1, {"loss": 1.0, "lr": 0.1, "time": 0.5})
-    >>> format_line(Line(2, 10, m, ("loss", "lr", "time")))
-    'eta: 0:00:04  iter: 2  loss: 1.5  lr: 1.000e-01  time: 0.5000'
+    Examples:
+        >>> m = Metrics().record(0, {"loss": 2.0, "lr": 0.1}).record(1, {"loss": 1.0, "lr": 0.1, "time": 0.5})
+        >>> format_line(Line(2, 10, m, ("loss", "lr", "time")))
+        'eta: 0:00:04  iter: 2  loss: 1.5  lr: 1.000e-01  time: 0.5000'
     """
     names = sorted(line.names, key=_order)
     series = line.metrics.series
@@ -201,8 +202,9 @@ def console() -> Console:
     writing to stderr and level INFO (as ``logging.basicConfig`` would, for
     fnloop alone). Configure ``logging`` yourself to decide otherwise.
 
-    >>> import fnloop as fl
-    >>> hook = fl.every(20, fl.hooks.log(console()))
+    Examples:
+        >>> import fnloop as fl
+        >>> hook = fl.every(20, fl.hooks.log(console()))
     """
     return Console()
 
@@ -271,15 +273,16 @@ def jsonl(path: str | os.PathLike[str]) -> Jsonl:
     a log resumed after a crash has no repeated or abandoned iterations; a run
     starting at 0 therefore starts the file afresh.
 
-    >>> import json, os, tempfile, fnloop as fl
-    >>> path = os.path.join(tempfile.mkdtemp(), "metrics.jsonl")
-    >>> step = lambda s, b: fl.record(s, loss=1.0 / (s.iteration + 1))
-    >>> final = fl.run(fl.TrainState(max_iter=5), step, [None] * 5, [fl.every(2, fl.hooks.log(jsonl(path)))])
-    >>> [json.loads(text) for text in Path(path).read_text().splitlines()]
-    [{'iteration': 2, 'loss': 0.5}, {'iteration': 4, 'loss': 0.25}, {'iteration': 5, 'loss': 0.2}]
-
     Raises:
         TypeError: ``path`` is not a path.
+
+    Examples:
+        >>> import json, os, tempfile, fnloop as fl
+        >>> path = os.path.join(tempfile.mkdtemp(), "metrics.jsonl")
+        >>> step = lambda s, b: fl.record(s, loss=1.0 / (s.iteration + 1))
+        >>> final = fl.run(fl.TrainState(max_iter=5), step, [None] * 5, [fl.every(2, fl.hooks.log(jsonl(path)))])
+        >>> [json.loads(text) for text in Path(path).read_text().splitlines()]
+        [{'iteration': 2, 'loss': 0.5}, {'iteration': 4, 'loss': 0.25}, {'iteration': 5, 'loss': 0.2}]
     """
     return Jsonl(path)
 
@@ -346,12 +349,13 @@ def tensorboard(logdir: str | os.PathLike[str]) -> Tensorboard:
     resumed run hides the events the crashed one wrote past its checkpoint; it
     is flushed after each write and closed when the run ends.
 
-    >>> import tempfile, fnloop as fl
-    >>> hook = fl.every(20, fl.hooks.log(tensorboard(tempfile.mkdtemp())))
-
     Raises:
         ImportError: tensorboard is not installed (``pip install "fnloop[tensorboard]"``).
         TypeError: ``logdir`` is not a path.
+
+    Examples:
+        >>> import tempfile, fnloop as fl
+        >>> hook = fl.every(20, fl.hooks.log(tensorboard(tempfile.mkdtemp())))
     """
     _require_tensorboard()
     return Tensorboard(logdir)

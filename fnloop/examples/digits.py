@@ -102,9 +102,10 @@ def job(
         ``(state, step, batches, hooks)``, ready for ``fl.run``; ``state`` is
         also the template to load checkpoints into.
 
-    >>> state, step, batches, hooks = job(max_iter=3, compile=False)
-    >>> fl.run(state, step, batches).iteration  # no hooks: nothing printed, evaluated or saved
-    3
+    Examples:
+        >>> state, step, batches, hooks = job(max_iter=3, compile=False)
+        >>> fl.run(state, step, batches).iteration  # no hooks: nothing printed, evaluated or saved
+        3
     """
     # Layers this small gain nothing from a second thread, which on a busy machine only spins
     # waiting; and the bits of a run depend on the thread count, so it is part of the run.

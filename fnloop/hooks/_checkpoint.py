@@ -178,17 +178,18 @@ def checkpoint(directory: str | os.PathLike[str], keep: int | None = 5) -> Check
     kernel drops if the process dies): a second process checkpointing into
     it is refused before its first step, and writes nothing there.
 
-    >>> import tempfile, fnloop as fl
-    >>> folder = tempfile.mkdtemp()
-    >>> final = fl.run(fl.TrainState(max_iter=4), lambda s, b: s, [None] * 4, [fl.every(2, checkpoint(folder))])
-    >>> [p.name for p in fl.checkpoint.checkpoints(folder)]
-    ['ckpt-00000004.safetensors', 'ckpt-00000002.safetensors']
-
     Raises:
         ValueError: ``keep`` is not a positive int or ``None``, or
             ``directory`` is an existing file.
         DirectoryInUse: (from ``run``, before the first step) another process
             holds ``directory``.
+
+    Examples:
+        >>> import tempfile, fnloop as fl
+        >>> folder = tempfile.mkdtemp()
+        >>> final = fl.run(fl.TrainState(max_iter=4), lambda s, b: s, [None] * 4, [fl.every(2, checkpoint(folder))])
+        >>> [p.name for p in fl.checkpoint.checkpoints(folder)]
+        ['ckpt-00000004.safetensors', 'ckpt-00000002.safetensors']
     """
     _directory("checkpoint()", directory)
     return Checkpoint(directory, keep)
@@ -221,13 +222,6 @@ def best_checkpoint(
     ``metric`` never recorded warns (``MetricNeverRecorded``), naming the
     metrics that were.
 
-    >>> import tempfile, fnloop as fl
-    >>> losses = [3.0, 1.0, 2.0]
-    >>> step = lambda s, b: fl.record(s, val=losses[s.iteration])
-    >>> final = fl.run(fl.TrainState(max_iter=3), step, [None] * 3, [best_checkpoint(tempfile.mkdtemp(), "val")])
-    >>> final.hooks["best:val"]
-    Best(value=1.0, iteration=1)
-
     Args:
         directory: where ``best.safetensors`` goes.
         metric: the name of a recorded metric.
@@ -239,6 +233,14 @@ def best_checkpoint(
             ``directory`` is an existing file.
         DirectoryInUse: (from ``run``, before the first step) another process
             holds ``directory``.
+
+    Examples:
+        >>> import tempfile, fnloop as fl
+        >>> losses = [3.0, 1.0, 2.0]
+        >>> step = lambda s, b: fl.record(s, val=losses[s.iteration])
+        >>> final = fl.run(fl.TrainState(max_iter=3), step, [None] * 3, [best_checkpoint(tempfile.mkdtemp(), "val")])
+        >>> final.hooks["best:val"]
+        Best(value=1.0, iteration=1)
     """
     if mode not in ("min", "max"):
         raise ValueError(f"best_checkpoint() mode must be 'min' or 'max' (got {mode!r}).")

@@ -135,13 +135,6 @@ def early_stop(
     stopped and survives a resume. If a successful run never recorded
     ``metric``, it warns (``MetricNeverRecorded``) at ``AFTER_TRAIN``.
 
-    >>> import fnloop as fl
-    >>> losses = [3.0, 2.0, 2.5, 2.2, 1.0, 0.5]
-    >>> step = lambda s, b: fl.record(s, val_loss=losses[s.iteration])
-    >>> final = fl.run(fl.TrainState(max_iter=6), step, [None] * 6, [early_stop("val_loss", patience=2)])
-    >>> final.iteration, final.hooks["early_stop:val_loss"]
-    (4, EarlyStopState(best=2.0, best_iteration=1, seen=3, bad=2, stopped_at=3))
-
     Args:
         metric: the name of a recorded metric.
         patience: values in a row without improvement that end the run.
@@ -151,6 +144,14 @@ def early_stop(
 
     Raises:
         ValueError: a bad ``patience``, ``mode`` or ``min_delta``.
+
+    Examples:
+        >>> import fnloop as fl
+        >>> losses = [3.0, 2.0, 2.5, 2.2, 1.0, 0.5]
+        >>> step = lambda s, b: fl.record(s, val_loss=losses[s.iteration])
+        >>> final = fl.run(fl.TrainState(max_iter=6), step, [None] * 6, [early_stop("val_loss", patience=2)])
+        >>> final.iteration, final.hooks["early_stop:val_loss"]
+        (4, EarlyStopState(best=2.0, best_iteration=1, seen=3, bad=2, stopped_at=3))
     """
     if type(metric) is not str or not metric:
         raise TypeError(f"early_stop() 'metric' must be a metric name, a non-empty str ({got(metric)}).")

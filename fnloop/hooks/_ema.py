@@ -116,19 +116,20 @@ def ema(decay: float, *, name: str = "ema") -> Ema:
     ``ema_params``; ``evaluate(fn, ema=name)`` evaluates it. Buffers (BatchNorm
     statistics) are not averaged.
 
-    >>> import fnloop as fl
-    >>> step = lambda s, b: attrs.evolve(s, params={"w": s.params["w"] + 1})
-    >>> start = fl.TrainState(max_iter=2, params={"w": torch.zeros(())})
-    >>> final = fl.run(start, step, [None] * 2, [ema(0.5)])
-    >>> final.params["w"].item(), ema_params(final)["w"].item()  # 0 -> (0 + 1) / 2 -> (0.5 + 2) / 2
-    (2.0, 1.25)
-
     Args:
         decay: in ``[0, 1]``; the average spans about ``1 / (1 - decay)`` steps.
         name: where the average is kept; unique among the run's hooks.
 
     Raises:
         ValueError: ``decay`` is outside ``[0, 1]`` or ``name`` is empty.
+
+    Examples:
+        >>> import fnloop as fl
+        >>> step = lambda s, b: attrs.evolve(s, params={"w": s.params["w"] + 1})
+        >>> start = fl.TrainState(max_iter=2, params={"w": torch.zeros(())})
+        >>> final = fl.run(start, step, [None] * 2, [ema(0.5)])
+        >>> final.params["w"].item(), ema_params(final)["w"].item()  # 0 -> (0 + 1) / 2 -> (0.5 + 2) / 2
+        (2.0, 1.25)
     """
     return Ema(decay, name)
 
@@ -141,14 +142,15 @@ def ema_params(state: TrainState, name: str = "ema") -> dict[str, torch.Tensor]:
     params=ema_params(state))``; ``fnloop.state_dict`` of that state loads into
     the model.
 
-    >>> import fnloop as fl
-    >>> state = fl.TrainState(max_iter=1, params={"w": torch.ones(2)})
-    >>> ema_params(ema(0.9)(state, fl.Phase.BEFORE_TRAIN))
-    {'w': tensor([1., 1.])}
-
     Raises:
         KeyError: the state holds no average under ``name``.
         TypeError: ``state.hooks[name]`` is another hook's state.
+
+    Examples:
+        >>> import fnloop as fl
+        >>> state = fl.TrainState(max_iter=1, params={"w": torch.ones(2)})
+        >>> ema_params(ema(0.9)(state, fl.Phase.BEFORE_TRAIN))
+        {'w': tensor([1., 1.])}
     """
     found = _current(state, name)
     if found is None:

@@ -128,13 +128,6 @@ def evaluate(
     the same parameters twice. Values may be numbers or 0-d tensors; tensors are
     recorded as they are, with no host sync.
 
-    >>> import fnloop as fl
-    >>> def fn(state):
-    ...     return {"seen": float(state.iteration)}
-    >>> final = fl.run(fl.TrainState(max_iter=31), lambda s, b: s, [None] * 31, [fl.every(15, evaluate(fn))])
-    >>> final.metrics.history("seen")
-    ((14, 14.0), (29, 29.0), (31, 31.0))
-
     Args:
         fn: ``fn(state) -> {name: number or 0-d tensor}``, run on the current
             parameters; ``mean_over`` builds one from an eval step and a
@@ -150,6 +143,14 @@ def evaluate(
         TypeError (when it evaluates): ``fn`` returned something other than a
             mapping of str to numbers or one-element tensors.
         KeyError (when it evaluates): ``ema`` names no average in the state.
+
+    Examples:
+        >>> import fnloop as fl
+        >>> def fn(state):
+        ...     return {"seen": float(state.iteration)}
+        >>> final = fl.run(fl.TrainState(max_iter=31), lambda s, b: s, [None] * 31, [fl.every(15, evaluate(fn))])
+        >>> final.metrics.history("seen")
+        ((14, 14.0), (29, 29.0), (31, 31.0))
     """
     if not callable(fn):
         raise TypeError(f"evaluate() expected fn, a callable state -> dict of metrics ({got(fn)}).")
@@ -240,17 +241,6 @@ def mean_over(
     read from cursor 0 (build it with ``shuffle=False, drop_last=False`` to
     see every example once).
 
-    >>> import fnloop as fl
-    >>> model = torch.nn.Linear(1, 1)
-    >>> step = fl.eval_step(model, lambda f, b: {"loss": (f(b[0]) - b[1]).pow(2).mean()}, compile=False)
-    >>> x = torch.arange(5.0).reshape(5, 1)
-    >>> val = [(x[:4], x[:4]), (x[4:], x[4:])]  # a last, smaller batch
-    >>> fn = mean_over(step, val, prefix="val_")
-    >>> state = fl.init(model, fl.optim.sgd(0.1), seed=0, max_iter=1)
-    >>> one = (model(x) - x).pow(2).mean()
-    >>> torch.allclose(fn(state)["val_loss"].float(), one)
-    True
-
     Args:
         step: ``(state, batch) -> {name: number or 0-d tensor}``.
         batches: the validation set, an iterable that can be iterated again.
@@ -261,6 +251,18 @@ def mean_over(
     Raises:
         TypeError: ``batches`` is a one-shot iterator (a generator), or not iterable.
         ValueError (when called): the batches are empty, or give different names.
+
+    Examples:
+        >>> import fnloop as fl
+        >>> model = torch.nn.Linear(1, 1)
+        >>> step = fl.eval_step(model, lambda f, b: {"loss": (f(b[0]) - b[1]).pow(2).mean()}, compile=False)
+        >>> x = torch.arange(5.0).reshape(5, 1)
+        >>> val = [(x[:4], x[:4]), (x[4:], x[4:])]  # a last, smaller batch
+        >>> fn = mean_over(step, val, prefix="val_")
+        >>> state = fl.init(model, fl.optim.sgd(0.1), seed=0, max_iter=1)
+        >>> one = (model(x) - x).pow(2).mean()
+        >>> torch.allclose(fn(state)["val_loss"].float(), one)
+        True
     """
     if isinstance(batches, Iterator) or not isinstance(batches, Iterable):
         raise TypeError(

@@ -159,17 +159,6 @@ def log(*writers: Writer, name: str = "log") -> Log:
     checkpoints. Values are converted to floats (a host sync) only when a line
     is written, never in a step that writes nothing.
 
-    >>> import fnloop as fl
-    >>> lines = []
-    >>> class Keep:
-    ...     def start(self, iteration): pass
-    ...     def write(self, line): lines.append((line.iteration, line.values()))
-    ...     def close(self): pass
-    >>> step = lambda s, b: fl.record(s, loss=float(s.iteration))
-    >>> final = fl.run(fl.TrainState(max_iter=5), step, [None] * 5, [fl.every(2, log(Keep()))])
-    >>> lines
-    [(2, {'loss': 1.0}), (4, {'loss': 3.0}), (5, {'loss': 4.0})]
-
     Args:
         writers: where to write (``fnloop.writers.console()``, ``jsonl(path)``,
             ``tensorboard(logdir)``, or your own ``fnloop.writers.Writer``).
@@ -181,5 +170,17 @@ def log(*writers: Writer, name: str = "log") -> Log:
     Raises:
         ValueError: no writer given, or ``name`` empty.
         TypeError: a writer lacks ``start``, ``write`` or ``close``.
+
+    Examples:
+        >>> import fnloop as fl
+        >>> lines = []
+        >>> class Keep:
+        ...     def start(self, iteration): pass
+        ...     def write(self, line): lines.append((line.iteration, line.values()))
+        ...     def close(self): pass
+        >>> step = lambda s, b: fl.record(s, loss=float(s.iteration))
+        >>> final = fl.run(fl.TrainState(max_iter=5), step, [None] * 5, [fl.every(2, log(Keep()))])
+        >>> lines
+        [(2, {'loss': 1.0}), (4, {'loss': 3.0}), (5, {'loss': 4.0})]
     """
     return Log(writers, name)

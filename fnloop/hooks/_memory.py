@@ -23,8 +23,9 @@ def peak_mib(state: TrainState) -> float:
     ``ru_maxrss``: KiB on Linux, bytes on macOS); where that is not available
     (Windows), 0.0. Neither reading waits for the device.
 
-    >>> peak_mib(TrainState(max_iter=1)) > 0
-    True
+    Examples:
+        >>> peak_mib(TrainState(max_iter=1)) > 0
+        True
     """
     first = next(iter(state.params.values()), None)
     if first is not None and first.is_cuda:
@@ -62,9 +63,10 @@ def memory() -> Memory:
     step's index, like the other metrics; the console writer shows it as
     ``max_mem: ...M``. Usually ``every(n, memory())``: it costs a system call.
 
-    >>> import fnloop as fl
-    >>> final = fl.run(fl.TrainState(max_iter=2), lambda s, b: s, [None] * 2, [fl.every(2, memory())])
-    >>> [i for i, _ in final.metrics.history("max_mem")]
-    [1]
+    Examples:
+        >>> import fnloop as fl
+        >>> final = fl.run(fl.TrainState(max_iter=2), lambda s, b: s, [None] * 2, [fl.every(2, memory())])
+        >>> [i for i, _ in final.metrics.history("max_mem")]
+        [1]
     """
     return Memory()

@@ -145,14 +145,6 @@ def precise_bn(
     pass it is put in training mode and its BatchNorm layers get
     ``momentum=None``, both restored after).
 
-    >>> import fnloop as fl
-    >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
-    >>> x = torch.arange(8.0).reshape(4, 2)
-    >>> state = fl.init(model, fl.optim.sgd(0.1), seed=0, max_iter=1)
-    >>> state = precise_bn(model, [(x, None)], num_iter=1)(state, fl.Phase.AFTER_STEP)
-    >>> torch.allclose(state.buffers["1.running_mean"], model[0](x).mean(0).detach())
-    True
-
     Args:
         model: the module the state was built from (``fnloop.init(model, ...)``).
         batches: training batches: a ``fnloop.data.batches`` stream (read from
@@ -167,6 +159,15 @@ def precise_bn(
         TypeError: ``model`` is not a module, or ``forward`` not callable.
         ValueError: the model has no BatchNorm layer that tracks statistics, or a bad ``num_iter``;
             when it runs, the batches ran out before ``num_iter``.
+
+    Examples:
+        >>> import fnloop as fl
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+        >>> x = torch.arange(8.0).reshape(4, 2)
+        >>> state = fl.init(model, fl.optim.sgd(0.1), seed=0, max_iter=1)
+        >>> state = precise_bn(model, [(x, None)], num_iter=1)(state, fl.Phase.AFTER_STEP)
+        >>> torch.allclose(state.buffers["1.running_mean"], model[0](x).mean(0).detach())
+        True
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"precise_bn() expected the model, a torch.nn.Module ({got(model)}).")

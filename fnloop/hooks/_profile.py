@@ -110,12 +110,6 @@ def profile(directory: str | os.PathLike[str], *, start: int, steps: int) -> Pro
     them, and the effects of ``BEFORE_STEP``. A run resumed past ``start``
     profiles nothing. Pick ``start`` after the compile (a few iterations in).
 
-    >>> import json, tempfile, fnloop as fl
-    >>> folder = tempfile.mkdtemp()
-    >>> final = fl.run(fl.TrainState(max_iter=3), lambda s, b: s, [None] * 3, [profile(folder, start=1, steps=1)])
-    >>> "traceEvents" in json.loads(trace_path(folder, 1).read_text())
-    True
-
     Args:
         directory: where the trace goes (created if missing).
         start: the first iteration profiled.
@@ -127,5 +121,12 @@ def profile(directory: str | os.PathLike[str], *, start: int, steps: int) -> Pro
     Raises:
         ValueError: ``start`` negative or ``steps`` not positive.
         TypeError: ``directory`` is not a path.
+
+    Examples:
+        >>> import json, tempfile, fnloop as fl
+        >>> folder = tempfile.mkdtemp()
+        >>> final = fl.run(fl.TrainState(max_iter=3), lambda s, b: s, [None] * 3, [profile(folder, start=1, steps=1)])
+        >>> "traceEvents" in json.loads(trace_path(folder, 1).read_text())
+        True
     """
     return Profile(directory, start, steps)

@@ -138,9 +138,6 @@ def progress(*, name: str = "progress", mininterval: float = 0.1) -> Progress:
     only when the bar is drawn. The hook keeps no state: the bar is a live
     object of the process.
 
-    >>> import fnloop as fl
-    >>> final = fl.run(fl.TrainState(max_iter=3), lambda s, b: s, [None] * 3, [progress()])
-
     Args:
         name: tells bars of several progress hooks apart.
         mininterval: about how many seconds between two redraws (0: after every step).
@@ -151,6 +148,10 @@ def progress(*, name: str = "progress", mininterval: float = 0.1) -> Progress:
     Raises:
         ImportError: tqdm is not installed (``pip install "fnloop[progress]"``).
         ValueError: ``name`` is empty, or ``mininterval`` is negative.
+
+    Examples:
+        >>> import fnloop as fl
+        >>> final = fl.run(fl.TrainState(max_iter=3), lambda s, b: s, [None] * 3, [progress()])
     """
     _require_tqdm()
     return Progress(name, mininterval)

@@ -86,13 +86,6 @@ def timer(*, warmup: int = 3, name: str = "timer") -> Timer:
     ``TimerState``). Time comes from the fold's clock: pass ``clock=`` to
     ``fnloop.run`` to drive it by hand.
 
-    >>> import fnloop as fl
-    >>> ticks = iter(range(100))
-    >>> final = fl.run(fl.TrainState(max_iter=4), lambda s, b: s, [None] * 4, [timer(warmup=1)],
-    ...                clock=lambda: float(next(ticks)))
-    >>> [i for i, _ in final.metrics.history("time")]
-    [1, 2, 3]
-
     Args:
         warmup: iterations at the start of each run that record nothing.
         name: where the hook keeps its ``TimerState`` in ``state.hooks``.
@@ -102,5 +95,13 @@ def timer(*, warmup: int = 3, name: str = "timer") -> Timer:
 
     Raises:
         ValueError: ``warmup`` is not a non-negative int, or ``name`` is empty.
+
+    Examples:
+        >>> import fnloop as fl
+        >>> ticks = iter(range(100))
+        >>> final = fl.run(fl.TrainState(max_iter=4), lambda s, b: s, [None] * 4, [timer(warmup=1)],
+        ...                clock=lambda: float(next(ticks)))
+        >>> [i for i, _ in final.metrics.history("time")]
+        [1, 2, 3]
     """
     return Timer(warmup, name)

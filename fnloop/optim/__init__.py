@@ -6,12 +6,13 @@ with the forward and backward pass. States are dicts, tuples and
 tensors, so a schedule never causes a recompile. The numbers match
 ``torch.optim`` and ``torch.optim.lr_scheduler``.
 
->>> import torch
->>> from fnloop import optim
->>> opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(optim.cosine(1e-3, 100)))
->>> params = {"w": torch.ones(3)}
->>> state = opt.init(params)
->>> params, state = opt.update({"w": torch.ones(3)}, state, params, torch.tensor(0))
+Examples:
+    >>> import torch
+    >>> from fnloop import optim
+    >>> opt = optim.chain(optim.clip_by_global_norm(1.0), optim.adamw(optim.cosine(1e-3, 100)))
+    >>> params = {"w": torch.ones(3)}
+    >>> state = opt.init(params)
+    >>> params, state = opt.update({"w": torch.ones(3)}, state, params, torch.tensor(0))
 """
 
 from fnloop.optim._base import (

@@ -47,9 +47,10 @@ class Schedule(Protocol):
     (``constant``, ``cosine``, ``warmup``, ...) are frozen records that also
     pickle and compare equal.
 
-    >>> from fnloop.optim import cosine
-    >>> cosine(0.1, max_iter=10)(torch.tensor(5))
-    tensor(0.0500, dtype=torch.float64)
+    Examples:
+        >>> from fnloop.optim import cosine
+        >>> cosine(0.1, max_iter=10)(torch.tensor(5))
+        tensor(0.0500, dtype=torch.float64)
     """
 
     def __call__(self, iteration: torch.Tensor, /) -> torch.Tensor: ...
@@ -62,8 +63,9 @@ LearningRate: TypeAlias = float | Schedule
 class EmptyState(NamedTuple):
     """The state of a transformation that keeps none.
 
-    >>> EmptyState()
-    EmptyState()
+    Examples:
+        >>> EmptyState()
+        EmptyState()
     """
 
 
@@ -81,9 +83,10 @@ class GradientTransformation(Protocol):
     are frozen records with these two methods; an object of your own, or a
     ``NamedTuple`` of two functions, works as well.
 
-    >>> from fnloop.optim import clip_by_global_norm
-    >>> isinstance(clip_by_global_norm(1.0), GradientTransformation)
-    True
+    Examples:
+        >>> from fnloop.optim import clip_by_global_norm
+        >>> isinstance(clip_by_global_norm(1.0), GradientTransformation)
+        True
     """
 
     def init(self, params: Params, /) -> OptState: ...
@@ -140,8 +143,9 @@ def apply_updates(params: Params, updates: Params) -> Params:
     Raises:
         KeyError: ``updates`` and ``params`` have different keys.
 
-    >>> apply_updates({"w": torch.ones(2)}, {"w": torch.full((2,), 0.5)})
-    {'w': tensor([1.5000, 1.5000])}
+    Examples:
+        >>> apply_updates({"w": torch.ones(2)}, {"w": torch.full((2,), 0.5)})
+        {'w': tensor([1.5000, 1.5000])}
     """
     check_keys("updates", updates, params, "Transformations must return one update per parameter.")
     return {k: (p + updates[k]).to(p.dtype) for k, p in params.items()}
@@ -159,11 +163,12 @@ def learning_rates(
     rate is the float it is; a schedule's value is computed with torch ops, so
     ``train_step`` records it from inside its compiled graph.
 
-    >>> from fnloop.optim import sgd, cosine
-    >>> learning_rates(sgd(cosine(0.1, max_iter=10)), torch.tensor(5))
-    {'lr': tensor(0.0500, dtype=torch.float64)}
-    >>> learning_rates(sgd(0.1), torch.tensor(5))
-    {'lr': 0.1}
+    Examples:
+        >>> from fnloop.optim import sgd, cosine
+        >>> learning_rates(sgd(cosine(0.1, max_iter=10)), torch.tensor(5))
+        {'lr': tensor(0.0500, dtype=torch.float64)}
+        >>> learning_rates(sgd(0.1), torch.tensor(5))
+        {'lr': 0.1}
     """
     if isinstance(transform, Optimizer):
         transform = transform.transform
@@ -199,13 +204,14 @@ class Optimizer:
         transform: turns gradients into the updates added to the parameters;
             its last stage is usually ``scale_by_learning_rate``.
 
-    >>> from fnloop.optim import sgd
-    >>> opt = sgd(0.5)
-    >>> params = {"w": torch.tensor([1.0, 2.0])}
-    >>> state = opt.init(params)
-    >>> new, state = opt.update({"w": torch.tensor([1.0, 1.0])}, state, params, torch.tensor(0))
-    >>> new
-    {'w': tensor([0.5000, 1.5000])}
+    Examples:
+        >>> from fnloop.optim import sgd
+        >>> opt = sgd(0.5)
+        >>> params = {"w": torch.tensor([1.0, 2.0])}
+        >>> state = opt.init(params)
+        >>> new, state = opt.update({"w": torch.tensor([1.0, 1.0])}, state, params, torch.tensor(0))
+        >>> new
+        {'w': tensor([0.5000, 1.5000])}
     """
 
     transform: GradientTransformation

@@ -81,12 +81,13 @@ def chain(*transforms: GradientTransformation | Optimizer) -> GradientTransforma
     Raises:
         TypeError: an entry has no ``init``/``update``, or an ``Optimizer`` is not last.
 
-    >>> from fnloop.optim import adamw, clip_by_global_norm
-    >>> chain(clip_by_global_norm(1.0), adamw(1e-3))
-    Optimizer(chain(clip_by_global_norm(1.0), scale_by_adam(betas=(0.9, 0.999), eps=1e-08), \
+    Examples:
+        >>> from fnloop.optim import adamw, clip_by_global_norm
+        >>> chain(clip_by_global_norm(1.0), adamw(1e-3))
+        Optimizer(chain(clip_by_global_norm(1.0), scale_by_adam(betas=(0.9, 0.999), eps=1e-08), \
 add_decayed_weights(0.01), scale_by_learning_rate(0.001)))
-    >>> chain()
-    chain()
+        >>> chain()
+        chain()
     """
     flat: list[GradientTransformation] = []
     for i, transform in enumerate(transforms):
@@ -192,13 +193,14 @@ def partition(
         ValueError: ``transforms`` is empty. At ``init``/``update``: ``label_fn``
             gave a label that is not in ``transforms``.
 
-    >>> from fnloop.optim import adamw
-    >>> opt = partition(
-    ...     lambda name, p: "decay" if p.ndim >= 2 else "no_decay",
-    ...     {"decay": adamw(1e-3, weight_decay=0.05), "no_decay": adamw(1e-3, weight_decay=0.0)},
-    ... )
-    >>> sorted(opt.init({"w": torch.zeros(2, 2), "b": torch.zeros(2)}))
-    ['decay', 'no_decay']
+    Examples:
+        >>> from fnloop.optim import adamw
+        >>> opt = partition(
+        ...     lambda name, p: "decay" if p.ndim >= 2 else "no_decay",
+        ...     {"decay": adamw(1e-3, weight_decay=0.05), "no_decay": adamw(1e-3, weight_decay=0.0)},
+        ... )
+        >>> sorted(opt.init({"w": torch.zeros(2, 2), "b": torch.zeros(2)}))
+        ['decay', 'no_decay']
 
     See Also:
         exclude_bias_and_norm: the one-line way to skip weight decay on biases and norms.

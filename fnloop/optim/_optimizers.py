@@ -38,10 +38,11 @@ def exclude_bias_and_norm(name: str, tensor: torch.Tensor) -> bool:
     Returns:
         ``True`` if the parameter should be decayed.
 
-    >>> exclude_bias_and_norm("fc.weight", torch.zeros(3, 2))
-    True
-    >>> exclude_bias_and_norm("fc.bias", torch.zeros(3))
-    False
+    Examples:
+        >>> exclude_bias_and_norm("fc.weight", torch.zeros(3, 2))
+        True
+        >>> exclude_bias_and_norm("fc.bias", torch.zeros(3))
+        False
     """
     return tensor.ndim >= 2
 
@@ -80,11 +81,12 @@ def sgd(
         TypeError: ``lr`` is neither a number nor a schedule.
         ValueError: a negative setting, or Nesterov without momentum or with dampening.
 
-    >>> opt = sgd(0.1, momentum=0.9)
-    >>> params = {"w": torch.tensor([1.0])}
-    >>> new, state = opt.update({"w": torch.tensor([2.0])}, opt.init(params), params, torch.tensor(0))
-    >>> new
-    {'w': tensor([0.8000])}
+    Examples:
+        >>> opt = sgd(0.1, momentum=0.9)
+        >>> params = {"w": torch.tensor([1.0])}
+        >>> new, state = opt.update({"w": torch.tensor([2.0])}, opt.init(params), params, torch.tensor(0))
+        >>> new
+        {'w': tensor([0.8000])}
     """
     step = scale_by_learning_rate(lr)
     momentum, dampening = _number("momentum", momentum), _number("dampening", dampening)
@@ -117,11 +119,12 @@ def adam(
         TypeError: ``lr`` is neither a number nor a schedule.
         ValueError: a negative setting, or ``betas`` not a pair in ``[0, 1)``.
 
-    >>> opt = adam(0.1)
-    >>> params = {"w": torch.tensor([1.0])}
-    >>> new, state = opt.update({"w": torch.tensor([5.0])}, opt.init(params), params, torch.tensor(0))
-    >>> new, state[0].step
-    ({'w': tensor([0.9000])}, tensor(1))
+    Examples:
+        >>> opt = adam(0.1)
+        >>> params = {"w": torch.tensor([1.0])}
+        >>> new, state = opt.update({"w": torch.tensor([5.0])}, opt.init(params), params, torch.tensor(0))
+        >>> new, state[0].step
+        ({'w': tensor([0.9000])}, tensor(1))
     """
     step = scale_by_learning_rate(lr)
     return Optimizer(chain(*_decay(weight_decay, decay_mask), scale_by_adam(betas, eps), step))
@@ -153,13 +156,14 @@ def adamw(
         TypeError: ``lr`` is neither a number nor a schedule.
         ValueError: a negative setting, or ``betas`` not a pair in ``[0, 1)``.
 
-    >>> from fnloop.optim import cosine
-    >>> opt = adamw(cosine(1e-3, max_iter=100), weight_decay=0.05, decay_mask=exclude_bias_and_norm)
-    >>> params = {"w": torch.ones(2, 2), "b": torch.zeros(2)}
-    >>> grads = {"w": torch.ones(2, 2), "b": torch.ones(2)}
-    >>> new, state = opt.update(grads, opt.init(params), params, torch.tensor(0))
-    >>> [round(v.item(), 6) for v in (new["w"][0, 0], new["b"][0])]  # w also decays, b does not
-    [0.99895, -0.001]
+    Examples:
+        >>> from fnloop.optim import cosine
+        >>> opt = adamw(cosine(1e-3, max_iter=100), weight_decay=0.05, decay_mask=exclude_bias_and_norm)
+        >>> params = {"w": torch.ones(2, 2), "b": torch.zeros(2)}
+        >>> grads = {"w": torch.ones(2, 2), "b": torch.ones(2)}
+        >>> new, state = opt.update(grads, opt.init(params), params, torch.tensor(0))
+        >>> [round(v.item(), 6) for v in (new["w"][0, 0], new["b"][0])]  # w also decays, b does not
+        [0.99895, -0.001]
     """
     step = scale_by_learning_rate(lr)
     return Optimizer(chain(scale_by_adam(betas, eps), *_decay(weight_decay, decay_mask), step))

@@ -71,8 +71,9 @@ def constant(value: float) -> Schedule:
     Returns:
         A schedule.
 
-    >>> constant(0.1)(torch.tensor(7))
-    tensor(0.1000, dtype=torch.float64)
+    Examples:
+        >>> constant(0.1)(torch.tensor(7))
+        tensor(0.1000, dtype=torch.float64)
     """
     return _Constant(_float("value", value))
 
@@ -121,9 +122,10 @@ def warmup(
     Raises:
         ValueError: an unknown method, or a negative ``warmup_iters``.
 
-    >>> s = warmup(constant(1.0), 4, factor=0.2)
-    >>> [round(float(s(t)), 2) for t in range(6)]
-    [0.2, 0.4, 0.6, 0.8, 1.0, 1.0]
+    Examples:
+        >>> s = warmup(constant(1.0), 4, factor=0.2)
+        >>> [round(float(s(t)), 2) for t in range(6)]
+        [0.2, 0.4, 0.6, 0.8, 1.0, 1.0]
     """
     if method not in ("linear", "constant"):
         raise ValueError(f"warmup method must be 'linear' or 'constant' (got {method!r}).")
@@ -153,9 +155,10 @@ def linear_warmup(base: float, warmup_iters: int, start_factor: float = 0.001) -
     Raises:
         ValueError: a negative ``warmup_iters``.
 
-    >>> s = linear_warmup(0.1, 2, start_factor=0.5)
-    >>> [round(float(s(t)), 3) for t in range(4)]
-    [0.05, 0.075, 0.1, 0.1]
+    Examples:
+        >>> s = linear_warmup(0.1, 2, start_factor=0.5)
+        >>> [round(float(s(t)), 3) for t in range(4)]
+        [0.05, 0.075, 0.1, 0.1]
     """
     return warmup(constant(base), warmup_iters, factor=start_factor)
 
@@ -191,9 +194,10 @@ def cosine(base: float, max_iter: int, final: float = 0.0) -> Schedule:
     Raises:
         ValueError: ``max_iter`` is not positive.
 
-    >>> s = cosine(1.0, 4)
-    >>> [round(float(s(t)), 3) for t in range(6)]
-    [1.0, 0.854, 0.5, 0.146, 0.0, 0.0]
+    Examples:
+        >>> s = cosine(1.0, 4)
+        >>> [round(float(s(t)), 3) for t in range(6)]
+        [1.0, 0.854, 0.5, 0.146, 0.0, 0.0]
     """
     return _Cosine(_float("base", base), _count("max_iter", max_iter, positive=True), _float("final", final))
 
@@ -246,9 +250,10 @@ def multistep(base: float, milestones: Sequence[int], gamma: float = 0.1) -> Sch
     Raises:
         ValueError: ``milestones`` are not increasing positive ints.
 
-    >>> s = multistep(1.0, [2, 4], gamma=0.5)
-    >>> [float(s(t)) for t in range(5)]
-    [1.0, 1.0, 0.5, 0.5, 0.25]
+    Examples:
+        >>> s = multistep(1.0, [2, 4], gamma=0.5)
+        >>> [float(s(t)) for t in range(5)]
+        [1.0, 1.0, 0.5, 0.5, 0.25]
     """
     return _MultiStep(_float("base", base), _milestones(milestones), _float("gamma", gamma))
 
@@ -280,9 +285,10 @@ def warmup_multistep(
     Raises:
         ValueError: bad milestones, a negative ``warmup_iters`` or an unknown method.
 
-    >>> s = warmup_multistep(1.0, [3], gamma=0.1, warmup_iters=2, warmup_factor=0.5)
-    >>> [round(float(s(t)), 3) for t in range(4)]
-    [0.5, 0.75, 1.0, 0.1]
+    Examples:
+        >>> s = warmup_multistep(1.0, [3], gamma=0.1, warmup_iters=2, warmup_factor=0.5)
+        >>> [round(float(s(t)), 3) for t in range(4)]
+        [0.5, 0.75, 1.0, 0.1]
     """
     return warmup(
         multistep(base, milestones, gamma), warmup_iters, factor=warmup_factor, method=warmup_method
@@ -325,9 +331,10 @@ def join(schedules: Sequence[Schedule], boundaries: Sequence[int]) -> Schedule:
         TypeError: an entry is not callable.
         ValueError: the lengths do not match, or the boundaries are not increasing.
 
-    >>> s = join([linear_warmup(1.0, 2, start_factor=0.5), cosine(1.0, 2)], [2])
-    >>> [round(float(s(t)), 3) for t in range(5)]
-    [0.5, 0.75, 1.0, 0.5, 0.0]
+    Examples:
+        >>> s = join([linear_warmup(1.0, 2, start_factor=0.5), cosine(1.0, 2)], [2])
+        >>> [round(float(s(t)), 3) for t in range(5)]
+        [0.5, 0.75, 1.0, 0.5, 0.0]
     """
     schedules = tuple(_check_schedule(f"schedules[{i}]", s) for i, s in enumerate(schedules))
     if not schedules or len(boundaries) != len(schedules) - 1:

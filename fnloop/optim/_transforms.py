@@ -159,11 +159,12 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
     Raises:
         ValueError: ``max_norm`` is not positive.
 
-    >>> clip = clip_by_global_norm(1.0)
-    >>> g = {"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}
-    >>> updates, state = clip.update(g, clip.init(g), g, torch.tensor(0))
-    >>> updates["a"], state.global_norm
-    (tensor([0.6000]), tensor(5.))
+    Examples:
+        >>> clip = clip_by_global_norm(1.0)
+        >>> g = {"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}
+        >>> updates, state = clip.update(g, clip.init(g), g, torch.tensor(0))
+        >>> updates["a"], state.global_norm
+        (tensor([0.6000]), tensor(5.))
 
     See Also:
         chain: put it before an optimizer, ``chain(clip_by_global_norm(1.0), adamw(1e-3))``.
@@ -227,10 +228,11 @@ def add_decayed_weights(
     Raises:
         ValueError: ``weight_decay`` is negative.
 
-    >>> decay = add_decayed_weights(0.1)
-    >>> p = {"w": torch.tensor([2.0])}
-    >>> decay.update({"w": torch.tensor([1.0])}, decay.init(p), p, torch.tensor(0))[0]
-    {'w': tensor([1.2000])}
+    Examples:
+        >>> decay = add_decayed_weights(0.1)
+        >>> p = {"w": torch.tensor([2.0])}
+        >>> decay.update({"w": torch.tensor([1.0])}, decay.init(p), p, torch.tensor(0))[0]
+        {'w': tensor([1.2000])}
     """
     return _AddDecayedWeights(_number("weight_decay", weight_decay), decay_mask)
 
@@ -291,11 +293,12 @@ def trace(momentum: float, *, dampening: float = 0.0, nesterov: bool = False) ->
     Raises:
         ValueError: a negative factor, or Nesterov with zero momentum or with dampening.
 
-    >>> t = trace(0.9)
-    >>> p = {"w": torch.zeros(1)}
-    >>> u, s = t.update({"w": torch.ones(1)}, t.init(p), p, torch.tensor(0))
-    >>> t.update({"w": torch.ones(1)}, s, p, torch.tensor(1))[0]
-    {'w': tensor([1.9000])}
+    Examples:
+        >>> t = trace(0.9)
+        >>> p = {"w": torch.zeros(1)}
+        >>> u, s = t.update({"w": torch.ones(1)}, t.init(p), p, torch.tensor(0))
+        >>> t.update({"w": torch.ones(1)}, s, p, torch.tensor(1))[0]
+        {'w': tensor([1.9000])}
     """
     momentum = _number("momentum", momentum)
     dampening = _number("dampening", dampening)
@@ -364,10 +367,11 @@ def scale_by_adam(betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) 
     Raises:
         ValueError: ``betas`` is not a pair in ``[0, 1)``, or ``eps`` is negative.
 
-    >>> adam = scale_by_adam()
-    >>> p = {"w": torch.zeros(2)}
-    >>> adam.update({"w": torch.tensor([0.5, -2.0])}, adam.init(p), p, torch.tensor(0))[0]
-    {'w': tensor([ 1.0000, -1.0000])}
+    Examples:
+        >>> adam = scale_by_adam()
+        >>> p = {"w": torch.zeros(2)}
+        >>> adam.update({"w": torch.tensor([0.5, -2.0])}, adam.init(p), p, torch.tensor(0))[0]
+        {'w': tensor([ 1.0000, -1.0000])}
     """
     if not isinstance(betas, (tuple, list)) or len(betas) != 2:
         raise ValueError(
@@ -425,9 +429,10 @@ def scale_by_learning_rate(lr: LearningRate) -> GradientTransformation:
         TypeError: ``lr`` is neither a number nor callable.
         ValueError: ``lr`` is negative.
 
-    >>> from fnloop.optim import constant
-    >>> s = scale_by_learning_rate(constant(0.5))
-    >>> s.update({"w": torch.ones(1)}, s.init({}), {}, torch.tensor(3))[0]
-    {'w': tensor([-0.5000])}
+    Examples:
+        >>> from fnloop.optim import constant
+        >>> s = scale_by_learning_rate(constant(0.5))
+        >>> s.update({"w": torch.ones(1)}, s.init({}), {}, torch.tensor(3))[0]
+        {'w': tensor([-0.5000])}
     """
     return _ScaleByLearningRate(check_lr(lr))
