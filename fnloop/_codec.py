@@ -198,7 +198,7 @@ def _field_names(node: dict[str, Any], where: str, key: str) -> list[list[Any]]:
 
 
 def decode(node: Any, tensors: Mapping[str, torch.Tensor], where: str) -> Any:
-    """The plain tree a skeleton describes: containers, numbers, strings, tensors and ``Record``\\ s.
+    """The plain tree a skeleton describes: containers, numbers, strings, tensors and ``Record``s.
 
     ``where`` prefixes every error message (file and path).
 

@@ -282,7 +282,7 @@ def load(path: StrPath, *, like: TrainState) -> TrainState:
             (checksum) or not an fnloop checkpoint.
         CheckpointMismatch: the file is intact but does not fit ``like``.
         CheckpointError: the file was written in another format version. All
-            three are ``CheckpointError``\\ s and name the file.
+            three are ``CheckpointError``s and name the file.
 
     Examples:
         >>> import tempfile

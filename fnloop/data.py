@@ -157,7 +157,7 @@ def _collate(instance: object, attribute: attrs.Attribute, value: object) -> Non
 class Batches:
     """A deterministic stream of batches that resumes from an int cursor.
 
-    Build one with :func:`batches`. The stream never ends: it cycles epochs,
+    Build one with ``batches``. The stream never ends: it cycles epochs,
     each in the order ``torch.randperm(n)`` drawn from a generator seeded by
     ``(seed, epoch)``, never from the global RNG.
 
@@ -381,7 +381,7 @@ def batches(
         world_size: ``torch.distributed.get_world_size()`` when initialized, else 1.
 
     Returns:
-        A :class:`Batches`: picklable, comparable, with ``iter_from(cursor)``.
+        A ``Batches``: picklable, comparable, with ``iter_from(cursor)``.
 
     Raises:
         TypeError: ``dataset`` is not a dataset, or an argument has the wrong type.
@@ -426,8 +426,8 @@ class DataRestarts(UserWarning):
     The fold warns once per run when the state's iteration is above 0 and
     ``batches`` is a plain iterable (no ``iter_from``): a list or a
     ``DataLoader`` cannot skip what the interrupted run consumed, so the
-    resumed run sees the first batches again. Wrap it in :func:`resumable`, or
-    use :func:`batches`. A sized iterable shorter than ``max_iter`` could not
+    resumed run sees the first batches again. Wrap it in ``resumable``, or
+    use ``batches``. A sized iterable shorter than ``max_iter`` could not
     have fed the run from iteration 0, so it is taken to be the remaining
     batches and does not warn.
     """
@@ -479,8 +479,8 @@ def _shuffle_seed(source: object) -> int | None:
 class Resumable:
     """A re-iterable (a list, a ``DataLoader``) as an endless stream that resumes from an int cursor.
 
-    Build one with :func:`resumable`. Epoch ``e`` is ``iter(source)`` (after
-    setting up the epoch, see :func:`resumable`) or ``source(e)`` for a
+    Build one with ``resumable``. Epoch ``e`` is ``iter(source)`` (after
+    setting up the epoch, see ``resumable``) or ``source(e)`` for a
     function. ``iter_from(cursor)`` skips ``cursor`` batches: whole epochs of a
     sized source without touching them, the rest by iterating (for a loader,
     loading them: O(cursor % len)).
@@ -578,14 +578,14 @@ def resumable(source: Iterable[Any] | Callable[[int], Iterable[Any]]) -> Resumab
       by the epoch, say): it is called once per epoch.
 
     Skipped batches of a partial epoch are iterated (a loader loads them);
-    :func:`batches` jumps there for free.
+    ``batches`` jumps there for free.
 
     Args:
         source: a re-iterable (a list, a ``DataLoader``, torchdata's
             ``StatefulDataLoader``), or a function of the epoch returning one.
 
     Returns:
-        A :class:`Resumable` with ``iter_from(cursor)``.
+        A ``Resumable`` with ``iter_from(cursor)``.
 
     Raises:
         TypeError: ``source`` is a one-shot iterator (a generator), or neither

@@ -2,7 +2,7 @@
 
 Everything here can be traced by ``torch.compile(fullgraph=True)`` together
 with the forward and backward pass. States are dicts, tuples and
-``NamedTuple``\\ s of tensors; the iteration and the learning rate are 0-d
+``NamedTuple``s of tensors; the iteration and the learning rate are 0-d
 tensors, so a schedule never causes a recompile. The numbers match
 ``torch.optim`` and ``torch.optim.lr_scheduler``.
 

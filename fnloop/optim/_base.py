@@ -5,7 +5,7 @@ A gradient transformation is a pair of pure functions, optax style:
 (updates, state)``. An ``Optimizer`` wraps one and adds the last step, turning
 updates into new parameters. Everything here is written so that ``update`` can
 be traced by ``torch.compile(fullgraph=True)``: states are dicts, tuples and
-``NamedTuple``\\ s of tensors, and nothing branches on a tensor's value.
+``NamedTuple``s of tensors, and nothing branches on a tensor's value.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ Params: TypeAlias = dict[str, torch.Tensor]
 """Parameters, gradients or updates: a dict from parameter name to tensor."""
 
 OptState: TypeAlias = Any
-"""An optimizer state: nested dicts, tuples and ``NamedTuple``\\ s of tensors."""
+"""An optimizer state: nested dicts, tuples and ``NamedTuple``s of tensors."""
 
 
 class Schedule(Protocol):
@@ -223,7 +223,7 @@ class Optimizer:
             params: the parameters to optimize, by name.
 
         Returns:
-            The initial state (dicts, tuples and ``NamedTuple``\\ s of tensors).
+            The initial state (dicts, tuples and ``NamedTuple``s of tensors).
         """
         return self.transform.init(params)
 

@@ -181,7 +181,7 @@ def partition(
 
     Args:
         label_fn: ``(name, tensor) -> label``; may look at names and shapes only.
-        transforms: label -> transformation. Either all values are ``Optimizer``\\ s
+        transforms: label -> transformation. Either all values are ``Optimizer``s
             (and the result is one) or none is.
 
     Returns:
