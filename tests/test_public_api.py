@@ -48,8 +48,6 @@ def reference(tmp_path_factory):
     import subprocess
     import sys
 
-    pytest.importorskip("mkdocstrings", reason="needs the docs extra: pip install -e '.[docs]'")
-    pytest.importorskip("material", reason="needs the docs extra: pip install -e '.[docs]'")
     site = tmp_path_factory.mktemp("site")
     # Not --strict: a broken link on another page is the strict docs build's to report, not this test's.
     built = subprocess.run(
