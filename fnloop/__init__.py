@@ -1,14 +1,25 @@
 """fnloop: a training loop for PyTorch in which the whole run is a value."""
 
 from fnloop import checkpoint, data, hooks, optim, replay, writers
-from fnloop._eval import EvalStep, eval_step
-from fnloop._export import load_state_dict, state_dict
-from fnloop._hooks import Hook, chain, checked, every, identity, on, once, state_names, stateful, when
-from fnloop._loop import BatchesExhausted, Preempted, Step, UnclaimedHookState, run, scan
-from fnloop._metrics import Metrics
-from fnloop._phase import Phase
-from fnloop._state import Effect, TrainState, Unclaimed, hook_state, record, request, with_hook_state
-from fnloop._step import GraphBreakError, NonFiniteLoss, RecompileError, TrainStep, init, train_step
+from fnloop._core.combinators import (
+    Hook,
+    chain,
+    checked,
+    every,
+    identity,
+    on,
+    once,
+    state_names,
+    stateful,
+    when,
+)
+from fnloop._core.loop import BatchesExhausted, Preempted, Step, UnclaimedHookState, run, scan
+from fnloop._core.metrics import Metrics
+from fnloop._core.phase import Phase
+from fnloop._core.state import Effect, TrainState, Unclaimed, hook_state, record, request, with_hook_state
+from fnloop._step.eval import EvalStep, eval_step
+from fnloop._step.export import load_state_dict, state_dict
+from fnloop._step.train import GraphBreakError, NonFiniteLoss, RecompileError, TrainStep, init, train_step
 from fnloop.checkpoint import load, save
 
 __version__ = "0.1.0"

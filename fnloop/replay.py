@@ -23,11 +23,11 @@ from typing import Any
 import attrs
 import torch
 
-from fnloop._hooks import Hook
-from fnloop._loop import Step, scan
-from fnloop._phase import Phase
-from fnloop._state import TrainState, request
-from fnloop._tree import leaves
+from fnloop._core.combinators import Hook
+from fnloop._core.loop import Step, scan
+from fnloop._core.phase import Phase
+from fnloop._core.state import TrainState, request
+from fnloop._core.tree import leaves
 
 __all__ = ["Divergence", "Report", "fingerprint", "fingerprints", "main", "read_log", "replay"]
 

@@ -20,12 +20,12 @@ import attrs
 import torch
 from hypothesis import strategies as st
 
-from fnloop._hooks import Hook, every, on, once, stateful, when
-from fnloop._loop import run
-from fnloop._metrics import Metrics
-from fnloop._phase import Phase
-from fnloop._state import TrainState, Unclaimed
-from fnloop._tree import first_difference, leaves
+from fnloop._core.combinators import Hook, every, on, once, stateful, when
+from fnloop._core.loop import run
+from fnloop._core.metrics import Metrics
+from fnloop._core.phase import Phase
+from fnloop._core.state import TrainState, Unclaimed
+from fnloop._core.tree import first_difference, leaves
 
 __all__ = [
     "Fail",

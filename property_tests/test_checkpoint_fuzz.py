@@ -30,8 +30,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fnloop import Phase, TrainState, checkpoint, cli, testing
-from fnloop._codec import DTYPES
 from fnloop.checkpoint import CheckpointError, DamagedCheckpoint
+from fnloop.checkpoint._codec import DTYPES
 
 ALARM_S = 20  # far above any example's real cost: only a hang trips it
 SLACK = 64 << 20  # bytes of peak memory any example may add besides a few times the file's size

@@ -17,8 +17,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fnloop import TrainState, Unclaimed, checkpoint, testing
-from fnloop._codec import DTYPES
 from fnloop.checkpoint import CheckpointError
+from fnloop.checkpoint._codec import DTYPES
 
 
 @attrs.frozen

@@ -196,7 +196,7 @@ def test_the_input_state_is_never_changed(state):
     list(fl.scan(state, step, [None] * (state.max_iter - state.iteration), hooks))
     assert testing._snapshot(state) is not before
     assert all(v._version == version and state.params[k] is v for k, (v, version) in tensors.items())
-    assert fl._tree.first_difference(before, testing._snapshot(state)) is None
+    assert fl._core.tree.first_difference(before, testing._snapshot(state)) is None
 
 
 def test_input_tensors_are_not_written():

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fnloop import _jit
+from fnloop._step import jit as _jit
 
 calls = st.lists(
     st.tuples(st.integers(1, 3), st.sampled_from([torch.float32, torch.float64]), st.sampled_from("ab")),

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fnloop import Metrics, testing
-from fnloop._tree import first_difference
+from fnloop._core.tree import first_difference
 
 
 def _same(a: Metrics, b: Metrics) -> bool:

@@ -15,9 +15,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import fnloop as fl
-import fnloop._loop
+import fnloop._core.loop
 from fnloop import Phase, TrainState, testing
-from fnloop._plan import _after, _fires, plan, schedule
+from fnloop._core.plan import _after, _fires, plan, schedule
 from fnloop.testing import Tag
 
 
@@ -79,12 +79,12 @@ def run(start, max_iter, hooks):
 def test_the_planned_fold_equals_calling_every_hook(bounds, hooks):
     start, max_iter = bounds
     planned = run(start, max_iter, hooks)
-    original = fnloop._loop.plan
-    fnloop._loop.plan = Unplanned
+    original = fnloop._core.loop.plan
+    fnloop._core.loop.plan = Unplanned
     try:
         plain = run(start, max_iter, hooks)
     finally:
-        fnloop._loop.plan = original
+        fnloop._core.loop.plan = original
     testing.assert_identical(planned, plain)
 
 

@@ -35,7 +35,7 @@ import torch
 
 import fnloop as fl
 from fnloop import Phase, TrainState
-from fnloop._tree import leaves
+from fnloop._core.tree import leaves
 
 # 64 -> 384 -> 384 -> 10: ~0.18 M parameters, ~2 MB per checkpoint with AdamW's moments.
 WIDTH = 384

@@ -23,8 +23,8 @@ import torch
 
 import fnloop as fl
 from fnloop import TrainState, checkpoint, cli, testing
-from fnloop._state_codec import encode_state
 from fnloop.checkpoint import CheckpointError, CheckpointWarning, DamagedCheckpoint
+from fnloop.checkpoint._state_codec import encode_state
 
 LIKE = TrainState(max_iter=1)
 

@@ -78,20 +78,22 @@ def test_donation_changes_no_bit(noisy):
 def test_the_callers_state_and_the_module_are_untouched(noisy):
     model, _optimizer, step, state = noisy
     module_before = copy.deepcopy(model.state_dict())
-    snapshot = [(p, t.clone(), t._version) for p, t in fl._tree.leaves(state) if isinstance(t, torch.Tensor)]
+    snapshot = [
+        (p, t.clone(), t._version) for p, t in fl._core.tree.leaves(state) if isinstance(t, torch.Tensor)
+    ]
     yielded = []
     final = None
     for final in fl.scan(state, step, batches(30), clock=zero):
         yielded.append(
-            (final, [(p, t.clone()) for p, t in fl._tree.leaves(final) if isinstance(t, torch.Tensor)])
+            (final, [(p, t.clone()) for p, t in fl._core.tree.leaves(final) if isinstance(t, torch.Tensor)])
         )
     fl.run(state, step, batches(30), clock=zero)
     for path, value, version in snapshot:
-        tensor = dict(fl._tree.leaves(state))[path]
+        tensor = dict(fl._core.tree.leaves(state))[path]
         assert tensor._version == version, path
         assert torch.equal(tensor, value), path
     for s, copies in yielded:  # every state scan gave out is still what it was
-        current = dict(fl._tree.leaves(s))
+        current = dict(fl._core.tree.leaves(s))
         for path, value in copies:
             assert torch.equal(current[path], value), path
     for name, value in model.state_dict().items():
@@ -114,7 +116,7 @@ def test_dropout_replays_identically_and_resume_equals_no_resume(noisy):
     resumed = fl.run(midway, step, batches(30)[12:], clock=zero)
     testing.assert_identical(whole, resumed)
     other_seed = fl.run(attrs.evolve(state, rng=8), step, batches(30), clock=zero)
-    assert fl._tree.first_difference(whole.params, other_seed.params) is not None, (
+    assert fl._core.tree.first_difference(whole.params, other_seed.params) is not None, (
         "dropout must follow the seed"
     )
 
@@ -268,7 +270,7 @@ def test_bf16_autocast_trains_float32_params():
     plain = fl.run(
         fl.init(model, opt, seed=0, max_iter=5), fl.train_step(model, mse, opt, compile=False), data
     )
-    assert fl._tree.first_difference(final.params, plain.params) is not None  # bf16 really ran
+    assert fl._core.tree.first_difference(final.params, plain.params) is not None  # bf16 really ran
 
 
 @attrs.frozen
@@ -297,7 +299,7 @@ def test_a_hook_keeping_parameters_never_sees_them_change(how):
     at_two = list(fl.scan(state, fl.train_step(model, mse, opt, compile=False), data))[1]
     final = fl.run(state, fl.train_step(model, mse, opt, compile=False), data, [*steady, keep])
     testing.assert_identical(final.hooks["kept"], how(at_two.params))
-    assert fl._tree.first_difference(final.params, at_two.params) is not None
+    assert fl._core.tree.first_difference(final.params, at_two.params) is not None
 
 
 def test_debug_names_a_hook_that_writes_into_the_state():

@@ -177,7 +177,7 @@ def test_values_are_converted_only_when_a_line_is_written(monkeypatch, tmp_path)
         return convert(values)
 
     monkeypatch.setattr(writers, "to_floats", counting)
-    monkeypatch.setattr(fl._metrics, "to_floats", counting)
+    monkeypatch.setattr(fl._core.metrics, "to_floats", counting)
     step = lambda s, b: fl.record(s, loss=torch.tensor(float(b)), acc=torch.tensor(0.5))  # noqa: E731
     hooks = [fl.every(10, fl.hooks.log(writers.jsonl(tmp_path / "m.jsonl"), writers.tensorboard(tmp_path)))]
     seen = []

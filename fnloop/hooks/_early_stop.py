@@ -7,11 +7,11 @@ import warnings
 
 import attrs
 
-from fnloop._hooks import Hook, stateful
-from fnloop._messages import got
-from fnloop._metrics import to_floats
-from fnloop._phase import Phase
-from fnloop._state import TrainState, request
+from fnloop._core.combinators import Hook, stateful
+from fnloop._core.messages import got
+from fnloop._core.metrics import to_floats
+from fnloop._core.phase import Phase
+from fnloop._core.state import TrainState, request
 from fnloop.hooks._unrecorded import MetricNeverRecorded, never_recorded
 
 __all__ = ["EarlyStopState", "early_stop"]

@@ -8,9 +8,9 @@ from typing import ClassVar
 import attrs
 import torch
 
-from fnloop._messages import got, non_empty_str
-from fnloop._phase import Phase
-from fnloop._state import TrainState, Unclaimed, replace
+from fnloop._core.messages import got, non_empty_str
+from fnloop._core.phase import Phase
+from fnloop._core.state import TrainState, Unclaimed, replace
 
 __all__ = ["EmaState", "ema", "ema_params"]
 

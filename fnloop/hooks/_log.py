@@ -6,9 +6,9 @@ from typing import ClassVar
 
 import attrs
 
-from fnloop._messages import got, non_empty_str
-from fnloop._phase import Phase
-from fnloop._state import TrainState, Unclaimed, replace, request
+from fnloop._core.messages import got, non_empty_str
+from fnloop._core.phase import Phase
+from fnloop._core.state import TrainState, Unclaimed, replace, request
 from fnloop.writers import Line, Writer, since
 
 __all__ = ["Log", "LogState", "log"]

@@ -8,8 +8,8 @@ from typing import ClassVar
 import attrs
 import torch
 
-from fnloop._phase import Phase
-from fnloop._state import TrainState, replace
+from fnloop._core.phase import Phase
+from fnloop._core.state import TrainState, replace
 
 __all__ = ["Memory", "memory", "peak_mib"]
 

@@ -11,11 +11,11 @@ import torch
 from torch.func import functional_call
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from fnloop._hooks import Hook, stateful
-from fnloop._messages import got
-from fnloop._phase import Phase
-from fnloop._state import TrainState, replace
-from fnloop._step import _seeded
+from fnloop._core.combinators import Hook, stateful
+from fnloop._core.messages import got
+from fnloop._core.phase import Phase
+from fnloop._core.state import TrainState, replace
+from fnloop._step.train import _seeded
 from fnloop.data import Batches
 from fnloop.hooks._evaluate import due
 

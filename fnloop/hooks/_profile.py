@@ -11,9 +11,9 @@ from typing import Any, ClassVar
 import attrs
 import torch
 
-from fnloop._messages import got, non_negative_int, positive_int
-from fnloop._phase import Phase
-from fnloop._state import TrainState, request
+from fnloop._core.messages import got, non_negative_int, positive_int
+from fnloop._core.phase import Phase
+from fnloop._core.state import TrainState, request
 
 __all__ = ["Profile", "profile"]
 

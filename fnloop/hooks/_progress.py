@@ -8,9 +8,9 @@ from typing import Any, ClassVar
 
 import attrs
 
-from fnloop._messages import got, non_empty_str
-from fnloop._phase import Phase
-from fnloop._state import Effect, TrainState, replace, request
+from fnloop._core.messages import got, non_empty_str
+from fnloop._core.phase import Phase
+from fnloop._core.state import Effect, TrainState, replace, request
 
 __all__ = ["Progress", "progress"]
 

@@ -6,9 +6,9 @@ from typing import ClassVar
 
 import attrs
 
-from fnloop._messages import non_empty_str, non_negative_int
-from fnloop._phase import Phase
-from fnloop._state import TrainState, Unclaimed, replace
+from fnloop._core.messages import non_empty_str, non_negative_int
+from fnloop._core.phase import Phase
+from fnloop._core.state import TrainState, Unclaimed, replace
 
 __all__ = ["Timer", "TimerState", "timer"]
 

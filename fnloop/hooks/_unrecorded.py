@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fnloop._state import TrainState
+from fnloop._core.state import TrainState
 
 __all__ = ["MetricNeverRecorded", "never_recorded"]
 

@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 import attrs
 import torch
 
-from fnloop._messages import got
+from fnloop._core.messages import got
 from fnloop.optim._base import (
     GradientTransformation,
     Optimizer,

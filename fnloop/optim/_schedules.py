@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from fnloop._messages import got
+from fnloop._core.messages import got
 from fnloop.optim._base import Schedule
 
 __all__ = ["constant", "cosine", "join", "linear_warmup", "multistep", "warmup", "warmup_multistep"]

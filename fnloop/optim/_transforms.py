@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 import attrs
 import torch
 
-from fnloop._messages import got
+from fnloop._core.messages import got
 from fnloop.optim._base import (
     EmptyState,
     GradientTransformation,

@@ -15,8 +15,8 @@ from collections.abc import Mapping
 import attrs
 import torch
 
-from fnloop._messages import got
-from fnloop._state import TrainState
+from fnloop._core.messages import got
+from fnloop._core.state import TrainState
 
 __all__ = ["load_state_dict", "state_dict"]
 

@@ -9,8 +9,8 @@ the template does not know as ``fnloop.Unclaimed`` for the run to claim.
 See ``docs/checkpoints.md``.
 
 This module moves the bytes and checks the checksum; the file's header is
-``fnloop._safetensors``, the skeleton ``fnloop._codec``, the state's policy
-``fnloop._state_codec`` and the atomic write ``fnloop._atomic``.
+``fnloop.checkpoint._safetensors``, the skeleton ``fnloop.checkpoint._codec``, the state's policy
+``fnloop.checkpoint._state_codec`` and the atomic write ``fnloop.checkpoint._atomic``.
 """
 
 from __future__ import annotations
@@ -31,9 +31,17 @@ from typing import Any
 import attrs
 import torch
 
-from fnloop._atomic import remove_leftovers, write_atomically
-from fnloop._codec import DTYPES, CheckpointError, CheckpointMismatch, DamagedCheckpoint, Record, decode
-from fnloop._safetensors import (
+from fnloop._core.state import TrainState
+from fnloop.checkpoint._atomic import remove_leftovers, write_atomically
+from fnloop.checkpoint._codec import (
+    DTYPES,
+    CheckpointError,
+    CheckpointMismatch,
+    DamagedCheckpoint,
+    Record,
+    decode,
+)
+from fnloop.checkpoint._safetensors import (
     FORMAT_VERSION,
     PLACEHOLDER,
     check_format,
@@ -42,8 +50,7 @@ from fnloop._safetensors import (
     layout,
     read_header,
 )
-from fnloop._state import TrainState
-from fnloop._state_codec import encode_state, fill_state
+from fnloop.checkpoint._state_codec import encode_state, fill_state
 
 __all__ = [
     "FORMAT_VERSION",

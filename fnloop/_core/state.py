@@ -8,8 +8,8 @@ from typing import Any
 import attrs
 import torch
 
-from fnloop._messages import got, non_negative_int
-from fnloop._metrics import Metrics, Scalar
+from fnloop._core.messages import got, non_negative_int
+from fnloop._core.metrics import Metrics, Scalar
 
 __all__ = ["Effect", "TrainState", "Unclaimed", "hook_state", "record", "request", "with_hook_state"]
 

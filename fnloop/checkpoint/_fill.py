@@ -1,7 +1,7 @@
 """Filling a template: a plain decoded tree checked against a template built from code.
 
 ``fill`` checks type, shape, dtype, keys and lengths at every path of the
-tree ``fnloop._codec.decode`` returns, and rebuilds it with the template's
+tree ``fnloop.checkpoint._codec.decode`` returns, and rebuilds it with the template's
 types, as equinox's ``tree_deserialise`` does. A mismatch is a
 ``CheckpointMismatch`` that names the path and says how to fix it.
 """
@@ -14,8 +14,8 @@ from typing import Any
 import attrs
 import torch
 
-from fnloop._codec import SAVABLE, CheckpointMismatch, Record, is_namedtuple, with_article
-from fnloop._phase import Phase
+from fnloop._core.phase import Phase
+from fnloop.checkpoint._codec import SAVABLE, CheckpointMismatch, Record, is_namedtuple, with_article
 
 __all__ = ["FIX_TEMPLATE", "describe", "fill", "mismatch"]
 

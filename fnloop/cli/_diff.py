@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from fnloop._raw import Row, children, dtype_name, many, read, short, table, tensor_stats
 from fnloop.checkpoint import Record
+from fnloop.checkpoint._raw import Row, children, dtype_name, many, read, short, table, tensor_stats
 
 __all__ = ["run"]
 

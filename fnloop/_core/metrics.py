@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 import attrs
 import torch
 
-from fnloop._messages import got, positive_int
+from fnloop._core.messages import got, positive_int
 
 __all__ = ["Metrics", "Scalar"]
 

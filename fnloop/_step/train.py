@@ -12,14 +12,14 @@ import torch
 from torch.func import functional_call, grad_and_value
 from torch.utils import _pytree as pytree
 
-from fnloop._donation import Clean, exclusive, holds_containers, opt_containers
-from fnloop._eval import plain_module
-from fnloop._jit import Entry, Flat, Jit, OverBudget, TraceError, flatten_batch, unflatten_batch
-from fnloop._loop import Step
-from fnloop._messages import got
-from fnloop._metrics import Scalar
-from fnloop._pool import ScalarPool
-from fnloop._state import TrainState, replace
+from fnloop._core.loop import Step
+from fnloop._core.messages import got
+from fnloop._core.metrics import Scalar
+from fnloop._core.state import TrainState, replace
+from fnloop._step.donation import Clean, exclusive, holds_containers, opt_containers
+from fnloop._step.eval import plain_module
+from fnloop._step.jit import Entry, Flat, Jit, OverBudget, TraceError, flatten_batch, unflatten_batch
+from fnloop._step.pool import ScalarPool
 from fnloop.optim import Optimizer, learning_rates
 from fnloop.optim._base import fixed_learning_rates
 
@@ -361,7 +361,7 @@ class TrainStep:
     """The optimizer's fixed learning rates, recorded every step as numbers (no graph output)."""
     _counters: dict[torch.device, torch.Tensor] = attrs.field(factory=dict)
     _opt_cache: list[Any] = attrs.field(factory=list)
-    # The recorded loss and metrics live in long-lived homes: see fnloop/_pool.py.
+    # The recorded loss and metrics live in long-lived homes: see fnloop/_step/pool.py.
     _pool: ScalarPool = attrs.field(factory=ScalarPool)
     _clean: Clean = attrs.field(factory=Clean)
 

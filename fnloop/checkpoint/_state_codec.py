@@ -3,7 +3,7 @@
 ``encode_state`` encodes every field but ``effects`` (they carry code) and
 ``data_time``/``step_time`` (readings of the clock for the current step only).
 ``fill_state`` rebuilds the state like a template: its fields strictly
-(``fnloop._fill.fill``), ``metrics`` as saved (they describe themselves), and
+(``fnloop.checkpoint._fill.fill``), ``metrics`` as saved (they describe themselves), and
 hook states leniently: the ones the template knows strictly, the others as
 ``Unclaimed`` for the run's hooks to claim.
 """
@@ -15,10 +15,10 @@ from typing import Any
 import attrs
 import torch
 
-from fnloop._codec import Record, encode
-from fnloop._fill import describe, fill, mismatch
-from fnloop._metrics import Metrics
-from fnloop._state import TrainState, Unclaimed
+from fnloop._core.metrics import Metrics
+from fnloop._core.state import TrainState, Unclaimed
+from fnloop.checkpoint._codec import Record, encode
+from fnloop.checkpoint._fill import describe, fill, mismatch
 
 __all__ = ["STATE_FIELDS", "encode_state", "fill_state"]
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from fnloop._codec import DTYPES, CheckpointError, DamagedCheckpoint
+from fnloop.checkpoint._codec import DTYPES, CheckpointError, DamagedCheckpoint
 
 __all__ = [
     "FORMAT_VERSION",

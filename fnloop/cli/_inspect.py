@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from fnloop._raw import Row, compact, json_number, leaves, many, read, short, table, tensor_stats
 from fnloop.checkpoint import Record
+from fnloop.checkpoint._raw import Row, compact, json_number, leaves, many, read, short, table, tensor_stats
 
 __all__ = ["run"]
 

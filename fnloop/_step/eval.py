@@ -9,8 +9,8 @@ import attrs
 import torch
 from torch.func import functional_call
 
-from fnloop._jit import Flat, Jit, flatten_batch, unflatten_batch
-from fnloop._state import TrainState
+from fnloop._core.state import TrainState
+from fnloop._step.jit import Flat, Jit, flatten_batch, unflatten_batch
 
 __all__ = ["EvalStep", "eval_step", "plain_module"]
 

@@ -4,8 +4,8 @@
 dicts, attrs records, NamedTuples and tensors) into a JSON-able *skeleton*
 whose every node says what it is, with the tensors set aside under their path.
 ``decode`` reads a skeleton back *without* the code that made it: records come
-back as ``Record`` dicts. ``fnloop._fill`` then checks that plain tree against
-a template built from code, and ``fnloop._state_codec`` applies the
+back as ``Record`` dicts. ``fnloop.checkpoint._fill`` then checks that plain tree against
+a template built from code, and ``fnloop.checkpoint._state_codec`` applies the
 checkpoint's policy to a whole ``TrainState``. Nothing here touches a file;
 ``fnloop.checkpoint`` does.
 """
@@ -19,8 +19,8 @@ from typing import Any
 import attrs
 import torch
 
-from fnloop._phase import Phase
-from fnloop._state import Unclaimed
+from fnloop._core.phase import Phase
+from fnloop._core.state import Unclaimed
 
 __all__ = [
     "DTYPES",

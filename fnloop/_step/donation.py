@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 import torch
 
-from fnloop._state import TrainState
+from fnloop._core.state import TrainState
 
 __all__ = ["Clean", "exclusive", "holds_containers", "opt_containers"]
 

@@ -10,10 +10,10 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
-from fnloop._hooks import Hook, chain, checked, returned, state_names
-from fnloop._phase import Phase
-from fnloop._plan import call, plan
-from fnloop._state import Effect, TrainState, Unclaimed, replace
+from fnloop._core.combinators import Hook, chain, checked, returned, state_names
+from fnloop._core.phase import Phase
+from fnloop._core.plan import call, plan
+from fnloop._core.state import Effect, TrainState, Unclaimed, replace
 from fnloop.data import DataRestarts, restarts
 
 __all__ = ["BatchesExhausted", "Preempted", "Step", "UnclaimedHookState", "run", "scan"]
@@ -199,7 +199,7 @@ def _fold(
     last = state
     mixed = False
     try:
-        # The step phases call only the hooks that can act there (see fnloop/_plan.py).
+        # The step phases call only the hooks that can act there (see fnloop/_core/plan.py).
         before_step, after_step = plan(hook, _BEFORE_STEP), plan(hook, _AFTER_STEP)
         state = _drop_unclaimed(state, hook)
         state = last = _phase(hook, replace(state, time=clock()), _BEFORE_TRAIN, perform)

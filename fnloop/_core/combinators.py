@@ -7,9 +7,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
-from fnloop._messages import non_empty_str, non_negative_int, positive_int
-from fnloop._phase import Phase
-from fnloop._state import TrainState, Unclaimed, replace
+from fnloop._core.messages import non_empty_str, non_negative_int, positive_int
+from fnloop._core.phase import Phase
+from fnloop._core.state import TrainState, Unclaimed, replace
 
 __all__ = [
     "Hook",
@@ -372,7 +372,7 @@ def stateful(
 
 
 def _versions(state: TrainState) -> list[tuple[str, Any, int]]:
-    from fnloop._tree import leaves
+    from fnloop._core.tree import leaves
 
     return [(p, t, t._version) for p, t in leaves(state) if hasattr(t, "_version")]
 

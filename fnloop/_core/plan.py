@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import math
 
-from fnloop._hooks import Chain, Every, Hook, On, Once, identity, returned
-from fnloop._phase import Phase
-from fnloop._state import TrainState
+from fnloop._core.combinators import Chain, Every, Hook, On, Once, identity, returned
+from fnloop._core.phase import Phase
+from fnloop._core.state import TrainState
 
 __all__ = ["Due", "call", "plan", "schedule"]
 

@@ -15,7 +15,7 @@ import attrs
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, default_collate
 
-from fnloop._messages import got
+from fnloop._core.messages import got
 
 __all__ = ["Batch", "Batches", "DataRestarts", "Resumable", "batches", "resumable"]
 

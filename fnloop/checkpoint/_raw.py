@@ -3,7 +3,7 @@
 ``read`` opens a CKPT argument (a file, or a directory's newest checkpoint)
 with ``fnloop.checkpoint.read_raw``; ``children`` and ``leaves`` walk the
 plain tree it returns; the rest renders its values for ``fnloop inspect``
-(``fnloop._inspect``) and ``fnloop diff`` (``fnloop._diff``).
+(``fnloop.cli._inspect``) and ``fnloop diff`` (``fnloop.cli._diff``).
 """
 
 from __future__ import annotations

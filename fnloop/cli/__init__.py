@@ -16,8 +16,8 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from fnloop import _diff, _inspect
 from fnloop.checkpoint import CheckpointError, checkpoints
+from fnloop.cli import _diff, _inspect
 
 __all__ = ["main", "parser"]
 

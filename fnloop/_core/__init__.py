@@ -1,0 +1,1 @@
+"""The core: the state record, phases, metrics, hook combinators and the fold."""

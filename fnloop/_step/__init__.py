@@ -1,0 +1,1 @@
+"""Forward, backward and update as one traced, compiled step; evaluation and export on its tensors."""
