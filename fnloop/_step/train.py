@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
-import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
 import torch
-from torch.func import functional_call, grad_and_value
 from torch.utils import _pytree as pytree
 
 from fnloop._core.loop import Step
@@ -17,96 +14,23 @@ from fnloop._core.messages import got
 from fnloop._core.metrics import Scalar
 from fnloop._core.state import TrainState, replace
 from fnloop._step.donation import Clean, exclusive, holds_containers, opt_containers
+from fnloop._step.errors import (
+    _GRAPH_BREAK,
+    _RECOMPILED,
+    GraphBreakError,
+    NonFiniteLoss,
+    RecompileError,
+    _nonfinite_message,
+)
 from fnloop._step.eval import plain_module
-from fnloop._step.jit import Entry, Flat, Jit, OverBudget, TraceError, flatten_batch, unflatten_batch
+from fnloop._step.jit import Entry, Jit, OverBudget, TraceError, flatten_batch
+from fnloop._step.kernel import LossFn, _cloned, _device, _jit_kernel, _kernel, _leaf_name
 from fnloop._step.pool import ScalarPool
-from fnloop.optim import Optimizer, learning_rates
+from fnloop._step.seeding import _seeded
+from fnloop.optim import Optimizer
 from fnloop.optim._base import fixed_learning_rates
 
 __all__ = ["GraphBreakError", "NonFiniteLoss", "RecompileError", "TrainStep", "init", "train_step"]
-
-LossFn = Callable[[Callable[..., Any], Any], Any]
-"""``loss_fn(model, batch) -> loss`` or ``(loss, metrics)``; ``model`` runs the forward on the state."""
-
-
-class RecompileError(RuntimeError):
-    """The compiled step would need another graph, beyond its budget; nothing of that call ran."""
-
-
-class GraphBreakError(RuntimeError):
-    """The step is not one graph of tensor operations; the message names the cause and the fix.
-
-    Raised when ``loss_fn`` needs a tensor's value in Python while it is traced
-    (``.item()``, ``float(t)``, ``if loss > 0:``, printing such a value), and,
-    compiled or eager alike, when it returns a metric that is not a tensor (a
-    Python number, or the result of ``.item()``).
-    """
-
-
-class NonFiniteLoss(FloatingPointError):
-    """A step's loss or a gradient was not finite; the step left the state unchanged.
-
-    Raised by a ``train_step`` built without ``skip_nonfinite=True``. The fold
-    then runs ``AFTER_TRAIN`` and re-raises it with ``exc.state``, the state
-    before that step, whose tensors are all finite (so a checkpoint hook saves a
-    clean state). ``iteration`` is the index of the failed step.
-    """
-
-    def __init__(self, message: str, iteration: int) -> None:
-        super().__init__(message)
-        self.iteration = iteration
-
-
-def _nonfinite_message(iteration: int, loss: torch.Tensor) -> str:
-    value = loss.item()
-    what = (
-        f"the loss was {value}"
-        if not math.isfinite(value)
-        else f"a gradient was not finite (loss {value:.6g})"
-    )
-    return (
-        f"step {iteration}: {what} (metric 'loss'). The step left params, buffers and optimizer state "
-        "unchanged, and the run stops with the state before it. Typical fixes: a lower learning rate "
-        "or a warm-up, gradient clipping (fnloop.optim.clip_by_global_norm), checking the batch for "
-        "bad values; or train_step(..., skip_nonfinite=True) to skip such steps and count them in the "
-        "metric 'skipped'."
-    )
-
-
-_GRAPH_BREAK = (
-    "the training step must compile into one graph (forward, backward and update together), but "
-    "tracing it stopped where Python needs a tensor's value; the tracer's message follows. Typical "
-    "causes in loss_fn: .item(), float(tensor), or branching on a tensor's value (if loss > 0). "
-    "Return metrics as tensors instead, use torch.where for branches, or use train_step(..., "
-    "compile=False) to run eagerly."
-)
-
-_NUMBER_METRIC = (
-    "loss_fn returned the metric {name!r} as {what}, not a tensor. A metric must stay a tensor, "
-    "compiled or eager: the step is one graph traced once (a Python number is not an output of it, "
-    "and its value would be frozen at the trace), and converting a tensor to a number forces a host "
-    "sync every step. Return the tensor itself, for example {{{name!r}: acc}} instead of "
-    "{{{name!r}: acc.item()}}, or torch.tensor(value) for a number; writers convert metrics to "
-    "numbers only when they write."
-)
-
-
-def _number(value: object) -> str | None:
-    """How a metric that is a Python number (or a traced one) is described, or None for a tensor."""
-    if isinstance(value, (torch.SymFloat, torch.SymInt, torch.SymBool)):
-        return "the result of .item() or float()/int() of a tensor (a number known only when the step runs)"
-    if isinstance(value, (bool, int, float)):
-        return f"a Python {type(value).__name__} ({value!r})"
-    return None
-
-
-_RECOMPILED = (
-    "the compiled step would be compiled again at iteration {i} ({n} recompiles, budget {budget}): "
-    "{change}. The step is traced once per signature (the structure of the state and batch, and "
-    "each tensor's shape, strides, dtype and device). A batch of another shape (the last, smaller "
-    "batch of an epoch? use drop_last=True) or a changed state compiles a new graph. Nothing of this "
-    "iteration ran. Allow it with train_step(..., recompiles=N)."
-)
 
 
 def init(
@@ -154,188 +78,6 @@ def init(
         rng=seed,
         extra=extra,
     )
-
-
-_MASK = (1 << 64) - 1
-
-
-def step_seed(seed: int, iteration: int) -> int:
-    """The seed of step ``iteration`` of a run seeded ``seed`` (splitmix64 of the pair).
-
-    Examples:
-        >>> step_seed(0, 1) != step_seed(1, 0)
-        True
-    """
-    z = (seed * 0x9E3779B97F4A7C15 + iteration + 1) & _MASK
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
-    return (z ^ (z >> 31)) & ((1 << 63) - 1)
-
-
-def _generator(device: torch.device) -> torch.Generator:
-    if device.type == "cuda":
-        return torch.cuda.default_generators[device.index or 0]
-    return torch.default_generator
-
-
-@contextlib.contextmanager
-def _seeded(device: torch.device, seed: int, iteration: int) -> Iterator[None]:
-    """The device's generator seeded for step ``iteration``, and put back as it was after."""
-    # torch.manual_seed seeds every device (~110 us); one generator's own
-    # manual_seed costs ~1 us.
-    generator = _generator(device)
-    saved = generator.get_state()
-    generator.manual_seed(step_seed(seed, iteration))
-    try:
-        yield
-    finally:
-        generator.set_state(saved)
-
-
-def _split(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Mapping):
-        loss, metrics = out
-    else:
-        loss, metrics = out, {}
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise TypeError(
-            f"loss_fn must return a scalar loss tensor or (loss, metrics), got {type(loss).__name__} "
-            f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}; reduce the loss to one "
-            "value (for example .mean())."
-        )
-    for name, value in metrics.items():
-        what = _number(value)
-        if what is not None:
-            raise GraphBreakError(_NUMBER_METRIC.format(name=name, what=what))
-        if isinstance(value, torch.Tensor) and value.numel() != 1:
-            raise TypeError(
-                f"loss_fn returned the metric {name!r} as a tensor of shape {tuple(value.shape)}; a "
-                "metric is one number per step: reduce it (for example .mean()) or leave it out."
-            )
-    return loss.reshape(()), dict(metrics)
-
-
-def _micro_batches(batch: Any, n: int) -> list[Any]:
-    flat, spec = pytree.tree_flatten(batch)
-    for leaf in flat:
-        if isinstance(leaf, torch.Tensor) and leaf.shape[0] % n:
-            raise ValueError(
-                f"cannot split a batch of {leaf.shape[0]} rows into accumulate={n} equal micro-batches; "
-                "choose a batch size divisible by accumulate."
-            )
-    chunks = [leaf.chunk(n) if isinstance(leaf, torch.Tensor) else [leaf] * n for leaf in flat]
-    return [pytree.tree_unflatten([c[k] for c in chunks], spec) for k in range(n)]
-
-
-def _all_finite(loss: torch.Tensor, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """A 0-d bool: the loss and every gradient element are finite (one reduction per tensor, no sync)."""
-    flags = [torch.isfinite(loss).reshape(())]
-    flags += [torch.isfinite(g).all() for g in grads.values()]
-    return torch.stack(flags).all()
-
-
-def _kernel(
-    model: torch.nn.Module,
-    loss_fn: LossFn,
-    optimizer: Optimizer,
-    accumulate: int,
-    autocast: torch.dtype | None,
-) -> Callable[..., Any]:
-    """The traced function: forward, backward and update on plain dicts, writing results into its inputs.
-
-    It returns ``(loss, finite, metrics)``. A step whose loss or any gradient is
-    not finite writes the old values back (``finite`` is false): decided in the
-    graph, so no host sync is needed to keep the state clean.
-    """
-
-    def loss_of(params: dict, buffers: dict, batch: Any) -> tuple[torch.Tensor, dict]:
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            return functional_call(model, (params, buffers), args, kwargs)
-
-        device = _device(params).type
-        context = torch.autocast(device, dtype=autocast) if autocast else contextlib.nullcontext()
-        with context:
-            loss, metrics = _split(loss_fn(forward, batch))
-        return loss.float(), metrics
-
-    def kernel(params: dict, buffers: dict, opt_state: Any, iteration: torch.Tensor, batch: Any) -> Any:
-        # functional_call writes running statistics into the buffers it is given.
-        new_buffers = {k: v.clone() for k, v in buffers.items()}
-        if accumulate == 1:
-            grads, (loss, metrics) = grad_and_value(loss_of, has_aux=True)(params, new_buffers, batch)
-        else:
-            grads, losses, parts = {}, [], []
-            for micro in _micro_batches(batch, accumulate):
-                g, (l_k, m_k) = grad_and_value(loss_of, has_aux=True)(params, new_buffers, micro)
-                grads = {k: grads[k] + v for k, v in g.items()} if grads else g
-                losses.append(l_k)
-                parts.append(m_k)
-            grads = {k: v / accumulate for k, v in grads.items()}
-            loss = torch.stack(losses).mean()
-            metrics = {k: torch.stack([m[k] for m in parts]).float().mean() for k in parts[0]}
-        new_params, new_opt_state = optimizer.update(grads, opt_state, params, iteration)
-        finite = _all_finite(loss, grads)
-        # Donation: the new values go into the input storage, so the compiled
-        # graph updates in place and keeps no second copy alive. A non-finite
-        # step writes the old values back: the state is never poisoned.
-        for k, p in params.items():
-            p.copy_(torch.where(finite, new_params[k], p))
-        for k, b in buffers.items():
-            b.copy_(torch.where(finite, new_buffers[k], b))
-        for old, new in zip(pytree.tree_leaves(opt_state), pytree.tree_leaves(new_opt_state)):
-            old.copy_(torch.where(finite, new, old))
-        # Fixed learning rates are recorded as the numbers they are, outside the graph (TrainStep.fixed).
-        rates = {k: v for k, v in learning_rates(optimizer, iteration).items() if isinstance(v, torch.Tensor)}
-        return loss, finite, {**rates, **{k: v.detach() for k, v in metrics.items()}}
-
-    return kernel
-
-
-def _jit_kernel(kernel: Callable[..., Any], budget: int, options: Mapping[str, Any] | None) -> Jit:
-    """The kernel as a function of flat tensors: params, buffers, optimizer state, iteration, batch."""
-
-    def make(structure: Any) -> tuple[Flat, list[str]]:
-        pkeys, bkeys, ospec, bstructure = structure
-        names: list[str] = []
-        a, b = len(pkeys), len(pkeys) + len(bkeys)
-        c = b + ospec.num_leaves
-
-        def flat(*leaves: torch.Tensor) -> list[torch.Tensor]:
-            params = dict(zip(pkeys, leaves[:a]))
-            buffers = dict(zip(bkeys, leaves[a:b]))
-            opt_state = pytree.tree_unflatten(list(leaves[b:c]), ospec)
-            batch = unflatten_batch(leaves[c + 1 :], bstructure)
-            loss, finite, metrics = kernel(params, buffers, opt_state, leaves[c], batch)
-            names[:] = metrics
-            return [loss, finite, *metrics.values()]
-
-        return flat, names
-
-    return Jit(make, budget, options)
-
-
-def _leaf_name(structure: Any, index: int) -> str:
-    pkeys, bkeys, ospec, _ = structure
-    if index < len(pkeys):
-        return f"params[{pkeys[index]!r}]"
-    index -= len(pkeys)
-    if index < len(bkeys):
-        return f"buffers[{bkeys[index]!r}]"
-    index -= len(bkeys)
-    if index < ospec.num_leaves:
-        return f"opt_state leaf {index}"
-    index -= ospec.num_leaves
-    return "the iteration" if index == 0 else f"the batch's tensor {index - 1}"
-
-
-def _device(params: Mapping[str, torch.Tensor]) -> torch.device:
-    for tensor in params.values():
-        return tensor.device
-    return torch.device("cpu")
-
-
-def _cloned(tree: Any) -> Any:
-    return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, tree)
 
 
 @attrs.frozen(eq=False, repr=False)

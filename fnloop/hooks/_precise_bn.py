@@ -15,7 +15,7 @@ from fnloop._core.combinators import Hook, stateful
 from fnloop._core.messages import got
 from fnloop._core.phase import Phase
 from fnloop._core.state import TrainState, replace
-from fnloop._step.train import _seeded
+from fnloop._step.seeding import _seeded
 from fnloop.data import Batches
 from fnloop.hooks._evaluate import due
 

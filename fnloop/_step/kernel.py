@@ -1,0 +1,166 @@
+"""The traced function: forward, backward and update on plain dicts of tensors, and its flat form."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch.func import functional_call, grad_and_value
+from torch.utils import _pytree as pytree
+
+from fnloop._step.errors import _NUMBER_METRIC, GraphBreakError, _number
+from fnloop._step.jit import Flat, Jit, unflatten_batch
+from fnloop.optim import Optimizer, learning_rates
+
+__all__ = ["LossFn"]
+
+LossFn = Callable[[Callable[..., Any], Any], Any]
+"""``loss_fn(model, batch) -> loss`` or ``(loss, metrics)``; ``model`` runs the forward on the state."""
+
+
+def _split(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Mapping):
+        loss, metrics = out
+    else:
+        loss, metrics = out, {}
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise TypeError(
+            f"loss_fn must return a scalar loss tensor or (loss, metrics), got {type(loss).__name__} "
+            f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}; reduce the loss to one "
+            "value (for example .mean())."
+        )
+    for name, value in metrics.items():
+        what = _number(value)
+        if what is not None:
+            raise GraphBreakError(_NUMBER_METRIC.format(name=name, what=what))
+        if isinstance(value, torch.Tensor) and value.numel() != 1:
+            raise TypeError(
+                f"loss_fn returned the metric {name!r} as a tensor of shape {tuple(value.shape)}; a "
+                "metric is one number per step: reduce it (for example .mean()) or leave it out."
+            )
+    return loss.reshape(()), dict(metrics)
+
+
+def _micro_batches(batch: Any, n: int) -> list[Any]:
+    flat, spec = pytree.tree_flatten(batch)
+    for leaf in flat:
+        if isinstance(leaf, torch.Tensor) and leaf.shape[0] % n:
+            raise ValueError(
+                f"cannot split a batch of {leaf.shape[0]} rows into accumulate={n} equal micro-batches; "
+                "choose a batch size divisible by accumulate."
+            )
+    chunks = [leaf.chunk(n) if isinstance(leaf, torch.Tensor) else [leaf] * n for leaf in flat]
+    return [pytree.tree_unflatten([c[k] for c in chunks], spec) for k in range(n)]
+
+
+def _all_finite(loss: torch.Tensor, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """A 0-d bool: the loss and every gradient element are finite (one reduction per tensor, no sync)."""
+    flags = [torch.isfinite(loss).reshape(())]
+    flags += [torch.isfinite(g).all() for g in grads.values()]
+    return torch.stack(flags).all()
+
+
+def _kernel(
+    model: torch.nn.Module,
+    loss_fn: LossFn,
+    optimizer: Optimizer,
+    accumulate: int,
+    autocast: torch.dtype | None,
+) -> Callable[..., Any]:
+    """The traced function: forward, backward and update on plain dicts, writing results into its inputs.
+
+    It returns ``(loss, finite, metrics)``. A step whose loss or any gradient is
+    not finite writes the old values back (``finite`` is false): decided in the
+    graph, so no host sync is needed to keep the state clean.
+    """
+
+    def loss_of(params: dict, buffers: dict, batch: Any) -> tuple[torch.Tensor, dict]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            return functional_call(model, (params, buffers), args, kwargs)
+
+        device = _device(params).type
+        context = torch.autocast(device, dtype=autocast) if autocast else contextlib.nullcontext()
+        with context:
+            loss, metrics = _split(loss_fn(forward, batch))
+        return loss.float(), metrics
+
+    def kernel(params: dict, buffers: dict, opt_state: Any, iteration: torch.Tensor, batch: Any) -> Any:
+        # functional_call writes running statistics into the buffers it is given.
+        new_buffers = {k: v.clone() for k, v in buffers.items()}
+        if accumulate == 1:
+            grads, (loss, metrics) = grad_and_value(loss_of, has_aux=True)(params, new_buffers, batch)
+        else:
+            grads, losses, parts = {}, [], []
+            for micro in _micro_batches(batch, accumulate):
+                g, (l_k, m_k) = grad_and_value(loss_of, has_aux=True)(params, new_buffers, micro)
+                grads = {k: grads[k] + v for k, v in g.items()} if grads else g
+                losses.append(l_k)
+                parts.append(m_k)
+            grads = {k: v / accumulate for k, v in grads.items()}
+            loss = torch.stack(losses).mean()
+            metrics = {k: torch.stack([m[k] for m in parts]).float().mean() for k in parts[0]}
+        new_params, new_opt_state = optimizer.update(grads, opt_state, params, iteration)
+        finite = _all_finite(loss, grads)
+        # Donation: the new values go into the input storage, so the compiled
+        # graph updates in place and keeps no second copy alive. A non-finite
+        # step writes the old values back: the state is never poisoned.
+        for k, p in params.items():
+            p.copy_(torch.where(finite, new_params[k], p))
+        for k, b in buffers.items():
+            b.copy_(torch.where(finite, new_buffers[k], b))
+        for old, new in zip(pytree.tree_leaves(opt_state), pytree.tree_leaves(new_opt_state)):
+            old.copy_(torch.where(finite, new, old))
+        # Fixed learning rates are recorded as the numbers they are, outside the graph (TrainStep.fixed).
+        rates = {k: v for k, v in learning_rates(optimizer, iteration).items() if isinstance(v, torch.Tensor)}
+        return loss, finite, {**rates, **{k: v.detach() for k, v in metrics.items()}}
+
+    return kernel
+
+
+def _jit_kernel(kernel: Callable[..., Any], budget: int, options: Mapping[str, Any] | None) -> Jit:
+    """The kernel as a function of flat tensors: params, buffers, optimizer state, iteration, batch."""
+
+    def make(structure: Any) -> tuple[Flat, list[str]]:
+        pkeys, bkeys, ospec, bstructure = structure
+        names: list[str] = []
+        a, b = len(pkeys), len(pkeys) + len(bkeys)
+        c = b + ospec.num_leaves
+
+        def flat(*leaves: torch.Tensor) -> list[torch.Tensor]:
+            params = dict(zip(pkeys, leaves[:a]))
+            buffers = dict(zip(bkeys, leaves[a:b]))
+            opt_state = pytree.tree_unflatten(list(leaves[b:c]), ospec)
+            batch = unflatten_batch(leaves[c + 1 :], bstructure)
+            loss, finite, metrics = kernel(params, buffers, opt_state, leaves[c], batch)
+            names[:] = metrics
+            return [loss, finite, *metrics.values()]
+
+        return flat, names
+
+    return Jit(make, budget, options)
+
+
+def _leaf_name(structure: Any, index: int) -> str:
+    pkeys, bkeys, ospec, _ = structure
+    if index < len(pkeys):
+        return f"params[{pkeys[index]!r}]"
+    index -= len(pkeys)
+    if index < len(bkeys):
+        return f"buffers[{bkeys[index]!r}]"
+    index -= len(bkeys)
+    if index < ospec.num_leaves:
+        return f"opt_state leaf {index}"
+    index -= ospec.num_leaves
+    return "the iteration" if index == 0 else f"the batch's tensor {index - 1}"
+
+
+def _device(params: Mapping[str, torch.Tensor]) -> torch.device:
+    for tensor in params.values():
+        return tensor.device
+    return torch.device("cpu")
+
+
+def _cloned(tree: Any) -> Any:
+    return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, tree)

@@ -1,0 +1,85 @@
+"""Resuming a run: the newest checkpoint of a directory, under the template's run settings."""
+
+from __future__ import annotations
+
+import warnings
+
+import attrs
+
+from fnloop._core.state import TrainState
+from fnloop.checkpoint import StrPath, latest
+from fnloop.checkpoint._codec import CheckpointMismatch
+
+__all__ = ["RunChanged", "resume"]
+
+
+class RunChanged(UserWarning):
+    """``resume`` continues a run under a setting the template changed (``max_iter``); the message names both."""
+
+
+def resume(directory: StrPath, *, like: TrainState) -> TrainState:
+    """The run in ``directory`` to continue (the newest valid checkpoint, as ``latest``), or ``like`` if none.
+
+    ``like`` is the run's first state, built by the training code: it is the
+    template the checkpoint is checked against, and it says the run's
+    settings. The template's ``max_iter`` wins: a run saved with
+    ``max_iter=200`` and resumed with a template of 500 continues to 500 (and
+    one of 100 would stop there), with a ``RunChanged`` warning naming both.
+    A schedule spanning ``max_iter`` (``cosine(lr, max_iter)``) is built from
+    the code, so it follows the template and now spans the new length. A
+    template with another seed (``rng``) would make it another run: that is an
+    error.
+
+    Args:
+        directory: the run's checkpoint directory (missing or empty: a fresh start).
+        like: the run's first state, built by the same code as the saved one.
+
+    Returns:
+        The saved state with the template's ``max_iter``, or ``like`` itself.
+
+    Raises:
+        CheckpointMismatch: the checkpoint was written with another seed, is
+            past the template's ``max_iter``, or does not fit ``like``.
+        CheckpointError: as ``latest``.
+
+    Examples:
+        >>> import tempfile
+        >>> from fnloop.checkpoint import path_for, save
+        >>> template = TrainState(max_iter=500, rng=7)
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     fresh = resume(d, like=template)
+        ...     _ = save(attrs.evolve(template, max_iter=200, iteration=200), path_for(d, 200))
+        ...     with warnings.catch_warnings(record=True) as caught:
+        ...         warnings.simplefilter("always")
+        ...         resumed = resume(d, like=template)
+        >>> fresh is template, resumed.iteration, resumed.max_iter, caught[0].category.__name__
+        (True, 200, 500, 'RunChanged')
+    """
+    if type(like) is not TrainState:
+        raise TypeError(f"resume() expected like= a fnloop.TrainState, got {like!r:.80}.")
+    saved = latest(directory, like=like)
+    if saved is None:
+        return like
+    where = f"{directory} holds a run at iteration {saved.iteration}"
+    if saved.rng != like.rng:
+        raise CheckpointMismatch(
+            f"{where} seeded {saved.rng}, but the template is seeded {like.rng}: under another seed it "
+            f"would be another run. Build the template with seed={saved.rng} to resume it, or give the "
+            "new run another directory."
+        )
+    if saved.max_iter == like.max_iter:
+        return saved
+    if saved.iteration > like.max_iter:
+        raise CheckpointMismatch(
+            f"{where}, past the template's max_iter={like.max_iter}: a run cannot end before the steps "
+            f"it took. Build the template with max_iter >= {saved.iteration} to resume it, or give the "
+            "new run another directory."
+        )
+    warnings.warn(
+        f"{where} with max_iter={saved.max_iter}; it continues to the template's max_iter={like.max_iter}. "
+        f"A schedule spanning max_iter is built from the code, so it spans the template's {like.max_iter} "
+        f"steps. To keep the run as it was, build the template with max_iter={saved.max_iter}.",
+        RunChanged,
+        stacklevel=2,
+    )
+    return attrs.evolve(saved, max_iter=like.max_iter)
