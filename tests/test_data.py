@@ -68,9 +68,13 @@ def epoch_indices(stream: Batches, epoch: int) -> list[int]:
 
 
 def test_doctests():
-    result = doctest.testmod(fnloop.data)
-    assert result.attempted > 0
-    assert result.failed == 0
+    import fnloop.data._batches
+    import fnloop.data._resumable
+
+    for module in (fnloop.data._batches, fnloop.data._resumable):
+        result = doctest.testmod(module)
+        assert result.attempted > 0, module
+        assert result.failed == 0, module
 
 
 # ---------------------------------------------------------------- shape of a stream

@@ -14,7 +14,7 @@ from fnloop._core.combinators import Hook, chain, checked, returned, state_names
 from fnloop._core.phase import Phase
 from fnloop._core.plan import call, plan
 from fnloop._core.state import Effect, TrainState, Unclaimed, replace
-from fnloop.data import DataRestarts, restarts
+from fnloop._core.stream import stream as _stream
 
 __all__ = ["BatchesExhausted", "Preempted", "Step", "UnclaimedHookState", "run", "scan"]
 
@@ -133,16 +133,6 @@ def _start(state: object, step: object, hooks: Sequence[Hook | None] | None, deb
         raise TypeError(f"run() expected a sequence of hooks, got a single hook {hooks!r:.80}; pass [hook].")
     hook = chain(*hooks)
     return checked(hook) if debug else hook
-
-
-def _stream(batches: Iterable[Any], state: TrainState) -> tuple[Iterator[Any], bool]:
-    iter_from = getattr(batches, "iter_from", None)
-    if iter_from is not None:
-        return iter_from(state.data), True
-    restart = restarts(batches, state.iteration, state.max_iter)
-    if restart is not None:
-        warnings.warn(restart, DataRestarts, stacklevel=4)
-    return iter(batches), False
 
 
 def _drop_unclaimed(state: TrainState, hook: Hook) -> TrainState:
