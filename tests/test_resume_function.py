@@ -58,7 +58,8 @@ def test_the_warning_says_a_schedule_spans_the_templates_length(tmp_path):
     template = fl.TrainState(max_iter=50)
     fl.save(attrs.evolve(template, max_iter=20, iteration=20), fl.checkpoint.path_for(tmp_path, 20))
     with pytest.warns(
-        RunChanged, match=r"schedule spanning max_iter is built from the code, so it spans the template's 50 steps"
+        RunChanged,
+        match=r"schedule spanning max_iter is built from the code, so it spans the template's 50 steps",
     ):
         fl.checkpoint.resume(tmp_path, like=template)
     with pytest.warns(RunChanged, match=r"To keep the run as it was, build the template with max_iter=20\."):
