@@ -29,6 +29,7 @@ from fnloop._core.tree import first_difference, leaves
 
 __all__ = [
     "Fail",
+    "InjectedFailure",
     "Tag",
     "assert_identical",
     "without_clock",

@@ -191,3 +191,22 @@ def test_bad_arguments_are_refused(kwargs, error, message):
         early_stop("val_loss", **kwargs)
     with pytest.raises(TypeError, match=r"'metric' must be a metric name"):
         early_stop("", patience=2)
+
+
+def test_a_stopped_run_stays_stopped_when_resumed_under_its_original_max_iter(tmp_path):
+    # The saved state's max_iter was lowered by the stop; the template still says 20.
+    values = [3.0, 2.0, 2.5, 2.6, 2.7, 1.0, 0.5] + [0.1] * 20
+
+    def step(state, batch):
+        return fl.record(state, val=values[state.iteration])
+
+    template = TrainState(max_iter=20)
+    hooks = [early_stop("val", patience=3), fl.hooks.checkpoint(tmp_path, keep=None)]
+    batches = fl.data.resumable([None] * 20)
+    stopped = fl.run(template, step, batches, hooks)
+    assert stopped.iteration == stopped.max_iter == 5
+    with pytest.warns(fl.checkpoint.RunChanged):
+        resumed = fl.checkpoint.resume(tmp_path, like=template)
+    assert resumed.max_iter == 20
+    final = fl.run(resumed, step, batches, hooks)
+    assert final.iteration == final.max_iter == 5  # ended at once: no value 1.0 ever seen

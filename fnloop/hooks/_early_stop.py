@@ -76,6 +76,10 @@ class _EarlyStop:
     def __call__(
         self, state: TrainState, phase: Phase, memory: EarlyStopState
     ) -> tuple[TrainState, EarlyStopState]:
+        if phase is Phase.BEFORE_TRAIN and 0 <= memory.stopped_at < state.iteration:
+            # A stopped run stays stopped: resumed under a template with the original max_iter
+            # (fnloop.checkpoint.resume), it ends at once instead of training on.
+            return attrs.evolve(state, max_iter=state.iteration), memory
         if phase is Phase.AFTER_TRAIN:
             never = memory.seen < 0 and self.metric not in state.metrics.series
             if never and state.iteration == state.max_iter:
@@ -132,7 +136,10 @@ def early_stop(
     counts every value recorded since (those still in the metrics window).
 
     Its memory (``state.hooks[name]``, an ``EarlyStopState``) says why the run
-    stopped and survives a resume. If a successful run never recorded
+    stopped and survives a resume. A run it stopped stays stopped: resumed
+    (say by ``fnloop.checkpoint.resume`` under the template's larger
+    ``max_iter``), it ends at ``BEFORE_TRAIN``; to train on, give the hook
+    another ``name`` (a fresh state). If a successful run never recorded
     ``metric``, it warns (``MetricNeverRecorded``) at ``AFTER_TRAIN``.
 
     Args:
