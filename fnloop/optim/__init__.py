@@ -27,6 +27,7 @@ from fnloop.optim._base import (
     learning_rates,
 )
 from fnloop.optim._combining import chain, partition
+from fnloop.optim._learning_rate import scale_by_learning_rate
 from fnloop.optim._optimizers import adam, adamw, exclude_bias_and_norm, sgd
 from fnloop.optim._schedules import (
     constant,
@@ -44,7 +45,6 @@ from fnloop.optim._transforms import (
     add_decayed_weights,
     clip_by_global_norm,
     scale_by_adam,
-    scale_by_learning_rate,
     trace,
 )
 

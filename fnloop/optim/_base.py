@@ -10,11 +10,14 @@ be traced by ``torch.compile(fullgraph=True)``: states are dicts, tuples and
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple, Protocol, TypeAlias, runtime_checkable
 
 import attrs
 import torch
+
+from fnloop._core.messages import got
 
 __all__ = [
     "EmptyState",
@@ -254,3 +257,14 @@ class Optimizer:
 
     def __repr__(self) -> str:
         return f"Optimizer({self.transform!r})"
+
+
+def _number(name: str, value: object, *, low: float = 0.0, below: float | None = None) -> float:
+    """``value`` as a float, checked to lie in ``[low, below)``; the error names ``name``."""
+    if type(value) not in (int, float) or not math.isfinite(value):  # type: ignore[arg-type]
+        raise TypeError(f"'{name}' must be a finite float ({got(value)}).")
+    value = float(value)  # type: ignore[arg-type]
+    if value < low or (below is not None and value >= below):
+        upper = f" and below {below}" if below is not None else ""
+        raise ValueError(f"'{name}' must be at least {low}{upper} (got {value!r}).")
+    return value

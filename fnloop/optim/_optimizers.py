@@ -10,15 +10,10 @@ from collections.abc import Callable
 
 import torch
 
-from fnloop.optim._base import GradientTransformation, LearningRate, Optimizer
+from fnloop.optim._base import GradientTransformation, LearningRate, Optimizer, _number
 from fnloop.optim._combining import chain
-from fnloop.optim._transforms import (
-    _number,
-    add_decayed_weights,
-    scale_by_adam,
-    scale_by_learning_rate,
-    trace,
-)
+from fnloop.optim._learning_rate import scale_by_learning_rate
+from fnloop.optim._transforms import add_decayed_weights, scale_by_adam, trace
 
 __all__ = ["adam", "adamw", "exclude_bias_and_norm", "sgd"]
 

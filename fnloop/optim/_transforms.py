@@ -8,19 +8,17 @@ shapes, configuration), never on a tensor's value, so it traces into one graph.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import attrs
 import torch
 
-from fnloop._core.messages import got
 from fnloop.optim._base import (
     EmptyState,
     GradientTransformation,
-    LearningRate,
     Params,
+    _number,
     check_keys,
     describe,
     first_device,
@@ -34,72 +32,10 @@ __all__ = [
     "add_decayed_weights",
     "clip_by_global_norm",
     "scale_by_adam",
-    "scale_by_learning_rate",
     "trace",
 ]
 
 _STATE_FIX = "Pass the state that init() or the previous update() returned for these params."
-
-
-def _number(name: str, value: object, *, low: float = 0.0, below: float | None = None) -> float:
-    """``value`` as a float, checked to lie in ``[low, below)``; the error names ``name``."""
-    if type(value) not in (int, float) or not math.isfinite(value):  # type: ignore[arg-type]
-        raise TypeError(f"'{name}' must be a finite float ({got(value)}).")
-    value = float(value)  # type: ignore[arg-type]
-    if value < low or (below is not None and value >= below):
-        upper = f" and below {below}" if below is not None else ""
-        raise ValueError(f"'{name}' must be at least {low}{upper} (got {value!r}).")
-    return value
-
-
-# torch's schedulers and the fnloop schedule that gives the same learning rates.
-_EQUIVALENTS = {
-    "CosineAnnealingLR": "fnloop.optim.cosine(base, max_iter=T_max, final=eta_min)",
-    "StepLR": "fnloop.optim.multistep(base, milestones=(step_size, 2 * step_size, ...), gamma=gamma)",
-    "MultiStepLR": "fnloop.optim.multistep(base, milestones, gamma=gamma)",
-    "LinearLR": "fnloop.optim.linear_warmup(base, warmup_iters=total_iters, start_factor=start_factor)",
-    "ConstantLR": "fnloop.optim.warmup(fnloop.optim.constant(base), total_iters, factor=factor, "
-    "method='constant')",
-}
-
-_SCHEDULES = (
-    "fnloop schedules are functions of the iteration, traced into the step: fnloop.optim.cosine(...), "
-    "warmup(...), multistep(...), linear_warmup(...), constant(...), or any function of the 0-d "
-    "iteration tensor"
-)
-
-
-def _torch_lr_mistake(lr: object) -> str | None:
-    """Why ``lr``, a torch scheduler or optimizer, is no learning rate, and the fix; ``None`` otherwise."""
-    kind = type(lr)
-    if isinstance(lr, torch.optim.Optimizer):
-        return (
-            f"'lr' must be a float or a fnloop schedule, not a torch.optim.{kind.__name__}; "
-            "fnloop's optimizers take the learning rate itself, e.g. fnloop.optim.adamw(1e-3). "
-            f"{_SCHEDULES}."
-        )
-    schedulers = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
-    if not isinstance(lr, schedulers):
-        return None
-    same = _EQUIVALENTS.get(kind.__name__)
-    here = f" Here: {same}." if same else ""
-    return (
-        f"'lr' must be a float or a fnloop schedule, not a torch.optim.lr_scheduler.{kind.__name__}: "
-        f"a torch scheduler changes a torch optimizer in place, and fnloop has none to change. "
-        f"{_SCHEDULES}.{here}"
-    )
-
-
-def check_lr(lr: object) -> LearningRate:
-    """``lr`` as a float or a schedule; raise if it is neither or is negative."""
-    if (mistake := _torch_lr_mistake(lr)) is not None:
-        raise TypeError(mistake)
-    if isinstance(lr, torch.Tensor):
-        raise TypeError(
-            f"'lr' must be a float or a schedule, not a tensor (got {lr!r}). A tensor would "
-            "be baked into the compiled graph; use a float, or fnloop.optim.constant(value)."
-        )
-    return lr if callable(lr) else _number("lr", lr)  # type: ignore[return-value]
 
 
 class ClipByGlobalNormState(NamedTuple):
@@ -381,58 +317,3 @@ def scale_by_adam(betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) 
     b1 = _number("betas[0]", betas[0], below=1.0)
     b2 = _number("betas[1]", betas[1], below=1.0)
     return _ScaleByAdam(b1, b2, _number("eps", eps))
-
-
-def _scheduled(schedule: Callable[[torch.Tensor], Any], iteration: torch.Tensor) -> Any:
-    """``schedule(iteration)``, refused unless it is one number (a 0-d tensor, or a float)."""
-    value = schedule(iteration)
-    if isinstance(value, torch.Tensor) and value.dim() != 0:
-        raise TypeError(
-            f"the schedule {schedule!r:.80} must return a 0-d tensor, got one of shape "
-            f"{tuple(value.shape)}; a learning rate is one number per step (return a 0-d tensor, e.g. "
-            "torch.where(...) of 0-d tensors, or .reshape(()) a one-element result)."
-        )
-    return value
-
-
-@attrs.frozen(repr=False)
-class _ScaleByLearningRate:
-    lr: LearningRate
-
-    def init(self, params: Params, /) -> EmptyState:
-        return EmptyState()
-
-    def update(
-        self, updates: Params, state: EmptyState, params: Params, iteration: torch.Tensor, /
-    ) -> tuple[Params, EmptyState]:
-        step = -_scheduled(self.lr, iteration) if callable(self.lr) else -self.lr
-        return {k: u * step for k, u in updates.items()}, state
-
-    def learning_rates(self, iteration: torch.Tensor, /) -> dict[str, torch.Tensor | float]:
-        return {"lr": _scheduled(self.lr, iteration) if callable(self.lr) else self.lr}
-
-    def __repr__(self) -> str:
-        return f"scale_by_learning_rate({self.lr!r})"
-
-
-def scale_by_learning_rate(lr: LearningRate) -> GradientTransformation:
-    """Multiply updates by ``-lr``, turning a descent direction into a step.
-
-    Args:
-        lr: a non-negative float, or a schedule mapping the 0-d iteration
-            tensor to the learning rate of that step.
-
-    Returns:
-        A stateless transformation (its state is ``EmptyState()``).
-
-    Raises:
-        TypeError: ``lr`` is neither a number nor callable.
-        ValueError: ``lr`` is negative.
-
-    Examples:
-        >>> from fnloop.optim import constant
-        >>> s = scale_by_learning_rate(constant(0.5))
-        >>> s.update({"w": torch.ones(1)}, s.init({}), {}, torch.tensor(3))[0]
-        {'w': tensor([-0.5000])}
-    """
-    return _ScaleByLearningRate(check_lr(lr))
