@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 from fnloop._core.combinators import Hook, chain, checked, returned, state_names
-from fnloop._core.messages import got
+from fnloop._core.messages import a_type
 from fnloop._core.phase import Phase
 from fnloop._core.plan import call, plan
 from fnloop._core.state import Effect, TrainState, Unclaimed, replace
@@ -226,7 +226,7 @@ def _fold(
             mixed = apply is donating
             if type(new) is not TrainState:
                 raise TypeError(
-                    f"step {step!r:.80} returned a value at iteration {i} ({got(new)}); "
+                    f"step {step!r:.80} returned {new!r:.80} ({a_type(new)}) at iteration {i}; "
                     "a step must return a TrainState."
                 )
             now = clock()

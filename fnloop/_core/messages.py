@@ -12,9 +12,18 @@ def got(value: object) -> str:
         >>> got(-1), got("x")
         ('got -1 that is an int', "got 'x' that is a str")
     """
+    return f"got {value!r:.80} that is {a_type(value)}"
+
+
+def a_type(value: object) -> str:
+    """``a(n) <type>`` of ``value``, with the article right.
+
+    Examples:
+        >>> a_type(1), a_type("x")
+        ('an int', 'a str')
+    """
     name = type(value).__name__
-    article = "an" if name[:1].lower() in "aeiou" else "a"
-    return f"got {value!r:.80} that is {article} {name}"
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
 
 
 # The attrs validators most records share; a record-specific one lives beside its record.
