@@ -1,8 +1,8 @@
 """The learning rate: the stage that scales updates by it, and the check of what is given as one.
 
-Each state record sits right above the factory whose transformation keeps it.
-Every ``update`` is out of place and branches only on static facts (names,
-shapes, configuration), never on a tensor's value, so it traces into one graph.
+A learning rate is a number or a schedule (``fnloop.optim.cosine`` and the
+like, computed inside the graph from the iteration tensor); a torch scheduler
+or optimizer given in its place is refused with the fnloop equivalent.
 """
 
 from __future__ import annotations
