@@ -252,11 +252,13 @@ def train_step(
     traced once, like ``jax.jit``, into one graph that inductor compiles; each
     call then checks only the inputs' structure, shapes, strides, dtypes and
     devices. Python in ``loss_fn`` runs once, at trace time. The iteration
-    enters as a 0-d tensor, so schedules never recompile. The loss, the
-    learning rate the optimizer applied (``lr``, or ``lr/<group>`` for a
-    ``partition``) and the metrics ``loss_fn`` returns are recorded in
-    ``state.metrics`` as tensors, at the step's index. Randomness (dropout) is seeded from ``(state.rng, iteration)``
-    for each step, so a step replays identically after a resume.
+    enters as a 0-d tensor, so schedules never recompile. The loss and the
+    metrics ``loss_fn`` returns are recorded in ``state.metrics`` as tensors,
+    at the step's index, and so is the learning rate the optimizer applied
+    (``lr``, or ``lr/<group>`` for a ``partition``): a schedule's value as a
+    tensor from the graph, a fixed learning rate as its float. Randomness
+    (dropout) is seeded from ``(state.rng, iteration)`` for each step, so a
+    step replays identically after a resume.
 
     Args:
         model: the module; only its structure and forward are used, never its tensors.
