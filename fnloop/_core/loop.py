@@ -108,6 +108,14 @@ _TORN = (
 )
 
 
+def _name_rank(exc: BaseException) -> None:
+    from fnloop.distributed import rank, world_size
+
+    size = world_size()
+    if size > 1 and not isinstance(exc, (SystemExit, KeyboardInterrupt)):
+        exc.add_note(f"fnloop: raised on rank {rank()} of {size}.")
+
+
 def _interruption(signum: int) -> BaseException:
     return KeyboardInterrupt() if signum == signal.SIGINT else Preempted(signum)
 
@@ -153,6 +161,15 @@ def _drop_unclaimed(state: TrainState, hook: Hook) -> TrainState:
 
 class UnclaimedHookState(UserWarning):
     """A hook state from a checkpoint that no hook of the run owns; it is dropped."""
+
+
+def _performs(effects: bool) -> bool:
+    """Whether this process performs effects: asked for, and rank 0 of a data-parallel run."""
+    from fnloop.distributed import rank, world_size
+
+    if world_size() > 1 and rank() != 0:
+        return False
+    return effects
 
 
 def _perform(effects: tuple[Effect, ...], began: TrainState, ended: TrainState) -> None:
@@ -254,6 +271,7 @@ def _fold(
         if stop is not None and stop.signum is not None:
             raise _interruption(stop.signum)
     except BaseException as exc:
+        _name_rank(exc)
         torn = mixed or getattr(exc, "torn", False)
         if torn:
             # The state was being overwritten in place when this failed (in the
@@ -316,7 +334,7 @@ def scan(
         [1, 2, 2]
     """
     hook = _start(state, step, hooks, debug)
-    return _fold(state, step, batches, hook, clock, effects, donate=False)
+    return _fold(state, step, batches, hook, clock, _performs(effects), donate=False)
 
 
 def run(
@@ -373,7 +391,7 @@ def run(
     hook = _start(state, step, hooks, debug)
     final: Any = None
     with _signals(signals) as stop:
-        fold = _fold(state, step, batches, hook, clock, effects, True, stop, donate_input)
+        fold = _fold(state, step, batches, hook, clock, _performs(effects), True, stop, donate_input)
         # Only the fold (and the caller, if it kept it) holds the input now.
         del state
         for final in fold:  # noqa: B007

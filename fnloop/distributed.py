@@ -1,0 +1,123 @@
+"""Data parallel on ``torch.distributed``: the same script on one process or under ``torchrun``.
+
+fnloop uses PyTorch's own engine and nothing of its own: ``torchrun`` starts
+the processes, ``torch.distributed`` connects them (gloo on CPU, NCCL on GPU),
+and the compiled step averages the gradients across ranks with functional
+collectives inside its one graph. Every rank holds the whole state, identical
+by construction; rank 0 alone performs effects (checkpoints, writers, the
+progress bar).
+
+A script needs no change: under ``torchrun`` (its environment variables set,
+``WORLD_SIZE`` above 1) the first of ``fl.init``, ``fl.train_step``,
+``fl.data.batches``, ``fl.run`` or ``fl.checkpoint.resume`` to run joins the
+process group, unless the script has done so itself. ``setup`` does it
+explicitly, with a timeout of your choice.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DEFAULT_TIMEOUT", "device", "is_main", "rank", "setup", "world_size"]
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
+"""How long a collective waits for the other ranks before it fails (a rank died or hangs)."""
+
+
+def _launched() -> bool:
+    """Whether this process was started by ``torchrun`` (or a launcher setting the same variables)."""
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+    except ValueError:
+        return False
+
+
+def setup(*, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> None:
+    """Join the process group that ``torchrun`` describes in the environment; nothing otherwise.
+
+    The backend is gloo for CPU tensors and NCCL for CUDA ones (PyTorch's
+    default); on a machine with GPUs this process's device becomes
+    ``cuda:LOCAL_RANK``. A process group the script initialized itself is
+    used as it is. Called for you by ``fl.init``, ``fl.train_step``,
+    ``fl.data.batches``, ``fl.run`` and ``fl.checkpoint.resume``; call it
+    first to choose ``timeout``.
+
+    Args:
+        timeout: how long a collective waits for the other ranks before it
+            fails, so that one rank's death stops the others within that time.
+
+    Examples:
+        >>> setup()  # a single process: nothing to join
+        >>> rank(), world_size(), is_main()
+        (0, 1, True)
+    """
+    if not isinstance(timeout, datetime.timedelta):
+        raise TypeError(f"setup(timeout=...) expects a datetime.timedelta, got {timeout!r:.80}.")
+    if not dist.is_available() or dist.is_initialized() or not _launched():
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(timeout=timeout)
+
+
+def _group() -> Any:
+    """The process group the step averages over, or ``None`` in a single process."""
+    setup()
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.group.WORLD
+    return None
+
+
+def rank() -> int:
+    """This process's rank (0 in a single process)."""
+    setup()
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    """How many processes train together (1 in a single process)."""
+    setup()
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def is_main() -> bool:
+    """Whether this process is rank 0, the one that performs effects."""
+    return rank() == 0
+
+
+def device() -> torch.device:
+    """The device this rank trains on: ``cuda:LOCAL_RANK`` on a machine with GPUs, else the CPU.
+
+    Examples:
+        >>> device().type in ("cpu", "cuda")
+        True
+    """
+    setup()
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def broadcast_tensors(tensors: list[torch.Tensor]) -> None:
+    """Overwrite each tensor with rank 0's value, in place (no-op in a single process)."""
+    group = _group()
+    if group is None:
+        return
+    with torch.no_grad():
+        for tensor in tensors:
+            dist.broadcast(tensor, src=0, group=group)
+
+
+def broadcast_object(value: Any) -> Any:
+    """Rank 0's ``value`` on every rank (pickled; for small values such as a path)."""
+    group = _group()
+    if group is None:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
