@@ -1,6 +1,6 @@
 """fnloop: a training loop for PyTorch in which the whole run is a value."""
 
-from fnloop import checkpoint, data, hooks, optim, replay, writers
+from fnloop import checkpoint, data, distributed, hooks, optim, replay, writers
 from fnloop._core.combinators import (
     Hook,
     chain,
@@ -44,6 +44,7 @@ __all__ = [
     "checkpoint",
     "checked",
     "data",
+    "distributed",
     "eval_step",
     "every",
     "hook_state",

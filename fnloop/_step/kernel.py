@@ -12,6 +12,7 @@ from torch.utils import _pytree as pytree
 
 from fnloop._step.errors import _NUMBER_METRIC, GraphBreakError, _number
 from fnloop._step.jit import Flat, Jit, unflatten_batch
+from fnloop.distributed import _group
 from fnloop.optim import Optimizer, learning_rates
 
 __all__ = ["LossFn"]
@@ -101,6 +102,9 @@ def _kernel(
             grads = {k: v / accumulate for k, v in grads.items()}
             loss = torch.stack(losses).mean()
             metrics = {k: torch.stack([m[k] for m in parts]).float().mean() for k in parts[0]}
+        group = _group()
+        if group is not None:  # data parallel: every rank gets the same averages, inside the graph
+            grads, loss, metrics, new_buffers = _averaged(grads, loss, metrics, new_buffers, group)
         new_params, new_opt_state = optimizer.update(grads, opt_state, params, iteration)
         finite = _all_finite(loss, grads)
         # Donation: the new values go into the input storage, so the compiled
@@ -117,6 +121,46 @@ def _kernel(
         return loss, finite, {**rates, **{k: v.detach() for k, v in metrics.items()}}
 
     return kernel
+
+
+def _averaged(
+    grads: dict[str, torch.Tensor],
+    loss: torch.Tensor,
+    metrics: dict[str, torch.Tensor],
+    buffers: dict[str, torch.Tensor],
+    group: Any,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Gradients, loss, metrics and floating buffers averaged over the ranks of ``group``.
+
+    One all-reduce per dtype over all of them put end to end: a step pays the
+    collective's latency once, and every rank receives the same bytes, so the
+    replicas stay identical. Floating buffers (BatchNorm's running statistics)
+    are averaged too; integer ones (counters) agree already.
+    """
+    import torch.distributed._functional_collectives as funcol
+
+    size = torch.distributed.get_world_size(group)
+    named = {
+        **{("g", k): v for k, v in grads.items()},
+        ("l", ""): loss,
+        **{("m", k): v.float() for k, v in metrics.items()},
+        **{("b", k): v for k, v in buffers.items() if v.is_floating_point()},
+    }
+    by_dtype: dict[torch.dtype, list[tuple[Any, torch.Tensor]]] = {}
+    for key, value in named.items():
+        by_dtype.setdefault(value.dtype, []).append((key, value))
+    out: dict[Any, torch.Tensor] = {}
+    for entries in by_dtype.values():
+        flat = torch.cat([v.reshape(-1) for _, v in entries])
+        flat = funcol.all_reduce(flat, "sum", group) / size
+        for (key, value), part in zip(entries, flat.split([v.numel() for _, v in entries])):
+            out[key] = part.view(value.shape)
+    return (
+        {k: out["g", k] for k in grads},
+        out["l", ""],
+        {k: out["m", k] for k in metrics},
+        {k: out.get(("b", k), v) for k, v in buffers.items()},
+    )
 
 
 def _jit_kernel(kernel: Callable[..., Any], budget: int, options: Mapping[str, Any] | None) -> Jit:

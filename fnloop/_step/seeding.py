@@ -13,14 +13,23 @@ __all__ = ["step_seed"]
 _MASK = (1 << 64) - 1
 
 
-def step_seed(seed: int, iteration: int) -> int:
-    """The seed of step ``iteration`` of a run seeded ``seed`` (splitmix64 of the pair).
+def step_seed(seed: int, iteration: int, rank: int = 0) -> int:
+    """The seed of step ``iteration`` of a run seeded ``seed``, on ``rank`` (splitmix64 of the three).
+
+    Rank 0 draws what a single process draws; each other rank draws its own
+    numbers (dropout masks differ across ranks, as their data does).
 
     Examples:
-        >>> step_seed(0, 1) != step_seed(1, 0)
+        >>> step_seed(0, 1) != step_seed(1, 0) != step_seed(0, 1, rank=1)
         True
     """
+    if rank:
+        seed = _finalize((seed * 0x9E3779B97F4A7C15 + rank) & _MASK)
     z = (seed * 0x9E3779B97F4A7C15 + iteration + 1) & _MASK
+    return _finalize(z)
+
+
+def _finalize(z: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
     return (z ^ (z >> 31)) & ((1 << 63) - 1)
@@ -33,13 +42,13 @@ def _generator(device: torch.device) -> torch.Generator:
 
 
 @contextlib.contextmanager
-def _seeded(device: torch.device, seed: int, iteration: int) -> Iterator[None]:
+def _seeded(device: torch.device, seed: int, iteration: int, rank: int = 0) -> Iterator[None]:
     """The device's generator seeded for step ``iteration``, and put back as it was after."""
     # torch.manual_seed seeds every device (~110 us); one generator's own
     # manual_seed costs ~1 us.
     generator = _generator(device)
     saved = generator.get_state()
-    generator.manual_seed(step_seed(seed, iteration))
+    generator.manual_seed(step_seed(seed, iteration, rank))
     try:
         yield
     finally:

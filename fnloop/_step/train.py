@@ -27,6 +27,7 @@ from fnloop._step.jit import Entry, Jit, OverBudget, TraceError, flatten_batch
 from fnloop._step.kernel import LossFn, _cloned, _device, _jit_kernel, _kernel, _leaf_name
 from fnloop._step.pool import ScalarPool
 from fnloop._step.seeding import _seeded
+from fnloop.distributed import broadcast_tensors, rank
 from fnloop.optim import Optimizer
 from fnloop.optim._base import fixed_learning_rates
 
@@ -70,6 +71,8 @@ def init(
         raise ValueError(f"'seed' must be a non-negative int ({got(seed)}).")
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    # Data parallel: every rank starts from rank 0's initialization, as DistributedDataParallel does.
+    broadcast_tensors([*params.values(), *buffers.values()])
     return TrainState(
         max_iter=max_iter,
         params=params,
@@ -101,6 +104,8 @@ class TrainStep:
     """Skip non-finite steps and count them (metric ``skipped``) instead of raising ``NonFiniteLoss``."""
     fixed: dict[str, float] = attrs.field(factory=dict)
     """The optimizer's fixed learning rates, recorded every step as numbers (no graph output)."""
+    rank: int = 0
+    """This process's rank under torch.distributed: dropout draws differ per rank."""
     _counters: dict[torch.device, torch.Tensor] = attrs.field(factory=dict)
     _opt_cache: list[Any] = attrs.field(factory=list)
     # The recorded loss and metrics live in long-lived homes: see fnloop/_step/pool.py.
@@ -141,7 +146,7 @@ class TrainStep:
         jit = self.jit
         try:
             if jit is None:
-                with _seeded(device, state.rng, i):
+                with _seeded(device, state.rng, i, self.rank):
                     loss, finite, metrics = self.function(params, buffers, opt_state, iteration, batch)
             else:
                 tensors, batch_structure = flatten_batch(batch)
@@ -149,7 +154,7 @@ class TrainStep:
                 flat = [*donated, iteration, *tensors]
                 entry = self._entry(jit, structure, flat, i)
                 if entry.random:
-                    with _seeded(device, state.rng, i):
+                    with _seeded(device, state.rng, i, self.rank):
                         outputs = entry.compiled(*flat)
                 else:  # no random op in the graph: the generator need not be touched
                     outputs = entry.compiled(*flat)
@@ -316,7 +321,7 @@ def train_step(
     if type(skip_nonfinite) is not bool:
         raise TypeError(f"'skip_nonfinite' must be a bool ({got(skip_nonfinite)}).")
     fixed = fixed_learning_rates(optimizer)
-    step = TrainStep(model, loss_fn, optimizer, recompiles, kernel, jit, skip_nonfinite, fixed)
+    step = TrainStep(model, loss_fn, optimizer, recompiles, kernel, jit, skip_nonfinite, fixed, rank())
     return step if donate else _Undonated(step)
 
 

@@ -324,12 +324,47 @@ def latest(directory: StrPath, *, like: TrainState) -> TrainState | None:
     """
     if type(like) is not TrainState:
         raise TypeError(f"latest() expected like= a fnloop.TrainState, got {like!r:.80}.")
+    from fnloop.distributed import broadcast_object, rank, world_size
+
+    if world_size() == 1:
+        return _newest(directory, like)[1]
+    # Data parallel: rank 0 chooses (a save may be in flight), and every rank loads that file.
+    found: TrainState | None = None
+    chosen: tuple[str, Any] = ("none", None)
+    if rank() == 0:
+        try:
+            path, found = _newest(directory, like)
+            if path is not None:
+                chosen = ("path", os.fspath(path))
+        except BaseException as exc:
+            chosen = ("error", exc)
+            broadcast_object(chosen)
+            raise
+    kind, value = broadcast_object(chosen)
+    if rank() == 0:
+        return found
+    if kind == "error":
+        raise value
+    if kind == "none":
+        return None
+    try:
+        return load(value, like=like)
+    except CheckpointError as exc:
+        exc.add_note(
+            f"rank 0 chose {value}; every rank loads the file rank 0 chose, so a run on several "
+            "machines needs its checkpoint directory on a filesystem they share."
+        )
+        raise
+
+
+def _newest(directory: StrPath, like: TrainState) -> tuple[Path | None, TrainState | None]:
+    """The newest checkpoint of ``directory`` that loads, and its path; damaged ones skipped."""
     for path in checkpoints(directory):
         try:
-            return load(path, like=like)
+            return path, load(path, like=like)
         except DamagedCheckpoint as exc:
-            warnings.warn(f"skipping a damaged checkpoint: {exc}", CheckpointWarning, stacklevel=2)
-    return None
+            warnings.warn(f"skipping a damaged checkpoint: {exc}", CheckpointWarning, stacklevel=3)
+    return None, None
 
 
 def read_raw(path: StrPath) -> tuple[dict[str, str], Any]:

@@ -339,10 +339,9 @@ def _cursor(cursor: object, where: str, owner: str = "Batches") -> int:
 
 
 def _distributed() -> tuple[int, int]:
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    from fnloop.distributed import rank, world_size
+
+    return rank(), world_size()
 
 
 def batches(

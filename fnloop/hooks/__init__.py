@@ -1,5 +1,6 @@
 """Ready-made hooks: see a run (timer, log, progress, memory, profile), steer it (evaluate,
-early_stop, ema, precise_bn) and keep it (checkpoint, best_checkpoint).
+early_stop, ema, precise_bn), keep it (checkpoint, best_checkpoint) and check a data-parallel
+one (check_replicas).
 
 Combinators (``every``, ``on``, ...) live at the top level, ``fnloop.every``.
 """
@@ -13,6 +14,7 @@ from fnloop.hooks._memory import Memory, memory, peak_mib
 from fnloop.hooks._precise_bn import PreciseBNState, precise_bn
 from fnloop.hooks._profile import Profile, profile, trace_path
 from fnloop.hooks._progress import Progress, progress
+from fnloop.hooks._replicas import CheckReplicas, ReplicasDiverged, check_replicas
 from fnloop.hooks._timer import Timer, TimerState, timer
 from fnloop.hooks._unrecorded import MetricNeverRecorded
 
@@ -49,4 +51,8 @@ __all__ = [
     "progress",
     "timer",
     "trace_path",
+    # data parallel
+    "CheckReplicas",
+    "ReplicasDiverged",
+    "check_replicas",
 ]

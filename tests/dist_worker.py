@@ -1,0 +1,138 @@
+"""A tiny data-parallel run for the torchrun tests; the same script on one process or several.
+
+    torchrun --standalone --nproc_per_node=2 tests/dist_worker.py OUT RESULTS [options]
+    python tests/dist_worker.py OUT RESULTS [options]
+
+It resumes from ``OUT/ckpt`` (``fl.checkpoint.resume``), trains a small MLP
+with a schedule on fixed data (global batch 8), checkpoints and logs into
+``OUT`` (rank 0 alone performs effects), and when the run ends each rank
+saves what the test compares into ``RESULTS/rank{r}.pt`` (params, iteration,
+number of compiled graphs): outside ``OUT``, so that the test can check that
+only rank 0 wrote there.
+
+Options:
+    --max-iter N       steps in all (default 20)
+    --die-at I         every rank ends its process at once (os._exit) after step I: a kill
+    --raise-at I       rank --raise-rank raises at BEFORE_STEP of step I
+    --raise-rank R     (default 1)
+    --sigterm-at I     rank 0 sends SIGTERM to its launcher at AFTER_STEP of step I (a preemption)
+    --drift-at I       rank 1 nudges one weight at BEFORE_STEP of step I (replicas then differ)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+import fnloop as fl
+from fnloop import Phase, TrainState
+
+BATCH = 8
+ROWS = 64
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(ROWS, 6, generator=g), torch.randint(0, 3, (ROWS,), generator=g)
+
+
+def loss_fn(forward, batch):
+    x, y = batch
+    return torch.nn.functional.cross_entropy(forward(x), y)
+
+
+def optimizer() -> fl.optim.Optimizer:
+    return fl.optim.adamw(lr=fl.optim.warmup(fl.optim.cosine(1e-2, 40), 4))
+
+
+class At:
+    """A hook doing ``action`` once, at ``phase`` of step ``iteration``, on ``ranks``."""
+
+    def __init__(self, phase: Phase, iteration: int, ranks: set[int], action) -> None:
+        self.phase, self.iteration, self.ranks, self.action = phase, iteration, ranks, action
+
+    def __call__(self, state: TrainState, phase: Phase) -> TrainState:
+        if phase is self.phase and state.iteration == self.iteration and fl.distributed.rank() in self.ranks:
+            return self.action(state)
+        return state
+
+
+def die(state: TrainState) -> TrainState:
+    sys.stdout.flush()
+    os._exit(9)
+
+
+def fail(state: TrainState) -> TrainState:
+    raise RuntimeError(f"injected failure at iteration {state.iteration}")
+
+
+def preempt(state: TrainState) -> TrainState:
+    os.kill(os.getppid(), signal.SIGTERM)
+    return state
+
+
+def drift(state: TrainState) -> TrainState:
+    params = dict(state.params)
+    params["0.weight"] = params["0.weight"] + 1e-3
+    return fl.TrainState(**{**state.__dict__, "params": params})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("results")
+    parser.add_argument("--max-iter", type=int, default=20)
+    parser.add_argument("--die-at", type=int)
+    parser.add_argument("--raise-at", type=int)
+    parser.add_argument("--raise-rank", type=int, default=1)
+    parser.add_argument("--sigterm-at", type=int)
+    parser.add_argument("--drift-at", type=int)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+
+    net = model()
+    opt = optimizer()
+    template = fl.init(net, opt, seed=0, max_iter=args.max_iter)
+    state = fl.checkpoint.resume(f"{args.out}/ckpt", like=template)
+    step = fl.train_step(net, loss_fn, opt)
+    stream = fl.data.batches(data(), batch_size=BATCH, seed=3)
+    hooks = [
+        fl.every(5, fl.hooks.checkpoint(f"{args.out}/ckpt", keep=None)),
+        fl.every(5, fl.hooks.log(fl.writers.jsonl(f"{args.out}/metrics.jsonl"))),
+        fl.every(2, fl.hooks.check_replicas()),
+    ]
+    if args.die_at is not None:
+        hooks.append(At(Phase.AFTER_STEP, args.die_at, {0, 1}, die))
+    if args.raise_at is not None:
+        hooks.append(At(Phase.BEFORE_STEP, args.raise_at, {args.raise_rank}, fail))
+    if args.sigterm_at is not None:
+        hooks.append(At(Phase.AFTER_STEP, args.sigterm_at, {0}, preempt))
+    if args.drift_at is not None:
+        hooks.insert(0, At(Phase.BEFORE_STEP, args.drift_at, {1}, drift))
+    final = fl.run(state, step, stream, hooks)
+    results = Path(args.results)
+    results.mkdir(parents=True, exist_ok=True)
+    torch.save(
+        {
+            "params": final.params,
+            "iteration": final.iteration,
+            "compiles": step.compiles,
+            "world_size": fl.distributed.world_size(),
+            "loss": [float(v) for _, v in final.metrics.history("loss")],
+        },
+        results / f"rank{fl.distributed.rank()}.pt",
+    )
+
+
+if __name__ == "__main__":
+    main()

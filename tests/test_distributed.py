@@ -1,0 +1,141 @@
+"""Data parallel under torchrun (2 ranks, gloo, CPU) against one process: tests/dist_worker.py runs both."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+WORKER = str(Path(__file__).with_name("dist_worker.py"))
+LIMIT = 240
+"""Seconds any one launch may take (a cold compile on a busy 2-core machine included)."""
+
+
+def launch(tmp: Path, ranks: int, *options: str, limit: int = LIMIT) -> subprocess.CompletedProcess[str]:
+    """The worker on ``ranks`` processes (torchrun for 2, plain python for 1), writing into ``tmp``."""
+    runner = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+        if ranks > 1
+        else [sys.executable]
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [*runner, WORKER, str(tmp / "out"), str(tmp / "results"), *options],
+        capture_output=True,
+        text=True,
+        timeout=limit,
+        env=env,
+    )
+
+
+def results(tmp: Path, rank: int = 0) -> dict:
+    return torch.load(tmp / "results" / f"rank{rank}.pt")
+
+
+def ok(done: subprocess.CompletedProcess[str]) -> None:
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("two")
+    ok(launch(tmp, 2))
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("one")
+    ok(launch(tmp, 1))
+    return tmp
+
+
+def test_two_ranks_match_one_process_on_the_same_global_batches(two_ranks: Path, one_process: Path) -> None:
+    zero, one, single = results(two_ranks, 0), results(two_ranks, 1), results(one_process)
+    assert (zero["world_size"], single["world_size"]) == (2, 1)
+    assert zero["iteration"] == single["iteration"] == 20
+    for name, value in single["params"].items():
+        # Replicas are identical by construction; the mean over two halves matches the global mean.
+        assert torch.equal(zero["params"][name], one["params"][name]), name
+        torch.testing.assert_close(zero["params"][name], value, rtol=0, atol=1e-5)
+    # The recorded loss is the global batch's (averaged over the ranks), as one process records it.
+    torch.testing.assert_close(torch.tensor(zero["loss"]), torch.tensor(single["loss"]), rtol=0, atol=1e-5)
+
+
+def test_the_step_with_its_collective_is_one_graph_over_a_scheduled_run(two_ranks: Path) -> None:
+    assert results(two_ranks, 0)["compiles"] == results(two_ranks, 1)["compiles"] == 1
+
+
+def test_only_rank_zero_writes(two_ranks: Path, one_process: Path) -> None:
+    def listing(tmp: Path) -> list[str]:
+        return sorted(str(p.relative_to(tmp / "out")) for p in (tmp / "out").rglob("*"))
+
+    # Two ranks wrote exactly what one process writes: one set of checkpoints, one log, no duplicate.
+    assert listing(two_ranks) == listing(one_process)
+    assert "ckpt/ckpt-00000020.safetensors" in listing(two_ranks)
+    lines = (two_ranks / "out" / "metrics.jsonl").read_text().splitlines()
+    assert [line.split(",")[0] for line in lines] == [f'{{"iteration": {i}' for i in (5, 10, 15, 20)]
+
+
+def test_resume_under_two_ranks_is_bit_exact(tmp_path: Path, two_ranks: Path) -> None:
+    killed = launch(tmp_path, 2, "--die-at", "12")
+    assert killed.returncode != 0
+    saved = sorted(p.name for p in (tmp_path / "out" / "ckpt").glob("*.safetensors"))
+    assert saved == ["ckpt-00000005.safetensors", "ckpt-00000010.safetensors"]
+    ok(launch(tmp_path, 2))
+    for rank in (0, 1):
+        resumed, straight = results(tmp_path, rank), results(two_ranks, rank)
+        for name, value in straight["params"].items():
+            assert torch.equal(resumed["params"][name], value), (rank, name)
+
+
+def test_a_two_rank_checkpoint_resumes_on_one_process(tmp_path: Path, one_process: Path) -> None:
+    killed = launch(tmp_path, 2, "--die-at", "12")
+    assert killed.returncode != 0
+    ok(launch(tmp_path, 1))
+    resumed, straight = results(tmp_path), results(one_process)
+    # The same global batches from the cursor on; only float rounding differs from one process.
+    for name, value in straight["params"].items():
+        torch.testing.assert_close(resumed["params"][name], value, rtol=0, atol=1e-5)
+
+
+def test_a_rank_that_raises_ends_the_job_in_bounded_time(tmp_path: Path) -> None:
+    start = time.monotonic()
+    done = launch(tmp_path, 2, "--max-iter", "100000", "--raise-at", "6", limit=120)
+    took = time.monotonic() - start
+    assert done.returncode != 0
+    assert "injected failure at iteration 6" in done.stderr
+    assert "raised on rank 1 of 2" in done.stderr
+    assert took < 120
+    # Rank 0 saved the last consistent state on its way out; nothing of rank 1's reached the directory.
+    assert not (tmp_path / "results").exists()
+    assert any((tmp_path / "out" / "ckpt").glob("ckpt-*.safetensors"))
+
+
+def test_sigterm_checkpoints_once_and_every_rank_exits_non_zero(tmp_path: Path) -> None:
+    done = launch(tmp_path, 2, "--max-iter", "100000", "--sigterm-at", "7", limit=120)
+    assert done.returncode != 0
+    assert not (tmp_path / "results").exists()  # no rank finished normally
+    saved = sorted(p.name for p in (tmp_path / "out" / "ckpt").glob("*.safetensors"))
+    # The periodic checkpoint at 5, then one written on the way out, at the step the signal ended.
+    assert saved[0] == "ckpt-00000005.safetensors" and len(saved) == 2, saved
+    assert 8 <= int(saved[1][5:13]) <= 12
+
+
+def test_check_replicas_names_the_tensor_that_drifted(tmp_path: Path) -> None:
+    done = launch(tmp_path, 2, "--drift-at", "3", limit=120)
+    assert done.returncode != 0
+    assert "ReplicasDiverged" in done.stderr
+    assert "after step 3, rank 1 and rank 0 hold different params['0.weight']" in done.stderr
+
+
+@pytest.fixture(autouse=True)
+def _no_leftovers(tmp_path: Path):
+    yield
+    shutil.rmtree(tmp_path, ignore_errors=True)
