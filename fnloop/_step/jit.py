@@ -25,6 +25,9 @@ import attrs
 import torch
 from torch.utils import _pytree as pytree
 
+from fnloop._step.cache import CompileCache, default_cache, graph_key
+from fnloop._step.probes import remembered_probes
+
 __all__ = ["Entry", "Jit", "OverBudget", "TraceError", "flatten_batch", "unflatten_batch"]
 
 Flat = Callable[..., Sequence[torch.Tensor]]
@@ -91,8 +94,14 @@ def _signature(leaves: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
     return [(t.shape, t.stride(), t.dtype, t.device) for t in leaves]
 
 
-def _compile(function: Flat, leaves: list[torch.Tensor], options: Mapping[str, Any]) -> tuple[Flat, bool]:
-    """``function`` traced on ``leaves`` and compiled, and whether its graph draws random numbers."""
+def _compile(
+    function: Flat, leaves: list[torch.Tensor], options: Mapping[str, Any], cache: CompileCache | None = None
+) -> tuple[Flat, bool]:
+    """``function`` traced on ``leaves`` and compiled, and whether its graph draws random numbers.
+
+    With a ``cache``, the traced graph is looked up there first (see
+    ``fnloop/_step/cache.py``) and what inductor builds is kept there.
+    """
     import torch._inductor
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -112,9 +121,17 @@ def _compile(function: Flat, leaves: list[torch.Tensor], options: Mapping[str, A
     standalone = getattr(torch._inductor, "standalone_compile", None)
     if standalone is None:  # torch before 2.8: dynamo over the traced graph (flat inputs, cheap guards)
         compiled = torch.compile(graph, fullgraph=True, dynamic=False, options=dict(options))
-    else:
+        return compiled, random
+    with remembered_probes(None if cache is None else cache.directory):
+        key = None if cache is None else graph_key(graph, leaves, options)
+        if cache is not None and key is not None:
+            found = cache.load(key)
+            if found is not None:
+                return found, random
         with torch._inductor.config.patch(dict(options)):
             compiled = standalone(graph, leaves, dynamic_shapes="from_example_inputs")
+        if cache is not None and key is not None:
+            cache.save(key, compiled)
     return compiled, random
 
 
@@ -161,6 +178,15 @@ def unflatten_batch(tensors: Sequence[torch.Tensor], structure: Any) -> Any:
     return pytree.tree_unflatten([next(it) if leaf is _TENSOR else leaf for leaf in second], first)
 
 
+class _Default:
+    def __repr__(self) -> str:
+        return "DEFAULT"
+
+
+DEFAULT = _Default()
+"""``Jit``'s cache when none is given: ``default_cache()``, read when the ``Jit`` is made."""
+
+
 class Jit:
     """A flat function compiled once per signature; ``compiles`` counts the graphs built.
 
@@ -170,7 +196,10 @@ class Jit:
     its outputs, say): ``(f, context)`` with ``f(*tensors) -> list of
     tensors``. ``entry(structure, tensors)`` finds, or traces and compiles, the
     graph for that call: a new structure, or tensors of another shape,
-    strides, dtype or device, compile again.
+    strides, dtype or device, compile again. ``cache`` keeps compiled graphs
+    between processes (by default where ``$FNLOOP_CACHE_DIR`` says; ``None``
+    turns it off): a graph found there is loaded instead of compiled, and
+    still counts in ``compiles``.
     """
 
     def __init__(
@@ -178,8 +207,11 @@ class Jit:
         make: Callable[[Hashable], tuple[Flat, Any]],
         budget: int | None = None,
         options: Mapping[str, Any] | None = None,
+        cache: CompileCache | _Default | None = DEFAULT,
     ) -> None:
         self._make = make
+        self.cache = default_cache() if isinstance(cache, _Default) else cache
+        """Where compiled graphs are kept between processes (``None``: nowhere); see ``fnloop/_step/cache.py``."""
         self.budget = budget
         self.options = inductor_options(options)
         self._cache: dict[Hashable, Entry] = {}
@@ -202,7 +234,9 @@ class Jit:
             if self.budget is not None and self.compiles >= self.budget:
                 raise OverBudget(self._change(structure, signature))
             function, context = self._make(structure)
-            found = Entry(structure, signature, *_compile(function, leaves, self.options), context)
+            found = Entry(
+                structure, signature, *_compile(function, leaves, self.options, self.cache), context
+            )
             self._cache[(structure, tuple(signature))] = found
             self.compiles += 1
         self._last, self._last_structure = found, structure
