@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import signal
 import subprocess
@@ -160,6 +161,20 @@ def test_the_default_run_reaches_95_percent_and_a_rerun_resumes_at_the_end(tmp_p
     again = finish(start(out))
     assert resumed_from(again) == digits.MAX_ITER
     assert accuracy(again) == accuracy(output)
+
+    # The same command under torchrun, two ranks on the CPU: the same accuracy, printed once.
+    two = tmp_path / "two"
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    done = subprocess.run(
+        [*launch, "-m", "fnloop.examples.digits", "--out", str(two), "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=4 * TIMEOUT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
+    assert done.stdout.count("started fresh") == 1, done.stdout
+    assert abs(accuracy(done.stdout) - accuracy(output)) <= 0.01
 
 
 def test_main_in_process_resumes_extends_and_refuses_another_seed(tmp_path, capsys):

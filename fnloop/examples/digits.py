@@ -185,9 +185,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             "--max-iter of at least its iteration), or start a new run with another --out."
         )
     if state is template:
-        print(f"started fresh: checkpoints go to {ckpt}")
+        say(f"started fresh: checkpoints go to {ckpt}")
     else:
-        print(f"resumed from iteration {state.iteration} ({ckpt})")
+        say(f"resumed from iteration {state.iteration} ({ckpt})")
 
     try:
         final = fl.run(state, step, batches, hooks)
@@ -200,11 +200,17 @@ def main(argv: Sequence[str] | None = None) -> None:
             if ended is not None
             else "mid-step; resume from the last checkpoint"
         )
-        print(f"stopped {where} in {ckpt}: run the same command to resume", file=sys.stderr)
+        say(f"stopped {where} in {ckpt}: run the same command to resume", file=sys.stderr)
         sys.exit(stop.code if isinstance(stop, fl.Preempted) else 130)  # 128 + signal, as a shell reports
     best = final.hooks["best:val_accuracy"]
-    print(f"best validation accuracy: {best.value:.4f} at iteration {best.iteration + 1} ({args.out}/best)")
-    print(f"test accuracy: {evaluate(final):.4f}")
+    say(f"best validation accuracy: {best.value:.4f} at iteration {best.iteration + 1} ({args.out}/best)")
+    say(f"test accuracy: {evaluate(final):.4f}")
+
+
+def say(*args: object, **kwargs: Any) -> None:
+    """``print``, on rank 0 alone under ``torchrun`` (every rank holds the same state)."""
+    if fl.distributed.is_main():
+        print(*args, **kwargs)
 
 
 if __name__ == "__main__":
