@@ -123,7 +123,10 @@ def _compile(
         compiled = torch.compile(graph, fullgraph=True, dynamic=False, options=dict(options))
         return compiled, random
     with remembered_probes(None if cache is None else cache.directory):
-        key = None if cache is None else graph_key(graph, leaves, options)
+        # A graph with tensor constants (a tensor a closure captured) is not
+        # reloadable on torch 2.13: the loaded graph expects them as inputs
+        # (and crashes under the C++ wrapper); inductor's own cache still serves it.
+        key = None if cache is None or _has_constants(graph) else graph_key(graph, leaves, options)
         if cache is not None and key is not None:
             found = cache.load(key)
             if found is not None:
@@ -133,6 +136,13 @@ def _compile(
         if cache is not None and key is not None:
             cache.save(key, compiled)
     return compiled, random
+
+
+def _has_constants(graph: torch.fx.GraphModule) -> bool:
+    return any(
+        node.op == "get_attr" and isinstance(getattr(graph, str(node.target), None), torch.Tensor)
+        for node in graph.graph.nodes
+    )
 
 
 _TENSOR = "tensor"
