@@ -74,6 +74,7 @@ HOOKS: dict[str, Factory] = {
     "early_stop": lambda d: fl.hooks.early_stop("loss", patience=100),
     "ema": lambda d: fl.hooks.ema(0.9),
     "precise_bn": lambda d: fl.every(5, fl.hooks.precise_bn(MODEL, DATA, num_iter=2)),
+    "check_replicas": lambda d: fl.every(2, fl.hooks.check_replicas()),
 }
 
 # Hooks whose checks need another hook beside them (its state, or its metric).

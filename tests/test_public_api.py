@@ -17,6 +17,7 @@ MODULES = [
     "fnloop.testing",
     "fnloop.optim",
     "fnloop.checkpoint",
+    "fnloop.distributed",
     "fnloop.hooks",
     "fnloop.replay",
     "fnloop.writers",
