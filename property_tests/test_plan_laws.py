@@ -1,35 +1,79 @@
 """The fold calls only the hooks that can act at a step phase: the run is the same, bit for bit.
 
-The reference is the fold calling the whole chain in every phase (its ``plan``
-replaced by one that lists every hook always). Hook lists are drawn with
-combinators nested up to three deep, so ``every(2, once(3, on(AFTER_STEP, h)))``
-and the like are covered, and a stateful counter and a ``when`` among them.
+The reference is a plain fold written here from the documented protocol: it
+calls the whole chain in every phase and performs the effects each phase asks
+for. Hook lists are drawn with combinators nested up to three deep, so
+``every(2, once(3, on(AFTER_STEP, h)))`` and the like are covered, with
+stateful hooks, ``when``, hooks declaring ``acts_in`` and hooks requesting
+effects among them. Both runs must end in the same state, yield the same
+states, and perform the same effects on the same states in the same order.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
+import attrs
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 import fnloop as fl
-import fnloop._core.loop
 from fnloop import Phase, TrainState, testing
 from fnloop._core.plan import _after, _fires, plan, schedule
 from fnloop.testing import Tag
 
+PERFORMED: list = []
 
-class Unplanned:
-    """The plain fold: every hook of the chain is called in every step phase."""
 
-    def __init__(self, hook, phase):
-        self.quiet = (hook,)
-        self.next = float("inf")
+def _note(label, start, state):
+    PERFORMED.append((label, start, state.iteration, state.extra, dict(state.hooks), state.effects))
 
-    def __call__(self, iteration):
-        return self.quiet
+
+@attrs.frozen
+class Ask:
+    """A hook requesting an effect wherever it is called; performing it notes the state it got."""
+
+    label: str
+    start: bool
+
+    def __call__(self, state, phase):
+        return fl.request(
+            state, functools.partial(_note, f"{self.label}:{phase.name}", self.start), start=self.start
+        )
+
+
+def _remember(state, phase, memory):
+    return state, (*memory, (phase.name, state.iteration))
+
+
+def plain_scan(state, step, batches, hooks):
+    """The documented protocol, every hook called in every phase; yields as ``fnloop.scan`` does."""
+    hook = fl.chain(*hooks)
+    clock = 0.0
+
+    def phase(began, p, ended=lambda s: s):
+        s = hook(began, p)
+        effects, s = s.effects, ended(attrs.evolve(s, effects=()))
+        for e in effects:
+            e.perform(attrs.evolve(began, effects=()) if e.start else s)
+        return s
+
+    state = phase(attrs.evolve(state, time=clock), Phase.BEFORE_TRAIN)
+    batches = iter(batches)
+    while state.iteration < state.max_iter:
+        i = state.iteration
+        state = phase(attrs.evolve(state, time=clock), Phase.BEFORE_STEP)
+        cursor = state.data
+        state = step(state, next(batches))
+        state = phase(
+            attrs.evolve(state, time=clock, data_time=0.0, step_time=0.0),
+            Phase.AFTER_STEP,
+            lambda s: attrs.evolve(s, iteration=i + 1, data=cursor, data_time=0.0, step_time=0.0),  # noqa: B023
+        )
+        yield state
+    yield phase(attrs.evolve(state, time=clock), Phase.AFTER_TRAIN)
 
 
 class Declared:
@@ -56,7 +100,18 @@ def _odd(state):
 @st.composite
 def nested(draw, depth=3):
     k = draw(st.integers(0, 10**6))
-    hook = draw(st.sampled_from([Tag(f"t{k}"), testing.counter(f"c{k}"), Declared(f"d{k}")]))
+    hook = draw(
+        st.sampled_from(
+            [
+                Tag(f"t{k}"),
+                testing.counter(f"c{k}"),
+                fl.stateful(f"s{k}", (), _remember),
+                Declared(f"d{k}"),
+                Ask(f"a{k}", False),
+                Ask(f"a{k}", True),
+            ]
+        )
+    )
     for _ in range(draw(st.integers(0, depth))):
         kind = draw(st.sampled_from(["every", "on", "once", "when"]))
         if kind == "every":
@@ -70,29 +125,51 @@ def nested(draw, depth=3):
     return hook
 
 
-def run(start, max_iter, hooks):
+def recording_step(state, batch):
+    return attrs.evolve(state, extra=(*(state.extra or ()), ("step", state.iteration)))
+
+
+def both(start, max_iter, hooks):
+    """(states, effects) of the fold and of the plain reference, on the same run."""
     state = TrainState(max_iter=max_iter, iteration=start)
-    return fl.run(state, lambda s, b: s, [None] * (max_iter - start), hooks, clock=lambda: 0.0)
+    batches = [None] * (max_iter - start)
+    runs = []
+    for fold in (functools.partial(fl.scan, clock=lambda: 0.0), plain_scan):
+        PERFORMED.clear()
+        runs.append((list(fold(state, recording_step, batches, hooks)), list(PERFORMED)))
+    return runs
 
 
 @given(testing.bounds(max_steps=16), st.lists(nested(), max_size=6, unique_by=_key))
 def test_the_planned_fold_equals_calling_every_hook(bounds, hooks):
-    start, max_iter = bounds
-    planned = run(start, max_iter, hooks)
-    original = fnloop._core.loop.plan
-    fnloop._core.loop.plan = Unplanned
-    try:
-        plain = run(start, max_iter, hooks)
-    finally:
-        fnloop._core.loop.plan = original
+    (planned, planned_effects), (plain, plain_effects) = both(*bounds, hooks)
     testing.assert_identical(planned, plain)
+    assert planned_effects == plain_effects
+
+
+@given(testing.bounds(max_steps=16), st.lists(nested(), max_size=6, unique_by=_key))
+def test_run_equals_the_plain_fold(bounds, hooks):
+    start, max_iter = bounds
+    (_, _), (plain, plain_effects) = both(start, max_iter, hooks)
+    PERFORMED.clear()
+    state = TrainState(max_iter=max_iter, iteration=start)
+    final = fl.run(state, recording_step, [None] * (max_iter - start), hooks, clock=lambda: 0.0)
+    testing.assert_identical(final, plain[-1])
+    assert plain_effects == PERFORMED
+
+
+def test_twenty_periodic_stateful_hooks_end_as_when_all_are_called():
+    hooks = [fl.every(10, fl.on(Phase.AFTER_STEP, fl.stateful(f"h{k}", (), _remember))) for k in range(20)]
+    (planned, _), (plain, _) = both(3, 45, [*hooks, Ask("a", False)])
+    testing.assert_identical(planned, plain)
+    assert planned[-1].hooks["h0"] == tuple(("AFTER_STEP", i) for i in range(9, 45, 10))
 
 
 @given(st.lists(nested(), min_size=1, max_size=4, unique_by=_key), st.integers(0, 40))
 def test_a_hook_left_out_would_have_changed_nothing(hooks, iteration):
     state = TrainState(max_iter=100, iteration=iteration)
     for phase in (Phase.BEFORE_STEP, Phase.AFTER_STEP):
-        due = plan(fl.chain(*hooks), phase)(iteration)
+        due = plan(fl.chain(*hooks), phase).hooks(iteration)
         for hook in fl.chain(*hooks).hooks if len(hooks) > 1 else hooks:
             if hook not in due:
                 assert hook(state, phase) is state, (hook, phase, iteration)

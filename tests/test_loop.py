@@ -120,6 +120,90 @@ def test_the_clock_enters_the_state_at_each_phase_and_times_the_batch():
     ]
 
 
+def ticking():
+    ticks = iter(range(1000))
+    return lambda: float(next(ticks))
+
+
+def seeing_step(seen):
+    def step(state, batch):
+        seen.append(("step", state.iteration, state.time, state.data_time, state.step_time))
+        return state
+
+    return step
+
+
+def test_with_no_hook_due_the_clock_is_read_once_per_iteration():
+    # Nobody can see a step phase's clock when no hook is due there: the step gets the
+    # state the last iteration ended with, and each iteration reads the clock once.
+    seen = []
+    states = list(fl.scan(TrainState(max_iter=3), seeing_step(seen), [None] * 3, clock=ticking()))
+    assert seen == [("step", 0, 0.0, 0.0, 0.0), ("step", 1, 1.0, 0.0, 0.0), ("step", 2, 2.0, 0.0, 0.0)]
+    assert [(s.iteration, s.time) for s in states] == [(1, 1.0), (2, 2.0), (3, 3.0), (3, 4.0)]
+
+
+def test_an_after_step_hook_alone_still_sees_the_batch_and_the_step_timed():
+    seen = []
+    hook = fl.on(
+        Phase.AFTER_STEP, lambda s, p: (seen.append((p.name, s.time, s.data_time, s.step_time)), s)[1]
+    )
+    fl.run(TrainState(max_iter=2), seeing_step(seen), [None] * 2, [hook], clock=ticking())
+    # BEFORE_TRAIN 0; then per iteration: start, fetching, fetched, the step's end.
+    assert seen == [
+        ("step", 0, 0.0, 0.0, 0.0),
+        ("AFTER_STEP", 4.0, 3.0 - 2.0, 4.0 - 1.0),
+        ("step", 1, 4.0, 0.0, 0.0),
+        ("AFTER_STEP", 8.0, 7.0 - 6.0, 8.0 - 5.0),
+    ]
+
+
+def test_periodic_hooks_see_the_clock_of_their_own_iteration():
+    seen = []
+    hook = fl.every(3, lambda s, p: (seen.append((p.name, s.iteration, s.time)), s)[1])
+    clock = ticking()
+    final = fl.run(TrainState(max_iter=6), empty_step, [None] * 6, [hook], clock=clock)
+    assert [x[:2] for x in seen] == [
+        ("BEFORE_TRAIN", 0),
+        ("BEFORE_STEP", 2),
+        ("AFTER_STEP", 2),
+        ("BEFORE_STEP", 5),
+        ("AFTER_STEP", 5),
+        ("AFTER_TRAIN", 6),
+    ]
+    times = [t for _, _, t in seen]
+    assert times == sorted(times) and len(set(times)) == len(times)
+    assert final.time == times[-1] == clock() - 1
+
+
+def test_a_step_that_moves_the_iteration_fails_where_no_hook_is_due():
+    def jump(state, batch):
+        return attrs.evolve(state, iteration=state.iteration + 2) if state.iteration == 2 else state
+
+    with pytest.raises(RuntimeError, match=r"state.iteration changed from 2 to 4 during iteration 2") as info:
+        fl.run(TrainState(max_iter=9), jump, [None] * 9, [fl.every(4, testing.Tag("t"))])
+    assert info.value.state.iteration == 2
+
+
+def test_effects_a_step_requests_are_performed_where_no_hook_is_due():
+    performed = []
+
+    def step(state, batch):
+        return fl.request(state, lambda s: performed.append(s.iteration))
+
+    final = fl.run(TrainState(max_iter=3), step, [None] * 3, [fl.every(2, testing.Tag("t"))])
+    assert performed == [1, 2, 3] and final.effects == ()
+
+
+def test_a_step_returning_something_else_is_named_where_no_hook_is_due():
+    def step(state, batch):
+        return state if state.iteration < 2 else None
+
+    with pytest.raises(
+        TypeError, match=r"returned None \(a NoneType\) at iteration 2; a step must return a TrainState"
+    ):
+        fl.run(TrainState(max_iter=4), step, [None] * 4)
+
+
 def test_the_clock_of_an_iteration_is_not_saved(tmp_path):
     state = attrs.evolve(TrainState(max_iter=1), data_time=1.5, step_time=2.5)
     fl.save(state, tmp_path / "s.safetensors")

@@ -9,7 +9,7 @@ import attrs
 
 from fnloop._core.messages import non_empty_str, non_negative_int, positive_int
 from fnloop._core.phase import Phase
-from fnloop._core.state import TrainState, Unclaimed, replace
+from fnloop._core.state import TrainState, Unclaimed, with_field
 
 __all__ = [
     "Hook",
@@ -337,7 +337,7 @@ class Stateful:
         if new_memory is memory and new.hooks.get(self.name) is memory:
             return new
         # `hooks` stays a str-keyed mapping, so the validators need not run again.
-        return replace(new, hooks={**new.hooks, self.name: new_memory})
+        return with_field(new, "hooks", {**new.hooks, self.name: new_memory})
 
     @property
     def state_names(self) -> tuple[str, ...]:

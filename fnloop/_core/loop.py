@@ -14,7 +14,7 @@ from fnloop._core.combinators import Hook, chain, checked, returned, state_names
 from fnloop._core.messages import a_type
 from fnloop._core.phase import Phase
 from fnloop._core.plan import call, plan
-from fnloop._core.state import Effect, TrainState, Unclaimed, replace
+from fnloop._core.state import Effect, TrainState, Unclaimed, advanced, replace, timed, with_field
 from fnloop._core.stream import stream as _stream
 
 __all__ = ["BatchesExhausted", "Preempted", "Step", "UnclaimedHookState", "run", "scan"]
@@ -189,6 +189,28 @@ def _phase(hook: Hook, state: TrainState, phase: Phase, perform: bool) -> TrainS
     return new
 
 
+def _exhausted(i: int, max_iter: int) -> BatchesExhausted:
+    return BatchesExhausted(
+        f"the batches ran out at iteration {i} (max_iter={max_iter}). "
+        "The fold takes one batch per iteration: give at least max_iter - "
+        "iteration batches, or a stream that cycles, such as fnloop.data.batches(...)."
+    )
+
+
+def _not_a_state(step: object, new: object, i: int) -> TypeError:
+    return TypeError(
+        f"step {step!r:.80} returned {new!r:.80} ({a_type(new)}) at iteration {i}; "
+        "a step must return a TrainState."
+    )
+
+
+def _moved(i: int, iteration: int) -> RuntimeError:
+    return RuntimeError(
+        f"state.iteration changed from {i} to {iteration} during iteration {i}; "
+        "only the fold advances it. To end a run early, lower max_iter instead."
+    )
+
+
 def _fold(
     state: TrainState,
     step: Step,
@@ -209,59 +231,98 @@ def _fold(
     try:
         # The step phases call only the hooks that can act there (see fnloop/_core/plan.py).
         before_step, after_step = plan(hook, _BEFORE_STEP), plan(hook, _AFTER_STEP)
+        before_quiet, after_quiet = before_step.quiet, after_step.quiet
+        before_next = after_next = quiet_until = -1.0
         state = _drop_unclaimed(state, hook)
         state = last = _phase(hook, replace(state, time=clock()), _BEFORE_TRAIN, perform)
         stream, resumable = _stream(batches, state)
         donating = getattr(step, "donating", None) if donate else None
         apply = donating if donating is not None and donate_input else step
+        start = fetching = fetched = 0.0
         while state.iteration < state.max_iter:
             i = state.iteration
-            began = replace(state, time=clock())
-            start = began.time
-            due = before_step.quiet if i < before_step.next else before_step(i)
-            state = call(due, began, _BEFORE_STEP) if due else began
-            before = state.effects
-            if before:
-                state = replace(state, effects=())
-                if perform:
-                    _perform(before, began, state)
-            fetching = clock()
-            try:
-                batch = next(stream)
-            except StopIteration:
-                raise BatchesExhausted(
-                    f"the batches ran out at iteration {i} (max_iter={state.max_iter}). "
-                    "The fold takes one batch per iteration: give at least max_iter - "
-                    "iteration batches, or a stream that cycles, such as fnloop.data.batches(...)."
-                ) from None
-            if resumable:
-                batch, cursor = batch
+            if i < quiet_until:
+                # No hook can act in this iteration: the batch, the step, one
+                # new state. The step gets the state the last iteration ended
+                # with, and the clock is read once, for the state this one ends with.
+                try:
+                    batch = next(stream)
+                except StopIteration:
+                    raise _exhausted(i, state.max_iter) from None
+                if resumable:
+                    batch, cursor = batch
+                else:
+                    cursor = state.data
+                new = apply(state, batch)
+                mixed = apply is donating
+                if type(new) is not TrainState:
+                    raise _not_a_state(step, new, i)
+                if new.iteration != i:
+                    raise _moved(i, new.iteration)
+                now = clock()
+                state = last = advanced(new, i + 1, cursor, now)
+                mixed = False
+                if new.effects and perform:
+                    # A step asked for effects with no hook due: nothing was measured.
+                    _perform(new.effects, timed(new, now, 0.0, 0.0), state)
             else:
-                cursor = state.data
-            fetched = clock()
-            new = apply(state, batch)
-            mixed = apply is donating
-            if type(new) is not TrainState:
-                raise TypeError(
-                    f"step {step!r:.80} returned {new!r:.80} ({a_type(new)}) at iteration {i}; "
-                    "a step must return a TrainState."
-                )
-            now = clock()
-            began = replace(new, time=now, data_time=fetched - fetching, step_time=now - start)
-            due = after_step.quiet if i < after_step.next else after_step(i)
-            state = call(due, began, _AFTER_STEP) if due else began
-            if state.iteration != i:
-                raise RuntimeError(
-                    f"state.iteration changed from {i} to {state.iteration} during iteration {i}; "
-                    "only the fold advances it. To end a run early, lower max_iter instead."
-                )
-            after = state.effects
-            state = last = replace(
-                state, iteration=i + 1, data=cursor, data_time=0.0, step_time=0.0, effects=()
-            )
-            mixed = False
-            if after and perform:
-                _perform(after, began, state)
+                if i < before_next:
+                    before = before_quiet
+                else:
+                    before = before_step(i)
+                    before_next = before_step.next
+                if i < after_next:
+                    after = after_quiet
+                else:
+                    after = after_step(i)
+                    after_next = after_step.next
+                if not before_quiet and not after_quiet:
+                    quiet_until = min(before_next, after_next)
+                # The clock is read where a hook can see what it measures: with
+                # no hook due before the step, the step gets the state the last
+                # iteration ended with; with none due after it, nobody sees the
+                # iteration's step_time and data_time.
+                if before:
+                    start = clock()
+                    began = with_field(state, "time", start)
+                    state = call(before, began, _BEFORE_STEP)
+                    requested = state.effects
+                    if requested:
+                        state = replace(state, effects=())
+                        if perform:
+                            _perform(requested, began, state)
+                elif after:
+                    start = clock()
+                if after:
+                    fetching = clock()
+                try:
+                    batch = next(stream)
+                except StopIteration:
+                    raise _exhausted(i, state.max_iter) from None
+                if resumable:
+                    batch, cursor = batch
+                else:
+                    cursor = state.data
+                if after:
+                    fetched = clock()
+                new = apply(state, batch)
+                mixed = apply is donating
+                if type(new) is not TrainState:
+                    raise _not_a_state(step, new, i)
+                now = clock()
+                if after:
+                    began = timed(new, now, fetched - fetching, now - start)
+                    state = call(after, began, _AFTER_STEP)
+                else:
+                    # Nothing was measured: no hook was due to see it.
+                    began = state = timed(new, now, 0.0, 0.0) if new.effects else new
+                if state.iteration != i:
+                    raise _moved(i, state.iteration)
+                requested = state.effects
+                state = last = advanced(state, i + 1, cursor, state.time if after else now)
+                mixed = False
+                if requested and perform:
+                    _perform(requested, began, state)
             if donating is not None:
                 # From here on the fold threads states no caller holds.
                 apply = donating

@@ -10,7 +10,11 @@ frozenset of phases outside which it returns its input unchanged (the
 library's timer acts in ``BEFORE_TRAIN`` and ``AFTER_STEP`` only). Any other
 hook (``when``, ``stateful``, a function) may act anywhere and is always called. The hooks that are called
 are called in registration order, so the run is the same, bit for bit, as
-calling the whole chain (``property_tests/test_fold_laws.py`` checks it).
+calling the whole chain (``property_tests/test_plan_laws.py`` checks it).
+
+A due hook is called without the ``on``/``every``/``once`` around it: the
+schedule already passed their tests, which read only the phase and
+``state.iteration`` (and a hook that moves ``state.iteration`` fails the run).
 """
 
 from __future__ import annotations
@@ -74,35 +78,60 @@ def schedule(hook: Hook, phase: Phase) -> Schedule:
 class Due:
     """The hooks to call in one step phase, by iteration; build them with ``plan``.
 
-    ``quiet`` are the hooks called at an iteration where no periodic hook
-    fires, and ``next`` the first iteration, from the last one asked about,
-    where one may: before it, the fold takes ``quiet`` with one comparison.
+    Each entry is a pair ``(callable, hook)``: ``hook`` as registered (named in
+    errors) and what to call for it, ``hook`` without the ``on``/``every``/``once``
+    wrappers whose test the schedule has already passed. ``quiet`` are the
+    entries called at an iteration where no periodic hook fires, and ``next``
+    the first iteration, from the last one asked about, where one may: before
+    it, the fold takes ``quiet`` with one comparison.
     """
 
     def __init__(self, entries: list[tuple[Hook, Firing]]) -> None:
-        self.entries = entries
-        self.quiet = tuple(h for h, s in entries if s == _ALWAYS)
+        self.entries = [((_unwrapped(h), h), s) for h, s in entries]
+        self.quiet: tuple[tuple[Hook, Hook], ...] = tuple(e for e, s in self.entries if s == _ALWAYS)
+        # One test per distinct schedule, not per hook: twenty every(10, ...) share one.
+        self.schedules = tuple(dict.fromkeys(s for _, s in entries if s != _ALWAYS))
         self.next: float = -1
+        self._due: dict[tuple[Firing, ...], tuple[tuple[Hook, Hook], ...]] = {}
 
-    def __call__(self, iteration: int) -> tuple[Hook, ...]:
-        """The hooks to call at ``iteration``; the others would return the state unchanged."""
+    def __call__(self, iteration: int) -> tuple[tuple[Hook, Hook], ...]:
+        """The entries to call at ``iteration``; the other hooks would return the state unchanged."""
         if iteration < self.next:
             return self.quiet
-        entries = self.entries
-        self.next = min((_after(s, iteration) for _, s in entries if s != _ALWAYS), default=math.inf)
-        if not _any_fires(entries, iteration):
+        schedules = self.schedules
+        self.next = min((_after(s, iteration) for s in schedules), default=math.inf)
+        firing = tuple(s for s in schedules if _fires(s, iteration))
+        if not firing:
             return self.quiet
-        return tuple(h for h, s in entries if _fires(s, iteration))
+        due = self._due.get(firing)
+        if due is None:
+            due = tuple(e for e, s in self.entries if s == _ALWAYS or s in firing)
+            if len(self._due) < _KEPT:
+                self._due[firing] = due
+        return due
+
+    def hooks(self, iteration: int) -> tuple[Hook, ...]:
+        """The hooks, as registered, that the fold calls at ``iteration``."""
+        return tuple(hook for _, hook in self(iteration))
+
+
+_KEPT = 64
+"""How many firing combinations a ``Due`` remembers (``once`` hooks make ones that never recur)."""
+
+_TESTED = (On, Every, Once)
+
+
+def _unwrapped(hook: Hook) -> Hook:
+    """``hook`` without its outer ``on``/``every``/``once``: where the plan calls it, their tests pass."""
+    while type(hook) in _TESTED:
+        hook = hook.hook  # type: ignore[attr-defined]
+    return hook
 
 
 def plan(hook: Hook, phase: Phase) -> Due:
     """Which hooks of ``hook`` (a chain, or one hook) to call in step phase ``phase``, by iteration."""
     hooks = () if hook is identity else hook.hooks if type(hook) is Chain else (hook,)  # type: ignore[attr-defined]
     return Due([(h, s) for h in hooks if (s := schedule(h, phase)) is not None])
-
-
-def _any_fires(entries: list[tuple[Hook, Firing]], iteration: int) -> bool:
-    return any(s != _ALWAYS and _fires(s, iteration) for _, s in entries)
 
 
 def _after(schedule: Firing, iteration: int) -> float:
@@ -115,11 +144,11 @@ def _after(schedule: Firing, iteration: int) -> float:
     return start + (-(start - offset)) % period - 1
 
 
-def call(hooks: tuple[Hook, ...], state: TrainState, phase: Phase) -> TrainState:
-    """``hooks`` run in order on ``state`` in ``phase``, each checked to return a ``TrainState``."""
-    for hook in hooks:
+def call(due: tuple[tuple[Hook, Hook], ...], state: TrainState, phase: Phase) -> TrainState:
+    """The entries ``due`` run in order on ``state`` in ``phase``, each checked to return a ``TrainState``."""
+    for hook, registered in due:
         new = hook(state, phase)
         if type(new) is not TrainState:
-            raise returned(hook, phase, new)
+            raise returned(registered, phase, new)
         state = new
     return state

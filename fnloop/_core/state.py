@@ -229,5 +229,43 @@ def replace(state: TrainState, **changes: Any) -> TrainState:
     return new
 
 
+def with_field(state: TrainState, name: str, value: Any) -> TrainState:
+    """``replace(state, name=value)``, for one field, without building keyword arguments.
+
+    For the hot paths (a stateful hook keeping its memory, the fold timing a
+    phase): about a third cheaper than ``replace``. No validation.
+    """
+    fields = state.__dict__.copy()
+    fields[name] = value
+    new = _new(TrainState)
+    _set(new, "__dict__", fields)
+    return new
+
+
+def timed(state: TrainState, time: float, data_time: float, step_time: float) -> TrainState:
+    """``state`` with the fold's clock readings for ``AFTER_STEP`` (as ``with_field``, no validation)."""
+    fields = state.__dict__.copy()
+    fields["time"] = time
+    fields["data_time"] = data_time
+    fields["step_time"] = step_time
+    new = _new(TrainState)
+    _set(new, "__dict__", fields)
+    return new
+
+
+def advanced(state: TrainState, iteration: int, data: Any, time: float) -> TrainState:
+    """The state an iteration ends with: the next index, the stream's cursor, no effects, nothing measured."""
+    fields = state.__dict__.copy()
+    fields["iteration"] = iteration
+    fields["data"] = data
+    fields["time"] = time
+    fields["data_time"] = 0.0
+    fields["step_time"] = 0.0
+    fields["effects"] = ()
+    new = _new(TrainState)
+    _set(new, "__dict__", fields)
+    return new
+
+
 _new = object.__new__
 _set = object.__setattr__
