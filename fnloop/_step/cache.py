@@ -230,7 +230,9 @@ def _put_graph(put: Any, hasher: Any, graph: torch.fx.GraphModule, prefix: str) 
         elif isinstance(value, torch.Tensor):
             put(node.target, tuple(value.shape), value.stride(), value.dtype, *_device(value.device))
             # The value itself: a closure's tensor is baked into the graph.
-            hasher.update(value.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            hasher.update(
+                value.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            )
         else:
             put(node.target, *_opaque(value))
 
