@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import shutil
 import subprocess
@@ -139,3 +140,19 @@ def test_check_replicas_names_the_tensor_that_drifted(tmp_path: Path) -> None:
 def _no_leftovers(tmp_path: Path):
     yield
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_every_rank_loads_the_checkpoint_rank_zero_chose_while_saves_land(tmp_path: Path) -> None:
+    worker = str(Path(__file__).with_name("dist_latest_worker.py"))
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    done = subprocess.run(
+        [*launch, worker, str(tmp_path / "ckpt"), "20"],
+        capture_output=True,
+        text=True,
+        timeout=LIMIT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    ok(done)
+    loaded = dict(line.split(" loaded ") for line in done.stdout.splitlines() if " loaded " in line)
+    assert loaded["rank 0"] == loaded["rank 1"], loaded
+    assert len(set(ast.literal_eval(loaded["rank 0"]))) > 1  # saves did land while the ranks were reading
