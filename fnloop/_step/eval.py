@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -26,6 +27,9 @@ def plain_module(model: object, caller: str) -> torch.nn.Module:
             f"{caller}() expected a torch.nn.Module, got {model!r:.80} (a {type(model).__name__})."
         )
     inner = getattr(model, "_orig_mod", None)
+    # Without dynamo imported nothing can be compiled by it; importing it to ask would cost a second.
+    if inner is None or "torch._dynamo" not in sys.modules:
+        return model
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) and isinstance(inner, torch.nn.Module):
         return inner
     return model
