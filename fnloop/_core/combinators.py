@@ -322,7 +322,8 @@ class Stateful:
     update: Callable[[TrainState, Phase, Any], tuple[TrainState, Any]]
 
     def __call__(self, state: TrainState, phase: Phase, /) -> TrainState:
-        memory = state.hooks.get(self.name, self)
+        name = self.name
+        memory = state.hooks.get(name, self)
         if memory is self:
             memory = self.init
         elif type(memory) is Unclaimed:
@@ -334,10 +335,14 @@ class Stateful:
                 f"{phase!r}; its update must return a pair (state, memory), state a TrainState."
             )
         new, new_memory = result
-        if new_memory is memory and new.hooks.get(self.name) is memory:
+        hooks = new.hooks
+        if new_memory is memory and hooks.get(name) is memory:
             return new
-        # `hooks` stays a str-keyed mapping, so the validators need not run again.
-        return with_field(new, "hooks", {**new.hooks, self.name: new_memory})
+        # A dict's copy() is a few times faster than {**hooks}; `hooks` stays a
+        # str-keyed mapping, so the validators need not run again.
+        hooks = hooks.copy() if type(hooks) is dict else dict(hooks)
+        hooks[name] = new_memory
+        return with_field(new, "hooks", hooks)
 
     @property
     def state_names(self) -> tuple[str, ...]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import signal
 import threading
@@ -450,11 +451,10 @@ def run(
         (3, (2, 3.0))
     """
     hook = _start(state, step, hooks, debug)
-    final: Any = None
     with _signals(signals) as stop:
         fold = _fold(state, step, batches, hook, clock, _performs(effects), True, stop, donate_input)
         # Only the fold (and the caller, if it kept it) holds the input now.
         del state
-        for final in fold:  # noqa: B007
-            pass
+        # Drained in C, keeping only the last state: the fold's final one.
+        final: TrainState = collections.deque(fold, maxlen=1)[0]
     return final
