@@ -3,6 +3,8 @@
     python benchmarks/bench_step.py tiny            # 32->64->10 MLP, batch 32, SGD; one process
     python benchmarks/bench_step.py deep            # 50 x Linear(16, 16): many small tensors
     python benchmarks/bench_step.py wide --procs 3  # 2048-wide 3-layer MLP, batch 64, AdamW; fresh processes
+    python benchmarks/bench_step.py wide-ref        # 2048->2048->2048->10, AdamW: against the fastest step; one process
+    python benchmarks/bench_step.py cnn             # small CNN with BatchNorm and Dropout, AdamW; one process
 
 tiny: the eager loop (zero_grad/backward/step), a hand-written compiled functional
 step (forward, backward and an in-place SGD update in one graph), and fnloop end to
@@ -344,9 +346,99 @@ def bench_wide(procs, steps, pinned):
     print(f"  peak RSS / eager: {ours_rss / med['eager'][1]:.3f} (target <= 1.15)")
 
 
+# ------------------------------------------------- wide-ref and cnn: one process, interleaved
+
+
+class CpuClocked:
+    """``total`` batches cycled from ``data``, stamping this thread's CPU time when each is asked for.
+
+    On a shared machine wall time counts the time other processes hold the core;
+    with one torch thread all the step's work runs on this thread, so its CPU time
+    is the step's own cost (memory-bandwidth contention still shows).
+    """
+
+    def __init__(self, data, total, warm=0):
+        self.data, self.total, self.warm = data, total, warm
+        self.stamps = []
+
+    def __len__(self):
+        return self.total
+
+    def __iter__(self):
+        for i in range(self.total):
+            self.stamps.append(time.thread_time())
+            yield self.data[i % len(self.data)]
+        self.stamps.append(time.thread_time())
+
+    def seconds_per_step(self):
+        s = self.stamps[self.warm :]
+        return (s[-1] - s[0]) / (len(s) - 1)
+
+
+def _interleaved_workload(workload, makers, steps, repeats):
+    """CPU milliseconds per step of each peer on ``workload``: compiled and warmed, then taking turns."""
+    from workloads import WORKLOADS
+
+    w = WORKLOADS[workload]
+    _, data = w.make()
+    runs = {name: make(w) for name, make in makers.items()}
+    for run in runs.values():
+        run(CpuClocked(data, 3))  # compile and warm up
+    times = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            clocked = CpuClocked(data, steps + 1, warm=1)
+            run(clocked)
+            times[name].append(clocked.seconds_per_step() * 1e3)
+    print(f"{w.label}, {steps} steps x {repeats} repeats interleaved, one thread, CPU time of the thread")
+    for name, ms in times.items():
+        spread = f"{min(ms):.2f}-{max(ms):.2f}"
+        print(f"  {name:28s} median {statistics.median(ms):7.2f} ms/step (range {spread})")
+    return times
+
+
+def _ratio(times, a, b):
+    """Median of a/b over the repeats (each pair measured back to back) and its range."""
+    pairs = [x / y for x, y in zip(times[a], times[b])]
+    return statistics.median(pairs), min(pairs), max(pairs)
+
+
+def bench_wide_ref(steps, repeats):
+    import peers
+
+    makers = {
+        "eager loop": peers.eager,
+        "hand-written compiled step": peers.handwritten,
+        "fnloop": peers.fnloop,
+    }
+    times = _interleaved_workload("wide", makers, steps, repeats)
+    r, lo, hi = _ratio(times, "fnloop", "hand-written compiled step")
+    print(f"  fnloop / fastest hand-written: {r:.3f} (range {lo:.3f}-{hi:.3f}; target <= 1.05)")
+    r, lo, hi = _ratio(times, "eager loop", "fnloop")
+    print(f"  fnloop speed-up over eager: {r:.2f}x (range {lo:.2f}-{hi:.2f})")
+
+
+def bench_cnn(steps, repeats):
+    import peers
+
+    makers = {
+        "eager loop": peers.eager,
+        "fnloop, compile=False": peers.fnloop_eager,
+        "fnloop": peers.fnloop,
+        "hand-written compiled step": peers.handwritten,
+    }
+    times = _interleaved_workload("cnn", makers, steps, repeats)
+    r, lo, hi = _ratio(times, "eager loop", "fnloop")
+    print(f"  fnloop speed-up over eager: {r:.2f}x (range {lo:.2f}-{hi:.2f}; target >= 1.5x)")
+    r, lo, hi = _ratio(times, "fnloop, compile=False", "eager loop")
+    print(f"  fnloop compile=False / eager: {r:.3f} (range {lo:.3f}-{hi:.3f}; target <= 1.10)")
+    r, lo, hi = _ratio(times, "fnloop", "hand-written compiled step")
+    print(f"  fnloop / fastest hand-written: {r:.3f} (range {lo:.3f}-{hi:.3f}; target <= 1.05)")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("which", choices=["tiny", "deep", "wide", "wide-child"])
+    parser.add_argument("which", choices=["tiny", "deep", "wide", "wide-child", "wide-ref", "cnn"])
     parser.add_argument("config", nargs="?")
     parser.add_argument("--iters", type=int, default=3000)
     parser.add_argument("--repeats", type=int, default=5)
@@ -360,6 +452,10 @@ def main(argv=None):
         bench_deep(args.iters // 6, args.repeats)
     elif args.which == "wide":
         bench_wide(args.procs, args.steps, args.pinned_malloc)
+    elif args.which == "wide-ref":
+        bench_wide_ref(args.steps, args.repeats)
+    elif args.which == "cnn":
+        bench_cnn(args.steps * 3, args.repeats)
     else:
         wide_child(args.config, args.steps)
 

@@ -166,3 +166,26 @@ def test_a_non_finite_gradient_under_a_finite_loss_is_caught_compiled_too(compil
     with pytest.raises(fl.NonFiniteLoss, match=r"step 0: a gradient was not finite \(loss 2\)") as info:
         fl.run(state, step, [torch.full((2, 1), float("inf"))])
     testing.assert_identical(info.value.state.params, state.params)
+
+
+def test_a_nan_column_of_a_large_gradient_skips_the_adamw_step_compiled():
+    # The guard reads each gradient's largest magnitude: a few NaN entries among 4096
+    # under a finite loss must leave the params, AdamW's moments and its count as they were.
+    model = torch.nn.Linear(64, 64)
+    with torch.no_grad():
+        model.weight[:, 3].abs_()  # every output sees +inf from input 3, clamped to 1
+
+    def clamped(forward, x):
+        return forward(x).clamp(max=1.0).sum()
+
+    opt = fl.optim.adamw(1e-2)
+    step = fl.train_step(model, clamped, opt, skip_nonfinite=True)
+    state = fl.init(model, opt, seed=0, max_iter=2)
+    after_good = step(state, torch.full((1, 64), -1e-3))
+    x = torch.zeros(1, 64)
+    x[0, 3] = float("inf")
+    after_bad = step(after_good, x)
+    assert after_bad.metrics.latest("loss")[1].item() == 64.0  # finite: only the gradient is bad
+    assert int(after_bad.metrics.latest("skipped")[1]) == 1
+    testing.assert_identical(after_bad.params, after_good.params)
+    testing.assert_identical(after_bad.opt_state, after_good.opt_state)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -57,10 +59,19 @@ def _micro_batches(batch: Any, n: int) -> list[Any]:
 
 
 def _all_finite(loss: torch.Tensor, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """A 0-d bool: the loss and every gradient element are finite (one reduction per tensor, no sync)."""
-    flags = [torch.isfinite(loss).reshape(())]
-    flags += [torch.isfinite(g).all() for g in grads.values()]
-    return torch.stack(flags).all()
+    """A 0-d bool: the loss and every gradient element are finite (one reduction per tensor, no sync).
+
+    The largest magnitude of a tensor is finite exactly when every element is
+    (``amax`` propagates NaN), so this is ``isfinite(g).all()`` for all of them,
+    asked as float max-reductions that the compiled step vectorizes: the boolean
+    form took a third of the update of a 2048-wide MLP. (``(g * 0).sum()`` would
+    be as fast but wrong: inductor folds ``* 0``, see tests/test_nonfinite.py.)
+    """
+    peaks = [loss.detach().abs().reshape(())]
+    # vector_norm(g, inf) is abs().amax() without an eager copy of |g|; it compiles to the same.
+    peaks += [torch.linalg.vector_norm(g, math.inf) for g in grads.values() if g.numel()]
+    dtype = functools.reduce(torch.promote_types, [p.dtype for p in peaks])  # widening keeps inf and NaN
+    return torch.isfinite(torch.stack([p.to(dtype) for p in peaks]).amax())
 
 
 def _kernel(
