@@ -209,3 +209,40 @@ def test_input_tensors_are_not_written():
     final = fl.run(state, step, [None] * 3)
     assert torch.equal(w, torch.zeros(3)) and w._version == 0
     assert torch.equal(final.params["w"], torch.full((3,), 3.0))
+
+
+@given(
+    testing.bounds(),
+    st.integers(0, 12),
+    st.integers(2, 5),
+    st.sampled_from([InjectedFailure, KeyboardInterrupt]),
+)
+def test_a_failure_where_no_hook_is_due_keeps_the_last_consistent_state(b, at, period, error):
+    """As above, with periodic hooks only, so the failing step may fall in an iteration where none is due."""
+    start, max_iter = b
+    if max_iter == start:
+        return
+    at = start + at % (max_iter - start)
+
+    def step(state, batch):
+        if state.iteration == at:
+            raise error("step failed")
+        return recording_step(state, batch)
+
+    hooks = [fl.every(period, testing.counter("c")), fl.every(period, Tag("t"))]
+    state = TrainState(max_iter=max_iter, iteration=start)
+    batches = [None] * (max_iter - start)
+    reference = [state, *fl.scan(state, recording_step, batches, hooks, clock=lambda: 0.0)]
+    seen_at_end = []
+
+    def spy(s, p):
+        if p is Phase.AFTER_TRAIN:
+            seen_at_end.append(s)
+        return s
+
+    with pytest.raises(error) as info:
+        fl.run(state, step, batches, [*hooks, fl.on(Phase.AFTER_TRAIN, spy)], clock=lambda: 0.0)
+    last = info.value.state
+    assert last.iteration == at and len(seen_at_end) == 1 and seen_at_end[0].iteration == at
+    if at > start:  # the input state has not been through BEFORE_TRAIN
+        testing.assert_identical(last, reference[at - start])
