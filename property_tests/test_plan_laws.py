@@ -218,3 +218,23 @@ class Liar(Declared):
 def test_check_hook_catches_a_false_declaration():
     with pytest.raises(AssertionError, match=r"declares acts_in=\['AFTER_STEP'\] but changed the state"):
         testing.check_hook(Liar("l"), TrainState(max_iter=3))
+
+
+def test_a_due_hook_is_called_without_the_wrappers_its_schedule_has_passed():
+    inner = Tag("h")
+    outer = fl.every(10, fl.on(Phase.AFTER_STEP, fl.once(19, inner)))
+    due = plan(fl.chain(outer, fl.when(_odd, inner)), Phase.AFTER_STEP)
+    assert due(9) == ((fl.when(_odd, inner), fl.when(_odd, inner)),)  # when() decides at run time
+    assert due(19) == ((inner, outer), (fl.when(_odd, inner), fl.when(_odd, inner)))
+    again = plan(fl.chain(outer, fl.when(_odd, inner)), Phase.AFTER_STEP)  # a plan is asked in order
+    assert again.hooks(19) == (outer, fl.when(_odd, inner))
+
+
+def test_an_unwrapped_hook_that_returns_no_state_is_named_as_registered():
+    def forgetful(state, phase):
+        return None if phase is Phase.BEFORE_STEP else state
+
+    with pytest.raises(
+        TypeError, match=r"hook every\(3, \S*forgetful\) returned None .* in Phase.BEFORE_STEP"
+    ):
+        fl.run(TrainState(max_iter=4), lambda s, b: s, [None] * 4, [fl.every(3, forgetful)])

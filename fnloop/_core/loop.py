@@ -32,6 +32,9 @@ class Step(Protocol):
     A step may also offer ``donating(state, batch)``: the same function, allowed
     to reuse the storage of ``state``'s tensors. ``run`` calls it only for
     states nobody outside the fold can see.
+
+    It gets the state the ``BEFORE_STEP`` hooks returned; in an iteration
+    where none is due, the state the previous iteration ended with.
     """
 
     def __call__(self, state: TrainState, batch: Any, /) -> TrainState: ...
@@ -380,7 +383,8 @@ def scan(
         batches: any iterable, one batch taken per iteration; a resumable
             stream (``fnloop.data.batches``) continues from ``state.data``.
         hooks: hooks (or ``None``s) run in this order in every phase.
-        clock: the driver's clock, read into ``state.time`` at each phase.
+        clock: the driver's clock, read into ``state.time`` at each phase a
+            hook is due in, and once per iteration for the state it ends with.
         effects: perform requested effects (``False`` for a dry replay).
         debug: guard every hook with ``fnloop.checked``: a hook that writes
             into a tensor of the state in place fails, naming the hook.

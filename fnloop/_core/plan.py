@@ -83,7 +83,8 @@ class Due:
     wrappers whose test the schedule has already passed. ``quiet`` are the
     entries called at an iteration where no periodic hook fires, and ``next``
     the first iteration, from the last one asked about, where one may: before
-    it, the fold takes ``quiet`` with one comparison.
+    it, the fold takes ``quiet`` with one comparison. So a ``Due`` is asked
+    about iterations in increasing order, as the fold runs them.
     """
 
     def __init__(self, entries: list[tuple[Hook, Firing]]) -> None:
