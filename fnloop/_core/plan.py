@@ -78,9 +78,10 @@ def schedule(hook: Hook, phase: Phase) -> Schedule:
 class Due:
     """The hooks to call in one step phase, by iteration; build them with ``plan``.
 
-    Each entry is a pair ``(callable, hook)``: ``hook`` as registered (named in
-    errors) and what to call for it, ``hook`` without the ``on``/``every``/``once``
-    wrappers whose test the schedule has already passed. ``quiet`` are the
+    Each entry is a pair ``(callable, hook)``: what to call, and ``hook`` as
+    registered, which errors name. The callable is ``hook`` without the
+    ``on``/``every``/``once`` wrappers whose tests the schedule has already
+    passed. ``quiet`` are the
     entries called at an iteration where no periodic hook fires, and ``next``
     the first iteration, from the last one asked about, where one may: before
     it, the fold takes ``quiet`` with one comparison. So a ``Due`` is asked
