@@ -314,7 +314,8 @@ def train_step(
             f"train_step() expected a fnloop.optim.Optimizer, got {article} {where}.{kind.__qualname__}; "
             "build one with fnloop.optim.sgd/adam/adamw (the same numbers as torch.optim's)."
         )
-    kernel = _kernel(model, loss_fn, optimizer, _check_positive("accumulate", accumulate), autocast)
+    accumulate = _check_positive("accumulate", accumulate)
+    kernel = _kernel(model, loss_fn, optimizer, accumulate, autocast, eager=not compile)
     if type(recompiles) is not int or recompiles < 0:
         raise ValueError(f"'recompiles' must be an int >= 0 ({got(recompiles)}).")
     jit = _jit_kernel(kernel, 1 + recompiles, options) if compile else None
