@@ -47,3 +47,10 @@ def test_smoothing_matches_plain_python(values):
     assert m.median("x") == statistics.median([float(torch.tensor(v)) for v in values])
     assert abs(m.mean("x", window=3) - statistics.fmean([float(torch.tensor(v)) for v in values][-3:])) < 1e-9
     assert m.latest("x")[0] == len(values) - 1
+
+
+@given(testing.metrics(names=("loss", "time", "data_time")), st.integers(0, 20), st.floats(0, 10), st.floats(0, 10))
+def test_recording_a_pair_is_recording_both(m, i, a, b):
+    pair = m.record_pair(i, "time", a, "data_time", b)
+    assert first_difference(pair, m.record(i, {"time": a, "data_time": b})) is None
+    assert pair.window == m.window

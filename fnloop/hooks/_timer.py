@@ -8,7 +8,7 @@ import attrs
 
 from fnloop._core.messages import non_empty_str, non_negative_int
 from fnloop._core.phase import Phase
-from fnloop._core.state import TrainState, Unclaimed, replace
+from fnloop._core.state import TrainState, Unclaimed, replace, with_field
 
 __all__ = ["Timer", "TimerState", "timer"]
 
@@ -42,8 +42,10 @@ class Timer:
             if iteration < memory.start + self.warmup:
                 return state
             # The fold measured the iteration: no memory of ours changes from step to step.
-            times = {"time": state.step_time, "data_time": state.data_time}
-            return replace(state, metrics=state.metrics.record(iteration, times))
+            metrics = state.metrics.record_pair(
+                iteration, "time", state.step_time, "data_time", state.data_time
+            )
+            return with_field(state, "metrics", metrics)
         if phase is _BEFORE_TRAIN:
             # Each run (a resumed one too) counts its warm-up from its own first iteration.
             return replace(state, hooks={**state.hooks, self.name: TimerState(state.iteration)})
