@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import collections
-import contextlib
-import signal
-import threading
 import time as _time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -15,6 +12,7 @@ from fnloop._core.combinators import Hook, chain, checked, returned, state_names
 from fnloop._core.messages import a_type
 from fnloop._core.phase import Phase
 from fnloop._core.plan import call, plan
+from fnloop._core.signals import Preempted, _interruption, _signals, _Stop
 from fnloop._core.state import Effect, TrainState, Unclaimed, advanced, replace, timed, with_field
 from fnloop._core.stream import stream as _stream
 
@@ -44,65 +42,6 @@ class BatchesExhausted(RuntimeError):
     """The batch iterable ended before ``max_iter`` was reached."""
 
 
-class Preempted(SystemExit):
-    """``run`` stopped early because the process received SIGTERM.
-
-    Raised after the current step finished and ``AFTER_TRAIN`` ran (so a
-    checkpoint hook saved the last consistent state, which ``exc.state``
-    holds). A ``SystemExit`` with code ``128 + signal``: uncaught, the process
-    exits with 143, as a process killed by SIGTERM would, and never with 0.
-    """
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(128 + signum)
-        self.signum = signum
-
-    def __str__(self) -> str:
-        return f"stopped by {signal.Signals(self.signum).name} after the current step"
-
-
-class _Stop:
-    """The signal the run was asked to stop by, if any, and how many came; set by the handler."""
-
-    signum: int | None = None
-    count: int = 0
-
-
-_FORCE = 3
-"""The Ctrl-C that stops a run at once, wherever it is (the state may then be torn)."""
-
-
-@contextlib.contextmanager
-def _signals(enabled: bool) -> Iterator[_Stop | None]:
-    # Handlers live only for the duration of `run`, and only in the main thread
-    # (Python delivers signals there alone). Signals ask the fold to stop after
-    # the current step; a third Ctrl-C stops at once.
-    if not enabled or threading.current_thread() is not threading.main_thread():
-        yield None
-        return
-    stop = _Stop()
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-
-    def handler(signum: int, frame: object) -> None:
-        # Deferred to the end of the step: an in-place step cut between two
-        # kernels would leave a state that is neither the old nor the new one.
-        stop.count += 1
-        if stop.signum is None:
-            stop.signum = signum
-        if signum == signal.SIGINT and stop.count >= _FORCE:
-            for sig, old in previous.items():
-                signal.signal(sig, old)
-            raise KeyboardInterrupt
-
-    for sig in previous:
-        signal.signal(sig, handler)
-    try:
-        yield stop
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
 _TORN = (
     "fnloop: this failed while the state was being updated in place (donation: in the step, or "
     "in an AFTER_STEP hook right after it), so no consistent state is left in memory and "
@@ -118,10 +57,6 @@ def _name_rank(exc: BaseException) -> None:
     size = world_size()
     if size > 1 and not isinstance(exc, (SystemExit, KeyboardInterrupt)):
         exc.add_note(f"fnloop: raised on rank {rank()} of {size}.")
-
-
-def _interruption(signum: int) -> BaseException:
-    return KeyboardInterrupt() if signum == signal.SIGINT else Preempted(signum)
 
 
 def _start(state: object, step: object, hooks: Sequence[Hook | None] | None, debug: bool = False) -> Hook:

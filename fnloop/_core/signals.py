@@ -1,0 +1,73 @@
+"""Signals during a run: SIGTERM and SIGINT stop the fold after the current step."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+
+__all__ = ["Preempted"]
+
+
+class Preempted(SystemExit):
+    """``run`` stopped early because the process received SIGTERM.
+
+    Raised after the current step finished and ``AFTER_TRAIN`` ran (so a
+    checkpoint hook saved the last consistent state, which ``exc.state``
+    holds). A ``SystemExit`` with code ``128 + signal``: uncaught, the process
+    exits with 143, as a process killed by SIGTERM would, and never with 0.
+    """
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(128 + signum)
+        self.signum = signum
+
+    def __str__(self) -> str:
+        return f"stopped by {signal.Signals(self.signum).name} after the current step"
+
+
+class _Stop:
+    """The signal the run was asked to stop by, if any, and how many came; set by the handler."""
+
+    signum: int | None = None
+    count: int = 0
+
+
+_FORCE = 3
+"""The Ctrl-C that stops a run at once, wherever it is (the state may then be torn)."""
+
+
+@contextlib.contextmanager
+def _signals(enabled: bool) -> Iterator[_Stop | None]:
+    # Handlers live only for the duration of `run`, and only in the main thread
+    # (Python delivers signals there alone). Signals ask the fold to stop after
+    # the current step; a third Ctrl-C stops at once.
+    if not enabled or threading.current_thread() is not threading.main_thread():
+        yield None
+        return
+    stop = _Stop()
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def handler(signum: int, frame: object) -> None:
+        # Deferred to the end of the step: an in-place step cut between two
+        # kernels would leave a state that is neither the old nor the new one.
+        stop.count += 1
+        if stop.signum is None:
+            stop.signum = signum
+        if signum == signal.SIGINT and stop.count >= _FORCE:
+            for sig, old in previous.items():
+                signal.signal(sig, old)
+            raise KeyboardInterrupt
+
+    for sig in previous:
+        signal.signal(sig, handler)
+    try:
+        yield stop
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _interruption(signum: int) -> BaseException:
+    return KeyboardInterrupt() if signum == signal.SIGINT else Preempted(signum)
