@@ -40,7 +40,6 @@ WRITE_EVERY = 20
 """The log's period; checkpoints and evaluations (every 100) fall on its writes."""
 
 
-
 def accuracy(forward, batch):
     x, y = batch
     return {"accuracy": (forward(x).argmax(1) == y).float().mean()}

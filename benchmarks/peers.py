@@ -310,12 +310,18 @@ def _fnloop(w: Workload, compile: bool) -> Train:
     model, _ = w.make()
     opt = fl.optim.sgd(w.lr) if w.optimizer == "sgd" else fl.optim.adamw(w.lr, weight_decay=0.01)
     step = fl.train_step(model, loss, opt, compile=compile)
-    state = fl.init(model, opt, seed=0, max_iter=1)
+    # The run goes on from turn to turn, as the other loops' models and optimizers do, and gives
+    # each turn's state up to the next (`state = fl.run(state, ..., donate_input=True)`): one copy
+    # of the parameters and optimizer state, updated in place, as in the other loops.
+    states = [fl.init(model, opt, seed=0, max_iter=0)]
 
     def train(batches: Iterable[Batch]) -> None:
         n = len(batches)  # type: ignore[arg-type]
-        final = fl.run(attrs.evolve(state, max_iter=n), step, batches)
-        assert final.iteration == n
+        state = states.pop()
+        start = state.iteration
+        state = fl.run(attrs.evolve(state, max_iter=start + n), step, batches, donate_input=True)
+        assert state.iteration == start + n
+        states.append(state)
 
     return train
 
