@@ -49,7 +49,12 @@ def test_smoothing_matches_plain_python(values):
     assert m.latest("x")[0] == len(values) - 1
 
 
-@given(testing.metrics(names=("loss", "time", "data_time")), st.integers(0, 20), st.floats(0, 10), st.floats(0, 10))
+@given(
+    testing.metrics(names=("loss", "time", "data_time")),
+    st.integers(0, 20),
+    st.floats(0, 10),
+    st.floats(0, 10),
+)
 def test_recording_a_pair_is_recording_both(m, i, a, b):
     pair = m.record_pair(i, "time", a, "data_time", b)
     assert first_difference(pair, m.record(i, {"time": a, "data_time": b})) is None
