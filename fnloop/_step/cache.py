@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from fnloop._core.messages import got
+from fnloop.checkpoint._atomic import write_atomically
 
 __all__ = ["CompileCache", "default_cache", "graph_key"]
 
@@ -175,15 +176,12 @@ def _deserialize(payload: bytes) -> Any:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as file:
+    def write(fd: int) -> None:
+        with os.fdopen(fd, "wb", closefd=False) as file:
             file.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+
+    # As a checkpoint is written: a crash leaves the old file or none, never half of one.
+    write_atomically(path, write)
 
 
 # --------------------------------------------------------------------------- the key
