@@ -320,7 +320,8 @@ def scan(
         hooks: hooks (or ``None``s) run in this order in every phase.
         clock: the driver's clock, read into ``state.time`` at each phase a
             hook is due in, and once per iteration for the state it ends with.
-        effects: perform requested effects (``False`` for a dry replay).
+        effects: perform requested effects (``False`` for a dry replay); in a
+            data-parallel run (``torchrun``) rank 0 alone performs them.
         debug: guard every hook with ``fnloop.checked``: a hook that writes
             into a tensor of the state in place fails, naming the hook.
 
