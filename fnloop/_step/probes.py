@@ -26,13 +26,14 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from fnloop.checkpoint._atomic import write_atomically
 
 __all__ = ["remembered_probes"]
 
@@ -85,16 +86,10 @@ def _read(path: Path) -> dict[str, bool]:
 
 
 def _write(path: Path, answers: dict[str, bool]) -> None:
+    data = json.dumps(answers).encode()
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as file:
-                json.dump(answers, file)
-            os.replace(tmp, path)
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+        write_atomically(path, lambda fd: os.write(fd, data))
 
 
 @contextlib.contextmanager
