@@ -189,3 +189,19 @@ def test_a_nan_column_of_a_large_gradient_skips_the_adamw_step_compiled():
     assert int(after_bad.metrics.latest("skipped")[1]) == 1
     testing.assert_identical(after_bad.params, after_good.params)
     testing.assert_identical(after_bad.opt_state, after_good.opt_state)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_a_huge_finite_float64_gradient_is_not_taken_for_an_overflow(compile):
+    # 1e200 is finite in float64 and inf in float32: the check must not narrow the gradient.
+    model = torch.nn.Linear(2, 1).double()
+
+    def bounded(forward, batch):
+        return torch.sin(forward(batch)).sum()  # a loss in [-3, 3], a weight gradient of about 1e200
+
+    opt = fl.optim.sgd(1e-201)  # an update of about 0.2
+    step = fl.train_step(model, bounded, opt, compile=compile, skip_nonfinite=True)
+    state = fl.init(model, opt, seed=0, max_iter=1)
+    after = step(state, torch.full((3, 2), 1e200, dtype=torch.float64))
+    assert float(after.metrics.latest("skipped")[1]) == 0
+    assert not torch.equal(after.params["weight"], state.params["weight"])

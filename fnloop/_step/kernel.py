@@ -58,7 +58,7 @@ def _micro_batches(batch: Any, n: int) -> list[Any]:
     return [pytree.tree_unflatten([c[k] for c in chunks], spec) for k in range(n)]
 
 
-def _all_finite(loss: torch.Tensor, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def _all_finite(loss: torch.Tensor, grads: Mapping[str, torch.Tensor], eager: bool = False) -> torch.Tensor:
     """A 0-d bool: the loss and every gradient element are finite (one reduction per tensor, no sync).
 
     The largest magnitude of a tensor is finite exactly when every element is
@@ -66,7 +66,18 @@ def _all_finite(loss: torch.Tensor, grads: Mapping[str, torch.Tensor]) -> torch.
     asked as float max-reductions that the compiled step vectorizes: the boolean
     form took a third of the update of a 2048-wide MLP. (``(g * 0).sum()`` would
     be as fast but wrong: inductor folds ``* 0``, see tests/test_nonfinite.py.)
+
+    ``eager``: run op by op, where ``vector_norm(g, inf)`` and ``isfinite(g).all()``
+    take twenty times as long as ``aminmax`` (10 ms against 0.5 ms for 4 M floats on
+    one thread); the smallest and largest element are both finite exactly when every
+    element is (both reductions propagate NaN).
     """
+    if eager:
+        flags = [torch.isfinite(loss.detach()).reshape(())]
+        flags += [
+            torch.isfinite(torch.stack(torch.aminmax(g.detach()))).all() for g in grads.values() if g.numel()
+        ]
+        return torch.stack(flags).all()
     peaks = [loss.detach().abs().reshape(())]
     # vector_norm(g, inf) is abs().amax() without an eager copy of |g|; it compiles to the same.
     peaks += [torch.linalg.vector_norm(g, math.inf) for g in grads.values() if g.numel()]
@@ -139,7 +150,7 @@ def _kernel(
         if group is not None:  # data parallel: every rank gets the same averages, inside the graph
             grads, loss, metrics, new_buffers = _averaged(grads, loss, metrics, new_buffers, group)
         new_params, new_opt_state = optimizer.update(grads, opt_state, params, iteration)
-        finite = _all_finite(loss, grads)
+        finite = _all_finite(loss, grads, eager)
         # Donation: the new values go into the input storage, so the compiled
         # graph updates in place and keeps no second copy alive. A non-finite
         # step writes the old values back: the state is never poisoned.
