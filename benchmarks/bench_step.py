@@ -26,6 +26,7 @@ import sys
 import time
 
 import torch
+from peers import peak_rss_mb, reset_peak_rss
 from torch.func import functional_call, grad, grad_and_value
 
 import fnloop as fl
@@ -221,19 +222,6 @@ def wide_problem():
 def mse(forward, batch):
     x, y = batch
     return ((forward(x) - y) ** 2).mean()
-
-
-def reset_peak_rss():
-    with open("/proc/self/clear_refs", "w") as f:  # reset the RSS high-water mark
-        f.write("5")
-
-
-def peak_rss_mb():
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 class Clocked:
