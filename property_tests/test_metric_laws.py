@@ -59,3 +59,21 @@ def test_recording_a_pair_is_recording_both(m, i, a, b):
     pair = m.record_pair(i, "time", a, "data_time", b)
     assert first_difference(pair, m.record(i, {"time": a, "data_time": b})) is None
     assert pair.window == m.window
+
+
+@given(
+    testing.metrics(names=("loss", "lr")),
+    st.integers(0, 20),
+    st.integers(0, 12).flatmap(
+        lambda n: st.dictionaries(
+            st.sampled_from(["loss", "lr", "skipped"]), st.lists(st.floats(-5, 5), min_size=n, max_size=n)
+        )
+    ),
+)
+def test_recording_steps_is_recording_each_iteration(m, first, columns):
+    one_by_one = m
+    for j in range(max((len(c) for c in columns.values()), default=0)):
+        one_by_one = one_by_one.record(first + j, {name: column[j] for name, column in columns.items()})
+    steps = m.record_steps(first, columns)
+    assert first_difference(steps, one_by_one) is None
+    assert steps.window == m.window

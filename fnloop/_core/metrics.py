@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 import torch
@@ -108,6 +108,28 @@ class Metrics:
         series[other] = (old[keep:] if keep else ()) + ((iteration, second),)
         new = _new(Metrics)
         _set(new, "window", self.window)
+        _set(new, "series", series)
+        return new
+
+    def record_steps(self, first: int, values: Mapping[str, Sequence[Scalar]]) -> Metrics:
+        """``record`` once per iteration from ``first``: ``values[name][j]`` at ``first + j``.
+
+        The same value as recording the iterations one by one (a step of
+        several iterations per call records them all at once).
+
+        Examples:
+            >>> Metrics().record_steps(4, {"loss": [2.0, 1.0]}).history("loss")
+            ((4, 2.0), (5, 1.0))
+        """
+        series = self.series.copy() if type(self.series) is dict else dict(self.series)
+        window = self.window
+        for name, column in values.items():
+            if not column:
+                continue
+            entries = tuple(zip(range(first, first + len(column)), column))
+            series[name] = (series.get(name, ()) + entries)[-window:]
+        new = _new(Metrics)
+        _set(new, "window", window)
         _set(new, "series", series)
         return new
 
