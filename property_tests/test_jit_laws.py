@@ -25,7 +25,7 @@ calls = st.lists(
 PURE = {"a": lambda x, y: [x.sum() + y.sum()], "b": lambda x, y: [x.sum() - y.sum()]}
 
 
-def fake_compile(function, leaves, options, cache=None):
+def fake_compile(function, leaves, options, cache=None, no_random=None):
     function(*leaves)  # the trace
     return function.pure, False
 

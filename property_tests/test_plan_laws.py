@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import fnloop as fl
 from fnloop import Phase, TrainState, testing
-from fnloop._core.plan import _after, _fires, plan, schedule
+from fnloop._core.plan import _after, _fires, off_boundaries, plan, schedule
 from fnloop.testing import Tag
 
 PERFORMED: list = []
@@ -88,6 +88,16 @@ class Declared:
         return self.tag(state, phase) if phase is Phase.AFTER_STEP else state
 
 
+@attrs.frozen
+class RememberAfterStep:
+    """A stateful update that acts in AFTER_STEP only, and says so."""
+
+    acts_in = frozenset({Phase.AFTER_STEP})
+
+    def __call__(self, state, phase, memory):
+        return (state, (*memory, state.iteration)) if phase is Phase.AFTER_STEP else (state, memory)
+
+
 def _key(hook):
     # Hooks differ in repr, and stateful ones in name (the fold refuses a clash).
     return fl.state_names(hook) or (repr(hook),)
@@ -107,6 +117,7 @@ def nested(draw, depth=3):
                 testing.counter(f"c{k}"),
                 fl.stateful(f"s{k}", (), _remember),
                 Declared(f"d{k}"),
+                fl.stateful(f"r{k}", (), RememberAfterStep()),
                 Ask(f"a{k}", False),
                 Ask(f"a{k}", True),
             ]
@@ -202,6 +213,16 @@ def test_twenty_periodic_hooks_are_called_only_where_they_fire(n):
     assert calls == [21 if (i + 1) % 10 == 0 else 1 for i in range(0, 30, n)]
 
 
+def test_a_stateful_hook_takes_the_phases_its_update_declares():
+    hook = fl.stateful("r", (), RememberAfterStep())
+    assert hook.acts_in == frozenset({Phase.AFTER_STEP})
+    assert schedule(hook, Phase.BEFORE_STEP) is None
+    assert schedule(fl.every(4, hook), Phase.AFTER_STEP) == (4, 0)
+    state = TrainState(max_iter=3)
+    assert hook(state, Phase.BEFORE_TRAIN) is state  # not even its first memory is stored there
+    testing.check_hook(hook, state)
+
+
 def test_a_hook_declaring_its_phases_is_not_called_in_the_others():
     hook = Declared("d")
     assert schedule(hook, Phase.BEFORE_STEP) is None
@@ -238,3 +259,70 @@ def test_an_unwrapped_hook_that_returns_no_state_is_named_as_registered():
         TypeError, match=r"hook every\(3, \S*forgetful\) returned None .* in Phase.BEFORE_STEP"
     ):
         fl.run(TrainState(max_iter=4), lambda s, b: s, [None] * 4, [fl.every(3, forgetful)])
+
+
+# --------------------------------------------------------------------------- several steps per call
+
+
+@given(st.lists(nested(), max_size=5, unique_by=_key), st.integers(2, 4))
+def test_off_boundaries_finds_a_hook_exactly_when_one_may_act_inside_a_call(hooks, k):
+    hook = fl.chain(*hooks)
+    boundary = {Phase.BEFORE_STEP: lambda i: i % k == 0, Phase.AFTER_STEP: lambda i: (i + 1) % k == 0}
+    inside = {
+        phase: [i for i in range(130) if plan(hook, phase).hooks(i) and not boundary[phase](i)]
+        for phase in boundary
+    }
+    found = off_boundaries(hook, k)
+    assert (found is None) == (not inside[Phase.BEFORE_STEP] and not inside[Phase.AFTER_STEP])
+    if found is not None:
+        registered, phase, iteration = found
+        assert iteration in inside[phase]
+        due = plan(hook, phase)
+        assert registered in due.hooks(iteration)
+
+
+@attrs.frozen
+class Several:
+    """A step of ``steps_per_call`` iterations per call, made of single recording steps."""
+
+    steps_per_call: int
+
+    def __call__(self, state, batch):
+        return recording_step(state, batch)
+
+    def steps(self, state, batches):
+        first = state.iteration
+        for j, batch in enumerate(batches):
+            state = recording_step(attrs.evolve(state, iteration=first + j), batch)
+        return state
+
+
+@st.composite
+def at_boundaries(draw, k):
+    """A hook that acts only at the boundaries of calls of ``k`` steps."""
+    hook = draw(nested(depth=1))
+    if draw(st.booleans()):
+        return fl.on(Phase.AFTER_STEP, fl.every(k * draw(st.integers(1, 3)), hook))
+    return fl.on(Phase.BEFORE_STEP, fl.once(k * draw(st.integers(0, 4)), hook))
+
+
+@given(
+    testing.bounds(max_steps=20),
+    st.integers(2, 4).flatmap(
+        lambda k: st.tuples(st.just(k), st.lists(at_boundaries(k), max_size=5, unique_by=_key))
+    ),
+)
+def test_a_run_of_several_steps_per_call_equals_the_plain_fold(bounds, k_hooks):
+    k, hooks = k_hooks
+    start, max_iter = bounds
+    (_, _), (plain, plain_effects) = both(start, max_iter, hooks)
+    PERFORMED.clear()
+    state = TrainState(max_iter=max_iter, iteration=start)
+    final = fl.run(state, Several(k), [None] * (max_iter - start), hooks, clock=lambda: 0.0)
+    testing.assert_identical(final, plain[-1])
+    assert plain_effects == PERFORMED
+
+
+def test_a_hook_acting_inside_a_call_is_refused():
+    with pytest.raises(ValueError, match=r"steps_per_call=4: the hook every\(6, .*AFTER_STEP of iteration 5"):
+        fl.run(TrainState(max_iter=8), Several(4), [None] * 8, [fl.every(6, Declared("d"))])

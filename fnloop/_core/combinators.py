@@ -322,6 +322,9 @@ class Stateful:
     update: Callable[[TrainState, Phase, Any], tuple[TrainState, Any]]
 
     def __call__(self, state: TrainState, phase: Phase, /) -> TrainState:
+        acts_in = self.acts_in
+        if acts_in is not None and phase not in acts_in:
+            return state  # the update says it changes nothing here: its memory is not even stored
         name = self.name
         memory = state.hooks.get(name, self)
         if memory is self:
@@ -345,6 +348,12 @@ class Stateful:
         return with_field(new, "hooks", hooks)
 
     @property
+    def acts_in(self) -> frozenset[Phase] | None:
+        """The phases the update declares it acts in (its own ``acts_in``), or ``None``: every phase."""
+        declared = getattr(self.update, "acts_in", None)
+        return declared if type(declared) is frozenset else None
+
+    @property
     def state_names(self) -> tuple[str, ...]:
         return (self.name,)
 
@@ -360,7 +369,10 @@ def stateful(
     ``update(state, phase, memory) -> (state, memory)`` sees ``init`` the first
     time (and after a resume from a checkpoint that holds no state for
     ``name``). The name must be unique among the hooks of a run; ``chain`` and
-    ``run`` refuse a clash rather than lose a state.
+    ``run`` refuse a clash rather than lose a state. An ``update`` with an
+    ``acts_in`` attribute (a frozenset of phases) declares that it changes
+    nothing in the other phases: the hook returns its input there without
+    calling it, and the fold's plan knows it, as for a hook's own ``acts_in``.
 
     Raises:
         ValueError: ``name`` is empty or not a str.

@@ -11,7 +11,7 @@ from typing import Any, Protocol
 from fnloop._core.combinators import Hook, chain, checked, returned, state_names
 from fnloop._core.messages import a_type
 from fnloop._core.phase import Phase
-from fnloop._core.plan import call, plan
+from fnloop._core.plan import call, off_boundaries, plan
 from fnloop._core.signals import Preempted, _interruption, _signals, _Stop
 from fnloop._core.state import Effect, TrainState, Unclaimed, advanced, replace, timed, with_field
 from fnloop._core.stream import stream as _stream
@@ -33,6 +33,13 @@ class Step(Protocol):
 
     It gets the state the ``BEFORE_STEP`` hooks returned; in an iteration
     where none is due, the state the previous iteration ended with.
+
+    A step with ``steps_per_call = k > 1`` also offers ``steps(state,
+    batches)``, running ``len(batches)`` iterations from ``state.iteration``
+    and returning the state at the last one's index (and may offer
+    ``donating_steps``). ``run`` then calls it for each whole call of ``k``
+    iterations starting at a multiple of ``k``, single steps elsewhere, and
+    refuses hooks that may act inside a call.
     """
 
     def __call__(self, state: TrainState, batch: Any, /) -> TrainState: ...
@@ -80,7 +87,31 @@ def _start(state: object, step: object, hooks: Sequence[Hook | None] | None, deb
     if callable(hooks) and not isinstance(hooks, Sequence):
         raise TypeError(f"run() expected a sequence of hooks, got a single hook {hooks!r:.80}; pass [hook].")
     hook = chain(*hooks)
+    _check_boundaries(hook, _steps_per_call(step))
     return checked(hook) if debug else hook
+
+
+def _steps_per_call(step: object) -> int:
+    steps = getattr(step, "steps_per_call", 1)
+    return steps if type(steps) is int and steps > 1 and callable(getattr(step, "steps", None)) else 1
+
+
+def _check_boundaries(hook: Hook, steps: int) -> None:
+    if steps == 1:
+        return
+    inside = off_boundaries(hook, steps)
+    if inside is None:
+        return
+    registered, phase, iteration = inside
+    first = iteration - iteration % steps
+    raise ValueError(
+        f"steps_per_call={steps}: the hook {registered!r:.120} may act in {phase.name} of iteration "
+        f"{iteration}, inside a call (iterations {first} to {first + steps - 1} run as one). With "
+        f"several steps per call, hooks act only at call boundaries: BEFORE_STEP of iterations 0, "
+        f"{steps}, {2 * steps}, ... and AFTER_STEP of iterations {steps - 1}, {2 * steps - 1}, .... "
+        f"Run it every multiple of {steps} (fl.every({steps}, hook); a function hook in AFTER_STEP "
+        f"only: fl.on(fl.Phase.AFTER_STEP, fl.every({steps}, hook))), or use steps_per_call=1."
+    )
 
 
 def _drop_unclaimed(state: TrainState, hook: Hook) -> TrainState:
@@ -126,6 +157,18 @@ def _phase(hook: Hook, state: TrainState, phase: Phase, perform: bool) -> TrainS
         if perform:
             _perform(effects, state, new)
     return new
+
+
+def _before_step(due: Any, state: TrainState, start: float, perform: bool) -> TrainState:
+    """The ``BEFORE_STEP`` hooks ``due`` on ``state`` at time ``start``, their effects performed."""
+    began = with_field(state, "time", start)
+    state = call(due, began, _BEFORE_STEP)
+    requested = state.effects
+    if requested:
+        state = replace(state, effects=())
+        if perform:
+            _perform(requested, began, state)
+    return state
 
 
 def _exhausted(i: int, max_iter: int) -> BatchesExhausted:
@@ -177,10 +220,76 @@ def _fold(
         stream, resumable = _stream(batches, state)
         donating = getattr(step, "donating", None) if donate else None
         apply = donating if donating is not None and donate_input else step
+        # Several steps per call (train_step(..., steps_per_call=k)): whole calls where they fit.
+        k = _steps_per_call(step)
+        many: Any = step.steps if k > 1 else None  # type: ignore[attr-defined]
+        donating_many = getattr(step, "donating_steps", None) if k > 1 and donate else None
+        apply_many: Any = donating_many if donating_many is not None and donate_input else many
         start = fetching = fetched = 0.0
         while state.iteration < state.max_iter:
             i = state.iteration
-            if i < quiet_until:
+            if k > 1 and i % k == 0 and i + k <= state.max_iter:
+                end = i + k - 1
+                # Hooks act only at the call's boundaries (checked before the run).
+                if i < before_next:
+                    before = before_quiet
+                else:
+                    before = before_step(i)
+                    before_next = before_step.next
+                if end < after_next:
+                    after = after_quiet
+                else:
+                    after = after_step(end)
+                    after_next = after_step.next
+                if before or after:
+                    start = clock()
+                if before:
+                    state = _before_step(before, state, start, perform)
+                if after:
+                    fetching = clock()
+                batches_k, cursors = [], []
+                for j in range(k):
+                    try:
+                        batch = next(stream)
+                    except StopIteration:
+                        raise _exhausted(i + j, state.max_iter) from None
+                    if resumable:
+                        batch, cursor = batch
+                    else:
+                        cursor = state.data
+                    batches_k.append(batch)
+                    cursors.append(cursor)
+                if after:
+                    fetched = clock()
+                try:
+                    new = apply_many(state, batches_k)
+                except BaseException as exc:
+                    # Stopped at a step inside the call (NonFiniteLoss): the state before that step.
+                    reached = getattr(exc, "reached", None)
+                    if type(reached) is TrainState:
+                        at = reached.iteration
+                        last = advanced(reached, at, cursors[at - i - 1] if at > i else state.data, clock())
+                    raise
+                mixed = apply_many is donating_many
+                if type(new) is not TrainState:
+                    raise _not_a_state(step, new, i)
+                if new.iteration != end:
+                    raise _moved(end, new.iteration)
+                now = clock()
+                if after:
+                    # What a hook sees is per iteration: the call's times shared out over its steps.
+                    began = timed(new, now, (fetched - fetching) / k, (now - start) / k)
+                    state = call(after, began, _AFTER_STEP)
+                else:
+                    began = state = timed(new, now, 0.0, 0.0) if new.effects else new
+                if state.iteration != end:
+                    raise _moved(end, state.iteration)
+                requested = state.effects
+                state = last = advanced(state, end + 1, cursors[-1], state.time if after else now)
+                mixed = False
+                if requested and perform:
+                    _perform(requested, began, state)
+            elif i < quiet_until:
                 # No hook can act in this iteration: the batch, the step, one
                 # new state. The step gets the state the last iteration ended
                 # with, and the clock is read once, for the state this one ends with.
@@ -223,13 +332,7 @@ def _fold(
                 # iteration's step_time and data_time.
                 if before:
                     start = clock()
-                    began = with_field(state, "time", start)
-                    state = call(before, began, _BEFORE_STEP)
-                    requested = state.effects
-                    if requested:
-                        state = replace(state, effects=())
-                        if perform:
-                            _perform(requested, began, state)
+                    state = _before_step(before, state, start, perform)
                 elif after:
                     start = clock()
                 if after:
@@ -265,6 +368,8 @@ def _fold(
             if donating is not None:
                 # From here on the fold threads states no caller holds.
                 apply = donating
+            if donating_many is not None:
+                apply_many = donating_many
             yield state
             if stop is not None and stop.signum is not None:
                 raise _interruption(stop.signum)
@@ -306,6 +411,9 @@ def scan(
     debug: bool = False,
 ) -> Iterator[TrainState]:
     """Lazily run ``step`` and ``hooks``, yielding the state after each iteration.
+
+    (After each call, for a step of several steps per call: ``train_step(...,
+    steps_per_call=k)``.)
 
     After the iterations it yields once more: the final state, after
     ``AFTER_TRAIN``. So ``list(scan(...))[-1]`` is what ``run`` returns. Every

@@ -154,3 +154,31 @@ def call(due: tuple[tuple[Hook, Hook], ...], state: TrainState, phase: Phase) ->
             raise returned(registered, phase, new)
         state = new
     return state
+
+
+def off_boundaries(hook: Hook, steps: int) -> tuple[Hook, Phase, int] | None:
+    """The first hook of ``hook`` that may act inside a call of ``steps`` iterations, or ``None``.
+
+    A call runs iterations ``c*steps .. c*steps + steps - 1`` together, so a
+    hook may act only in ``BEFORE_STEP`` of its first and ``AFTER_STEP`` of its
+    last. Returns ``(hook as registered, phase, the first iteration where it may
+    act off them)``.
+    """
+    for phase in _STEP_PHASES:
+        for (_, registered), firing in plan(hook, phase).entries:
+            inside = _first_inside(firing, phase, steps)
+            if inside is not None:
+                return registered, phase, inside
+    return None
+
+
+def _first_inside(firing: Firing, phase: Phase, steps: int) -> int | None:
+    period, offset = firing
+    first = max(offset - 1, 0) if period == 0 else offset - 1 + (period if offset == 0 else 0)
+    # The iterations it fires at, modulo `steps`, repeat after `steps` firings.
+    for m in range(1 if period == 0 else steps):
+        iteration = first + m * period
+        boundary = iteration % steps == 0 if phase is Phase.BEFORE_STEP else (iteration + 1) % steps == 0
+        if not boundary:
+            return iteration
+    return None

@@ -87,3 +87,18 @@ _RECOMPILED = (
     "batch of an epoch? use drop_last=True) or a changed state compiles a new graph. Nothing of this "
     "iteration ran. Allow it with train_step(..., recompiles=N)."
 )
+
+_RANDOM_STEPS = (
+    "train_step(..., steps_per_call={n}) runs {n} steps in one compiled call, but this step draws "
+    "random numbers (dropout, say). Each step's randomness is seeded from (seed, iteration), which "
+    "one call of several steps cannot do for each of them, so its results would not be those of "
+    "{n} single steps. Use steps_per_call=1 (the default) for this model, or compile=False, which "
+    "runs the steps of a call one by one."
+)
+
+_LOOP_BODY = (
+    "train_step(..., steps_per_call={n}) compiles the steps of a call as a loop whose body torch's "
+    "compiler (dynamo) traces, and it refused this step's Python: side effects in loss_fn (print, "
+    "appending to a list, changing a global) are not allowed there. Remove them, or use "
+    "steps_per_call=1. The compiler said: {error}"
+)

@@ -17,8 +17,10 @@ tensors for anything that changes between steps.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Hashable, Mapping, Sequence
+import logging
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -28,7 +30,7 @@ from torch.utils import _pytree as pytree
 from fnloop._step.cache import CompileCache, default_cache, graph_key
 from fnloop._step.probes import remembered_probes
 
-__all__ = ["Entry", "Jit", "OverBudget", "TraceError", "flatten_batch", "unflatten_batch"]
+__all__ = ["Entry", "Jit", "OverBudget", "RandomInGraph", "TraceError", "flatten_batch", "unflatten_batch"]
 
 Flat = Callable[..., Sequence[torch.Tensor]]
 """A function of flat tensors to a list of tensors."""
@@ -36,6 +38,10 @@ Flat = Callable[..., Sequence[torch.Tensor]]
 
 class TraceError(RuntimeError):
     """The function cannot be one graph: it depends on a tensor's value in Python."""
+
+
+class RandomInGraph(TraceError):
+    """The function draws random numbers where the caller cannot seed them (several steps per call)."""
 
 
 class OverBudget(RuntimeError):
@@ -95,12 +101,18 @@ def _signature(leaves: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
 
 
 def _compile(
-    function: Flat, leaves: list[torch.Tensor], options: Mapping[str, Any], cache: CompileCache | None = None
+    function: Flat,
+    leaves: list[torch.Tensor],
+    options: Mapping[str, Any],
+    cache: CompileCache | None = None,
+    no_random: str | None = None,
 ) -> tuple[Flat, bool]:
     """``function`` traced on ``leaves`` and compiled, and whether its graph draws random numbers.
 
     With a ``cache``, the traced graph is looked up there first (see
     ``fnloop/_step/cache.py``) and what inductor builds is kept there.
+    ``no_random``: the message of the ``RandomInGraph`` raised, before
+    anything is compiled, when the graph draws random numbers.
     """
     import torch._inductor
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -113,11 +125,20 @@ def _compile(
     # traces without complaint; inductor then fails on it with an internal assertion.
     if any(node.target is torch.ops.aten._local_scalar_dense.default for node in graph.graph.nodes):
         raise TraceError(_TO_NUMBER)
+    # Nodes of the graph and of its subgraphs (the body of a loop).
+    nodes = [
+        node
+        for module in graph.modules()
+        if isinstance(module, torch.fx.GraphModule)
+        for node in module.graph.nodes
+    ]
     random = any(
         isinstance(node.target, torch._ops.OpOverload)
         and torch.Tag.nondeterministic_seeded in node.target.tags
-        for node in graph.graph.nodes
+        for node in nodes
     )
+    if random and no_random is not None:
+        raise RandomInGraph(no_random)
     standalone = getattr(torch._inductor, "standalone_compile", None)
     if standalone is None:  # torch before 2.8: dynamo over the traced graph (flat inputs, cheap guards)
         compiled = torch.compile(graph, fullgraph=True, dynamic=False, options=dict(options))
@@ -126,16 +147,37 @@ def _compile(
         # A graph with tensor constants (a tensor a closure captured) is not
         # reloadable on torch 2.13: the loaded graph expects them as inputs
         # (and crashes under the C++ wrapper); inductor's own cache still serves it.
-        key = None if cache is None or _has_constants(graph) else graph_key(graph, leaves, options)
+        # Nor is a graph with a loop (torch 2.13's caches refuse higher-order operators).
+        uncached = cache is None or _has_constants(graph) or _has_loops(nodes)
+        key = None if uncached else graph_key(graph, leaves, options)
         if cache is not None and key is not None:
             found = cache.load(key)
             if found is not None:
                 return found, random
-        with torch._inductor.config.patch(dict(options)):
+        # A loop's graph cannot be saved: inductor would warn so at every compile.
+        quiet = (
+            _quiet("torch._inductor.standalone_compile") if _has_loops(nodes) else contextlib.nullcontext()
+        )
+        with torch._inductor.config.patch(dict(options)), quiet:
             compiled = standalone(graph, leaves, dynamic_shapes="from_example_inputs")
         if cache is not None and key is not None:
             cache.save(key, compiled)
     return compiled, random
+
+
+@contextlib.contextmanager
+def _quiet(logger: str) -> Iterator[None]:
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _has_loops(nodes: list[torch.fx.Node]) -> bool:
+    return any(isinstance(node.target, torch._ops.HigherOrderOperator) for node in nodes)
 
 
 def _has_constants(graph: torch.fx.GraphModule) -> bool:
@@ -218,8 +260,11 @@ class Jit:
         budget: int | None = None,
         options: Mapping[str, Any] | None = None,
         cache: CompileCache | _Default | None = DEFAULT,
+        no_random: str | None = None,
     ) -> None:
         self._make = make
+        self.no_random = no_random
+        """Refuse graphs that draw random numbers, with this message (``RandomInGraph``)."""
         self.cache = default_cache() if isinstance(cache, _Default) else cache
         """Where compiled graphs are kept between processes (``None``: nowhere); see ``fnloop/_step/cache.py``."""
         self.budget = budget
@@ -245,7 +290,10 @@ class Jit:
                 raise OverBudget(self._change(structure, signature))
             function, context = self._make(structure)
             found = Entry(
-                structure, signature, *_compile(function, leaves, self.options, self.cache), context
+                structure,
+                signature,
+                *_compile(function, leaves, self.options, self.cache, self.no_random),
+                context,
             )
             self._cache[(structure, tuple(signature))] = found
             self.compiles += 1

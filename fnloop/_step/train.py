@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -12,7 +12,7 @@ from torch.utils import _pytree as pytree
 from fnloop._core.loop import Step
 from fnloop._core.messages import got
 from fnloop._core.metrics import Scalar
-from fnloop._core.state import TrainState, replace
+from fnloop._core.state import TrainState, replace, with_field
 from fnloop._step.donation import Clean, exclusive, holds_containers, opt_containers
 from fnloop._step.errors import (
     _GRAPH_BREAK,
@@ -23,11 +23,11 @@ from fnloop._step.errors import (
     _nonfinite_message,
 )
 from fnloop._step.eval import plain_module
-from fnloop._step.jit import Entry, Jit, OverBudget, TraceError, flatten_batch
-from fnloop._step.kernel import LossFn, _cloned, _device, _jit_kernel, _kernel, _leaf_name
+from fnloop._step.jit import Entry, Jit, OverBudget, RandomInGraph, TraceError, flatten_batch
+from fnloop._step.kernel import LossFn, _cloned, _device, _jit_kernel, _jit_steps, _kernel, _leaf_name
 from fnloop._step.pool import ScalarPool
 from fnloop._step.seeding import _seeded
-from fnloop.distributed import broadcast_tensors, rank
+from fnloop.distributed import broadcast_tensors, rank, world_size
 from fnloop.optim import Optimizer
 from fnloop.optim._base import fixed_learning_rates
 
@@ -106,6 +106,10 @@ class TrainStep:
     """The optimizer's fixed learning rates, recorded every step as numbers (no graph output)."""
     rank: int = 0
     """This process's rank under torch.distributed: dropout draws differ per rank."""
+    steps_per_call: int = 1
+    """How many iterations the fold runs in one call (``steps``), at call boundaries."""
+    multi: Jit | None = None
+    """The kernel run ``steps_per_call`` times in one compiled graph, when compiled and ``steps_per_call > 1``."""
     _counters: dict[torch.device, torch.Tensor] = attrs.field(factory=dict)
     _opt_cache: list[Any] = attrs.field(factory=list)
     # The recorded loss and metrics live in long-lived homes: see fnloop/_step/pool.py.
@@ -196,6 +200,8 @@ class TrainStep:
             raise RecompileError(
                 _RECOMPILED.format(i=iteration, n=jit.compiles, budget=self.recompiles, change=what)
             ) from None
+        except RandomInGraph as random:
+            raise ValueError(str(random)) from None
         except TraceError as trace:
             raise GraphBreakError(f"{_GRAPH_BREAK}\n\n{trace}") from trace.__cause__
 
@@ -210,6 +216,78 @@ class TrainStep:
         self._opt_cache[:] = [opt_state, leaves, containers, spec]
         return leaves, containers, spec
 
+    def steps(self, state: TrainState, batches: Sequence[Any], /) -> TrainState:
+        """``len(batches)`` steps in one call, from ``state.iteration``; never touches ``state``'s tensors.
+
+        The result is what as many single steps give, bit for bit, with each
+        step's loss and metrics recorded at its own iteration; its
+        ``iteration`` is the last step's index (the fold advances it). A
+        non-finite step (unless ``skip_nonfinite``) raises ``NonFiniteLoss``
+        with ``exc.reached``: the state before that step, as the single steps
+        would have left it.
+        """
+        fresh = replace(
+            state,
+            params=_cloned(state.params),
+            buffers=_cloned(state.buffers),
+            opt_state=_cloned(state.opt_state),
+        )
+        return self.donating_steps(fresh, batches)
+
+    def donating_steps(self, state: TrainState, batches: Sequence[Any], /) -> TrainState:
+        """``steps``, reusing the storage of ``state``'s tensors, on the terms of ``donating``."""
+        params, buffers, opt_state = state.params, state.buffers, state.opt_state
+        leaves, containers, ospec = self._flat(opt_state)
+        owned = exclusive(list(params.values())) and exclusive(list(buffers.values())) and exclusive(leaves)
+        if not owned or holds_containers(state, containers, self._clean):
+            return self.steps(state, batches)
+        i, n = state.iteration, len(batches)
+        multi = self.multi
+        if multi is None:  # eager: the steps one by one, each seeded as a single step is
+            for j, batch in enumerate(batches):
+                at = with_field(state, "iteration", i + j) if j else state
+                try:
+                    state = self.donating(at, batch)
+                except NonFiniteLoss as exc:
+                    exc.reached = at  # type: ignore[attr-defined]
+                    raise
+            return state
+        if not self.model.training:
+            self.model.train()
+        device = leaves[0].device if leaves else _device(params)
+        iteration = self._iteration(device)
+        iteration.fill_(i)
+        donated = [*params.values(), *buffers.values(), *leaves]
+        versions = [t._version for t in donated]
+        try:
+            tensors, batch_structure = _stacked(batches, i)
+            structure = (tuple(params), tuple(buffers), ospec, batch_structure, n, not self.skip_nonfinite)
+            flat = [*donated, iteration, *tensors]
+            entry = self._entry(multi, structure, flat, i)
+            outputs = entry.compiled(*flat)
+        except BaseException as exc:
+            exc.torn = any(t._version != v for t, v in zip(donated, versions))  # type: ignore[attr-defined]
+            raise
+        losses = outputs[0].unbind(0)
+        columns: dict[str, Sequence[Scalar]] = {
+            "loss": losses,
+            **{name: [value] * n for name, value in self.fixed.items()},
+            **{name: values.unbind(0) for name, values in zip(entry.context, outputs[2:])},
+        }
+        metrics = state.metrics
+        if self.skip_nonfinite:
+            series = metrics.series.get("skipped")
+            before = series[-1][1] if series else 0
+            columns["skipped"] = ((~outputs[1]).to(torch.int64).cumsum(0) + before).unbind(0)
+        elif not outputs[-1].item():  # one flag read per call: were all the steps finite?
+            j = int((~outputs[1]).nonzero()[0])
+            error = NonFiniteLoss(_nonfinite_message(i + j, losses[j]), i + j)
+            done = {name: column[:j] for name, column in columns.items()}
+            reached = replace(state, metrics=metrics.record_steps(i, done), iteration=i + j)
+            error.reached = reached  # type: ignore[attr-defined]
+            raise error
+        return replace(state, iteration=i + n - 1, metrics=metrics.record_steps(i, columns))
+
     @property
     def compiled(self) -> bool:
         """Whether the step is traced and compiled (``train_step(..., compile=True)``)."""
@@ -218,7 +296,8 @@ class TrainStep:
     @property
     def compiles(self) -> int:
         """How many graphs the step has compiled: 1 over a healthy run, 0 when not compiled."""
-        return 0 if self.jit is None else self.jit.compiles
+        single = 0 if self.jit is None else self.jit.compiles
+        return single + (0 if self.multi is None else self.multi.compiles)
 
     def _iteration(self, device: torch.device) -> torch.Tensor:
         # One 0-d tensor per device, refilled each step: the compiled graph reads it only.
@@ -229,6 +308,27 @@ class TrainStep:
 
     def __repr__(self) -> str:
         return f"train_step({type(self.model).__name__}, {getattr(self.loss_fn, '__name__', self.loss_fn)!r}, {self.optimizer!r})"
+
+
+def _stacked(batches: Sequence[Any], iteration: int) -> tuple[list[torch.Tensor], Any]:
+    """The batches' tensors stacked position by position, and their common structure."""
+    flats = [flatten_batch(batch) for batch in batches]
+    tensors, structure = flats[0]
+    shapes = [t.shape for t in tensors]
+    for j, (other, other_structure) in enumerate(flats[1:], 1):
+        if other_structure != structure or [t.shape for t in other] != shapes:
+            raise ValueError(
+                f"steps_per_call={len(batches)}: the batches of one call are stacked into one input, so "
+                f"they must share one structure and shapes, but the batch for iteration {iteration + j} "
+                f"({_described(other, other_structure)}) differs from iteration {iteration}'s "
+                f"({_described(tensors, structure)}). Give batches of one size (drop_last=True for a "
+                "DataLoader)."
+            )
+    return [torch.stack(column) for column in zip(*(t for t, _ in flats))], structure
+
+
+def _described(tensors: list[torch.Tensor], structure: Any) -> str:
+    return f"{structure!r:.60}, shapes {[tuple(t.shape) for t in tensors]}"
 
 
 def _check_positive(name: str, value: object) -> int:
@@ -249,6 +349,7 @@ def train_step(
     recompiles: int = 0,
     options: Mapping[str, Any] | None = None,
     skip_nonfinite: bool = False,
+    steps_per_call: int = 1,
 ) -> Step:
     """The pure step ``(state, batch) -> state`` for ``model``, ``loss_fn`` and ``optimizer``.
 
@@ -289,6 +390,13 @@ def train_step(
             optimizer state unchanged (decided inside the graph). ``False``:
             raise ``NonFiniteLoss`` (reading one flag per step). ``True``: go on,
             counting such steps in the metric ``skipped`` (no host sync).
+        steps_per_call: run this many iterations in one compiled call (Keras's
+            ``steps_per_execution``): ``fnloop.run`` then calls hooks only at
+            call boundaries, and checks before the run that every hook's
+            iterations fall on them (``every(n, ...)`` with ``n`` a multiple of
+            it). Each iteration's loss and metrics are still recorded, and the
+            results are bit for bit those of single steps. The step must draw
+            no random numbers (no dropout) when compiled. See ``docs/step.md``.
 
     Returns:
         The step. With ``donate=False`` it has no ``donating`` variant.
@@ -321,8 +429,29 @@ def train_step(
     jit = _jit_kernel(kernel, 1 + recompiles, options) if compile else None
     if type(skip_nonfinite) is not bool:
         raise TypeError(f"'skip_nonfinite' must be a bool ({got(skip_nonfinite)}).")
+    steps_per_call = _check_positive("steps_per_call", steps_per_call)
+    multi = None
+    if compile and steps_per_call > 1:
+        if world_size() > 1:
+            raise ValueError(
+                f"steps_per_call={steps_per_call} is not supported under torchrun yet (the averaged "
+                "gradients of several steps in one call are not built); use steps_per_call=1 there."
+            )
+        multi = _jit_steps(kernel, steps_per_call, 1 + recompiles, options)
     fixed = fixed_learning_rates(optimizer)
-    step = TrainStep(model, loss_fn, optimizer, recompiles, kernel, jit, skip_nonfinite, fixed, rank())
+    step = TrainStep(
+        model,
+        loss_fn,
+        optimizer,
+        recompiles,
+        kernel,
+        jit,
+        skip_nonfinite,
+        fixed,
+        rank(),
+        steps_per_call,
+        multi,
+    )
     return step if donate else _Undonated(step)
 
 
@@ -332,6 +461,13 @@ class _Undonated:
 
     def __call__(self, state: TrainState, batch: Any, /) -> TrainState:
         return self.step(state, batch)
+
+    def steps(self, state: TrainState, batches: Sequence[Any], /) -> TrainState:
+        return self.step.steps(state, batches)
+
+    @property
+    def steps_per_call(self) -> int:
+        return self.step.steps_per_call
 
     def __repr__(self) -> str:
         return f"{self.step!r} (no donation)"

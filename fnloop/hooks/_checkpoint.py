@@ -253,6 +253,9 @@ def best_checkpoint(
 class _BestUpdate:
     """``best_checkpoint``'s update: plain data, so the hook pickles and its requests compare equal."""
 
+    acts_in: ClassVar[frozenset[Phase]] = frozenset({Phase.BEFORE_TRAIN, Phase.AFTER_STEP, Phase.AFTER_TRAIN})
+    """The phases the update changes anything in: the hook is not called in the others."""
+
     directory: str
     metric: str
     mode: str

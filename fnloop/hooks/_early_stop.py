@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import ClassVar
 
 import attrs
 
@@ -67,6 +68,9 @@ def _min_delta(value: object) -> float:
 
 @attrs.frozen(repr=False)
 class _EarlyStop:
+    acts_in: ClassVar[frozenset[Phase]] = frozenset({Phase.BEFORE_TRAIN, Phase.AFTER_STEP, Phase.AFTER_TRAIN})
+    """The phases the update changes anything in: the hook is not called in the others."""
+
     metric: str
     patience: int
     mode: str

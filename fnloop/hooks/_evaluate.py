@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import numbers
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import torch
@@ -89,6 +89,9 @@ class Evaluated:
 
 @attrs.frozen(repr=False)
 class _Evaluate:
+    acts_in: ClassVar[frozenset[Phase]] = frozenset({Phase.AFTER_STEP, Phase.AFTER_TRAIN})
+    """The phases the update changes anything in: the hook is not called in the others."""
+
     fn: Callable[[TrainState], Mapping[str, Any]]
     name: str
     ema: str | None

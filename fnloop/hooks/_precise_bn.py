@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import torch
@@ -47,6 +47,9 @@ def _norms(model: torch.nn.Module) -> list[tuple[str, _BatchNorm]]:
 
 @attrs.frozen(eq=False, repr=False)
 class _PreciseBN:
+    acts_in: ClassVar[frozenset[Phase]] = frozenset({Phase.AFTER_STEP, Phase.AFTER_TRAIN})
+    """The phases the update changes anything in: the hook is not called in the others."""
+
     model: torch.nn.Module
     batches: Iterable[Any]
     num_iter: int | None
