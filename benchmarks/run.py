@@ -1,9 +1,9 @@
 """fnloop against the loops people use today, every row of issue 12, in one command.
 
-    python benchmarks/run.py                  # everything (about 20 minutes), rewrites docs/benchmarks.md
+    python benchmarks/run.py                  # everything (about 30 minutes), rewrites docs/benchmarks.md
     python benchmarks/run.py --quick          # few iterations, small sizes: a smoke run of a few minutes
     python benchmarks/run.py --only peers     # one section (repeatable): machine, peers, width, memory,
-                                              # digits, fold, latency, checkpoints
+                                              # digits, fold, steps, latency, checkpoints
     python benchmarks/run.py --no-write       # print the tables, leave the page alone
 
 One thread (``torch.set_num_threads(1)``). Loops in one table run in one
@@ -46,7 +46,7 @@ import peers  # noqa: E402
 import workloads  # noqa: E402
 
 X = "\u00d7"  # the multiplication sign of the tables
-SECTIONS = ["machine", "peers", "width", "memory", "digits", "fold", "latency", "checkpoints"]
+SECTIONS = ["machine", "peers", "width", "memory", "digits", "fold", "steps", "latency", "checkpoints"]
 TITLE = "## Every peer, one command (`benchmarks/run.py`)"
 INTRO = """\
 Everything below this heading is written by `python benchmarks/run.py` (`--quick` for a smoke run,
@@ -509,6 +509,14 @@ def fold_section(args: argparse.Namespace) -> str:
     return f"{head}{status}\n\n```text\n{text}\n```"
 
 
+def steps_section(args: argparse.Namespace) -> str:
+    extra = ["--ks", "8", "32", "--iters", "1024", "--repeats", "3", "--rounds", "1"] if args.quick else []
+    text, good = script_output([sys.executable, str(HERE / "bench_steps.py"), *extra], timeout=1800)
+    head = "### Several steps per call (`benchmarks/bench_steps.py`, as printed)"
+    status = "" if good else "\n\nThe script failed; its last output:"
+    return f"{head}{status}\n\n```text\n{text}\n```"
+
+
 def latency_section(args: argparse.Namespace) -> str:
     head = "### Compile latency (`benchmarks/bench_latency.py`, as printed)"
     script = HERE / "bench_latency.py"
@@ -601,6 +609,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], str]] = {
     "memory": memory_section,
     "digits": digits_section,
     "fold": fold_section,
+    "steps": steps_section,
     "latency": latency_section,
     "checkpoints": checkpoints_section,
 }
