@@ -17,6 +17,8 @@ Options:
     --raise-rank R     (default 1)
     --sigterm-at I     rank 0 sends SIGTERM to its launcher at AFTER_STEP of step I (a preemption)
     --drift-at I       rank 1 nudges one weight at BEFORE_STEP of step I (replicas then differ)
+    --steps-per-call K train_step(..., steps_per_call=K); the hooks then run every 2K steps (every K
+                       for check_replicas) instead of every 5 (2)
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ def main() -> None:
     parser.add_argument("--raise-rank", type=int, default=1)
     parser.add_argument("--sigterm-at", type=int)
     parser.add_argument("--drift-at", type=int)
+    parser.add_argument("--steps-per-call", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -104,12 +107,14 @@ def main() -> None:
     opt = optimizer()
     template = fl.init(net, opt, seed=0, max_iter=args.max_iter)
     state = fl.checkpoint.resume(f"{args.out}/ckpt", like=template)
-    step = fl.train_step(net, loss_fn, opt)
+    k = args.steps_per_call
+    step = fl.train_step(net, loss_fn, opt, steps_per_call=k)
     stream = fl.data.batches(data(), batch_size=BATCH, seed=3)
+    period, check = (5, 2) if k == 1 else (2 * k, k)
     hooks = [
-        fl.every(5, fl.hooks.checkpoint(f"{args.out}/ckpt", keep=None)),
-        fl.every(5, fl.hooks.log(fl.writers.jsonl(f"{args.out}/metrics.jsonl"))),
-        fl.every(2, fl.hooks.check_replicas()),
+        fl.every(period, fl.hooks.checkpoint(f"{args.out}/ckpt", keep=None)),
+        fl.every(period, fl.hooks.log(fl.writers.jsonl(f"{args.out}/metrics.jsonl"))),
+        fl.every(check, fl.hooks.check_replicas()),
     ]
     if args.die_at is not None:
         hooks.append(At(Phase.AFTER_STEP, args.die_at, {0, 1}, die))
@@ -127,6 +132,7 @@ def main() -> None:
             "params": final.params,
             "iteration": final.iteration,
             "compiles": step.compiles,
+            "loop_graphs": 0 if step.multi is None else step.multi.compiles,  # several steps per call
             "world_size": fl.distributed.world_size(),
             "loss": [float(v) for _, v in final.metrics.history("loss")],
         },

@@ -73,6 +73,18 @@ def test_the_step_with_its_collective_is_one_graph_over_a_scheduled_run(two_rank
     assert results(two_ranks, 0)["compiles"] == results(two_ranks, 1)["compiles"] == 1
 
 
+def test_several_steps_per_call_on_two_ranks_equal_single_steps(tmp_path: Path, two_ranks: Path) -> None:
+    ok(launch(tmp_path, 2, "--steps-per-call", "4"))  # 20 iterations: five calls of 4, no single step
+    for rank in (0, 1):
+        many, single = results(tmp_path, rank), results(two_ranks, rank)
+        assert many["compiles"] == many["loop_graphs"] == 1 and many["iteration"] == 20
+        for name, value in single["params"].items():
+            assert torch.equal(many["params"][name], value), (rank, name)
+        assert many["loss"] == single["loss"]
+    lines = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+    assert [line.split(",")[0] for line in lines] == [f'{{"iteration": {i}' for i in (8, 16, 20)]
+
+
 def test_only_rank_zero_writes(two_ranks: Path, one_process: Path) -> None:
     def listing(tmp: Path) -> list[str]:
         return sorted(str(p.relative_to(tmp / "out")) for p in (tmp / "out").rglob("*"))

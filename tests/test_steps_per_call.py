@@ -226,3 +226,21 @@ def test_batches_of_another_structure_in_one_call_are_named(four):
 def test_steps_per_call_must_be_a_positive_int():
     with pytest.raises(ValueError, match="'steps_per_call' must be a positive int"):
         fl.train_step(_model(), classify, OPT, steps_per_call=0)
+
+
+def test_accumulation_autocast_and_parameter_groups_inside_a_call():
+    # The options that change the traced body: micro-batches, bf16 autocast, two optimizer groups
+    # (one with a schedule: lr/<group> metrics from the graph, one fixed: numbers).
+    opt = fl.optim.partition(
+        lambda name, p: "decay" if p.ndim >= 2 else "no_decay",
+        {"decay": OPT, "no_decay": fl.optim.sgd(0.05, momentum=0.9)},
+    )
+    options = {"accumulate": 2, "autocast": torch.bfloat16}
+    single = fl.train_step(_model(), classify, opt, **options)
+    many = fl.train_step(_model(), classify, opt, steps_per_call=4, **options)
+    state = fl.init(_model(), opt, seed=0, max_iter=8)
+    expected = _run(single, state)
+    got = _run(many, state)
+    testing.assert_identical(got, expected)
+    assert {"lr/decay", "lr/no_decay", "acc"} <= set(got.metrics.names)
+    assert [i for i, _ in got.metrics.history("lr/no_decay")] == list(range(8))

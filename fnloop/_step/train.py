@@ -27,7 +27,7 @@ from fnloop._step.jit import Entry, Jit, OverBudget, RandomInGraph, TraceError, 
 from fnloop._step.kernel import LossFn, _cloned, _device, _jit_kernel, _jit_steps, _kernel, _leaf_name
 from fnloop._step.pool import ScalarPool
 from fnloop._step.seeding import _seeded
-from fnloop.distributed import broadcast_tensors, rank, world_size
+from fnloop.distributed import broadcast_tensors, rank
 from fnloop.optim import Optimizer
 from fnloop.optim._base import fixed_learning_rates
 
@@ -432,11 +432,6 @@ def train_step(
     steps_per_call = _check_positive("steps_per_call", steps_per_call)
     multi = None
     if compile and steps_per_call > 1:
-        if world_size() > 1:
-            raise ValueError(
-                f"steps_per_call={steps_per_call} is not supported under torchrun yet (the averaged "
-                "gradients of several steps in one call are not built); use steps_per_call=1 there."
-            )
         multi = _jit_steps(kernel, steps_per_call, 1 + recompiles, options)
     fixed = fixed_learning_rates(optimizer)
     step = TrainStep(
