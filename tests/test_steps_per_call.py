@@ -203,6 +203,21 @@ def test_a_step_that_draws_random_numbers_is_refused_when_compiled():
         fl.run(state, step, DATA)
 
 
+def test_a_side_effect_in_the_loop_body_is_named_with_the_fix():
+    seen = []
+
+    def noting(forward, batch):
+        seen.append(1)  # dynamo refuses this inside the loop's body
+        return classify(forward, batch)[0]
+
+    step = fl.train_step(_model(), noting, OPT, steps_per_call=4)
+    with pytest.raises(
+        fl.GraphBreakError,
+        match=r"^train_step\(..., steps_per_call=4\) compiles the steps of a call as a loop",
+    ):
+        fl.run(_start(4), step, DATA)
+
+
 def test_eager_steps_per_call_equal_single_eager_steps_with_dropout():
     model = _model(dropout=True)
     single = fl.train_step(model, classify, OPT, compile=False)

@@ -30,7 +30,16 @@ from torch.utils import _pytree as pytree
 from fnloop._step.cache import CompileCache, default_cache, graph_key
 from fnloop._step.probes import remembered_probes
 
-__all__ = ["Entry", "Jit", "OverBudget", "RandomInGraph", "TraceError", "flatten_batch", "unflatten_batch"]
+__all__ = [
+    "Entry",
+    "Jit",
+    "LoopBodyRefused",
+    "OverBudget",
+    "RandomInGraph",
+    "TraceError",
+    "flatten_batch",
+    "unflatten_batch",
+]
 
 Flat = Callable[..., Sequence[torch.Tensor]]
 """A function of flat tensors to a list of tensors."""
@@ -38,6 +47,10 @@ Flat = Callable[..., Sequence[torch.Tensor]]
 
 class TraceError(RuntimeError):
     """The function cannot be one graph: it depends on a tensor's value in Python."""
+
+
+class LoopBodyRefused(TraceError):
+    """The compiler refused the body of a loop (dynamo traces it): the message says why and the fix."""
 
 
 class RandomInGraph(TraceError):

@@ -13,7 +13,7 @@ from torch.func import functional_call, grad_and_value
 from torch.utils import _pytree as pytree
 
 from fnloop._step.errors import _LOOP_BODY, _NUMBER_METRIC, _RANDOM_STEPS, GraphBreakError, _number
-from fnloop._step.jit import Flat, Jit, TraceError, unflatten_batch
+from fnloop._step.jit import Flat, Jit, LoopBodyRefused, unflatten_batch
 from fnloop.distributed import _group
 from fnloop.optim import Optimizer, learning_rates
 
@@ -331,7 +331,7 @@ def _jit_steps(kernel: Callable[..., Any], n: int, budget: int, options: Mapping
                     turn, [*state, iteration, *([gate] if stop else [])], rows
                 )
             except torch._dynamo.exc.UncapturedHigherOrderOpError as exc:
-                raise TraceError(_LOOP_BODY.format(n=n, error=exc)) from exc
+                raise LoopBodyRefused(_LOOP_BODY.format(n=n, error=exc)) from exc
             for old, new in zip(state, carry[:c]):
                 old.copy_(new)
             per = len(ys) // unroll  # outputs of one step; ys[j * per + q] is output q of step j of each turn

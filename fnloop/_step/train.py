@@ -23,7 +23,7 @@ from fnloop._step.errors import (
     _nonfinite_message,
 )
 from fnloop._step.eval import plain_module
-from fnloop._step.jit import Entry, Jit, OverBudget, RandomInGraph, TraceError, flatten_batch
+from fnloop._step.jit import Entry, Jit, LoopBodyRefused, OverBudget, RandomInGraph, TraceError, flatten_batch
 from fnloop._step.kernel import LossFn, _cloned, _device, _jit_kernel, _jit_steps, _kernel, _leaf_name
 from fnloop._step.pool import ScalarPool
 from fnloop._step.seeding import _seeded
@@ -202,6 +202,8 @@ class TrainStep:
             ) from None
         except RandomInGraph as random:
             raise ValueError(str(random)) from None
+        except LoopBodyRefused as refused:
+            raise GraphBreakError(str(refused)) from refused.__cause__
         except TraceError as trace:
             raise GraphBreakError(f"{_GRAPH_BREAK}\n\n{trace}") from trace.__cause__
 
