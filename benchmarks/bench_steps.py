@@ -27,24 +27,14 @@ import tempfile
 import time
 
 import torch
+from bench_step import cross_entropy
+from bench_step import tiny_problem as problem
 
 import fnloop as fl
 
 torch.set_num_threads(1)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def problem() -> tuple[torch.nn.Module, list]:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
-    data = [(torch.randn(32, 32), torch.randint(0, 10, (32,))) for _ in range(16)]
-    return model, data
-
-
-def cross_entropy(forward, batch):
-    x, y = batch
-    return torch.nn.functional.cross_entropy(forward(x), y)
 
 
 def fnloop_run(k: int):
@@ -63,7 +53,6 @@ def fnloop_run(k: int):
 
 
 def handwritten():
-    sys.path.insert(0, HERE)
     from bench_step import tiny_handwritten
 
     return tiny_handwritten(0, {"cpp_wrapper": True})

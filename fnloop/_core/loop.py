@@ -171,6 +171,23 @@ def _before_step(due: Any, state: TrainState, start: float, perform: bool) -> Tr
     return state
 
 
+def _take(stream: Iterator[Any], resumable: bool, n: int, i: int, state: TrainState) -> tuple[list, list]:
+    """The next ``n`` batches, for iterations ``i ..``, and the stream's cursor after each."""
+    batches, cursors = [], []
+    for j in range(n):
+        try:
+            batch = next(stream)
+        except StopIteration:
+            raise _exhausted(i + j, state.max_iter) from None
+        if resumable:
+            batch, cursor = batch
+        else:
+            cursor = state.data
+        batches.append(batch)
+        cursors.append(cursor)
+    return batches, cursors
+
+
 def _exhausted(i: int, max_iter: int) -> BatchesExhausted:
     return BatchesExhausted(
         f"the batches ran out at iteration {i} (max_iter={max_iter}). "
@@ -228,68 +245,7 @@ def _fold(
         start = fetching = fetched = 0.0
         while state.iteration < state.max_iter:
             i = state.iteration
-            if k > 1 and i % k == 0 and i + k <= state.max_iter:
-                end = i + k - 1
-                # Hooks act only at the call's boundaries (checked before the run).
-                if i < before_next:
-                    before = before_quiet
-                else:
-                    before = before_step(i)
-                    before_next = before_step.next
-                if end < after_next:
-                    after = after_quiet
-                else:
-                    after = after_step(end)
-                    after_next = after_step.next
-                if before or after:
-                    start = clock()
-                if before:
-                    state = _before_step(before, state, start, perform)
-                if after:
-                    fetching = clock()
-                batches_k, cursors = [], []
-                for j in range(k):
-                    try:
-                        batch = next(stream)
-                    except StopIteration:
-                        raise _exhausted(i + j, state.max_iter) from None
-                    if resumable:
-                        batch, cursor = batch
-                    else:
-                        cursor = state.data
-                    batches_k.append(batch)
-                    cursors.append(cursor)
-                if after:
-                    fetched = clock()
-                try:
-                    new = apply_many(state, batches_k)
-                except BaseException as exc:
-                    # Stopped at a step inside the call (NonFiniteLoss): the state before that step.
-                    reached = getattr(exc, "reached", None)
-                    if type(reached) is TrainState:
-                        at = reached.iteration
-                        last = advanced(reached, at, cursors[at - i - 1] if at > i else state.data, clock())
-                    raise
-                mixed = apply_many is donating_many
-                if type(new) is not TrainState:
-                    raise _not_a_state(step, new, i)
-                if new.iteration != end:
-                    raise _moved(end, new.iteration)
-                now = clock()
-                if after:
-                    # What a hook sees is per iteration: the call's times shared out over its steps.
-                    began = timed(new, now, (fetched - fetching) / k, (now - start) / k)
-                    state = call(after, began, _AFTER_STEP)
-                else:
-                    began = state = timed(new, now, 0.0, 0.0) if new.effects else new
-                if state.iteration != end:
-                    raise _moved(end, state.iteration)
-                requested = state.effects
-                state = last = advanced(state, end + 1, cursors[-1], state.time if after else now)
-                mixed = False
-                if requested and perform:
-                    _perform(requested, began, state)
-            elif i < quiet_until:
+            if i < quiet_until and (k == 1 or i % k or i + k > state.max_iter):
                 # No hook can act in this iteration: the batch, the step, one
                 # new state. The step gets the state the last iteration ended
                 # with, and the clock is read once, for the state this one ends with.
@@ -314,15 +270,20 @@ def _fold(
                     # A step asked for effects with no hook due: nothing was measured.
                     _perform(new.effects, timed(new, now, 0.0, 0.0), state)
             else:
+                # Iterations i .. end in one call: all k of a call where a whole one
+                # fits, else one. Hooks act before the first and after the last
+                # (for several steps per call, nowhere else: checked before the run).
+                n = k if k > 1 and i % k == 0 and i + k <= state.max_iter else 1
+                end = i + n - 1
                 if i < before_next:
                     before = before_quiet
                 else:
                     before = before_step(i)
                     before_next = before_step.next
-                if i < after_next:
+                if end < after_next:
                     after = after_quiet
                 else:
-                    after = after_step(i)
+                    after = after_step(end)
                     after_next = after_step.next
                 if not before_quiet and not after_quiet:
                     quiet_until = min(before_next, after_next)
@@ -330,38 +291,58 @@ def _fold(
                 # no hook due before the step, the step gets the state the last
                 # iteration ended with; with none due after it, nobody sees the
                 # iteration's step_time and data_time.
+                if before or after:
+                    start = clock()
                 if before:
-                    start = clock()
                     state = _before_step(before, state, start, perform)
-                elif after:
-                    start = clock()
                 if after:
                     fetching = clock()
-                try:
-                    batch = next(stream)
-                except StopIteration:
-                    raise _exhausted(i, state.max_iter) from None
-                if resumable:
-                    batch, cursor = batch
+                if n == 1:
+                    try:
+                        batch = next(stream)
+                    except StopIteration:
+                        raise _exhausted(i, state.max_iter) from None
+                    if resumable:
+                        batch, cursor = batch
+                    else:
+                        cursor = state.data
                 else:
-                    cursor = state.data
+                    batch, cursors = _take(stream, resumable, n, i, state)
+                    cursor = cursors[-1]
                 if after:
                     fetched = clock()
-                new = apply(state, batch)
-                mixed = apply is donating
+                if n == 1:
+                    new = apply(state, batch)
+                    mixed = apply is donating
+                else:
+                    try:
+                        new = apply_many(state, batch)
+                    except BaseException as exc:
+                        # Stopped at a step inside the call (NonFiniteLoss): the state before that step.
+                        reached = getattr(exc, "reached", None)
+                        if type(reached) is TrainState:
+                            at = reached.iteration
+                            last = advanced(
+                                reached, at, cursors[at - i - 1] if at > i else state.data, clock()
+                            )
+                        raise
+                    mixed = apply_many is donating_many
                 if type(new) is not TrainState:
                     raise _not_a_state(step, new, i)
+                if new.iteration != end:
+                    raise _moved(end, new.iteration)
                 now = clock()
                 if after:
-                    began = timed(new, now, fetched - fetching, now - start)
+                    # Per iteration: a call's times are shared out over its steps.
+                    began = timed(new, now, (fetched - fetching) / n, (now - start) / n)
                     state = call(after, began, _AFTER_STEP)
                 else:
                     # Nothing was measured: no hook was due to see it.
                     began = state = timed(new, now, 0.0, 0.0) if new.effects else new
-                if state.iteration != i:
-                    raise _moved(i, state.iteration)
+                if state.iteration != end:
+                    raise _moved(end, state.iteration)
                 requested = state.effects
-                state = last = advanced(state, i + 1, cursor, state.time if after else now)
+                state = last = advanced(state, end + 1, cursor, state.time if after else now)
                 mixed = False
                 if requested and perform:
                     _perform(requested, began, state)

@@ -117,13 +117,7 @@ class TrainStep:
     _clean: Clean = attrs.field(factory=Clean)
 
     def __call__(self, state: TrainState, batch: Any, /) -> TrainState:
-        fresh = replace(
-            state,
-            params=_cloned(state.params),
-            buffers=_cloned(state.buffers),
-            opt_state=_cloned(state.opt_state),
-        )
-        return self.donating(fresh, batch)
+        return self.donating(_copied(state), batch)
 
     def donating(self, state: TrainState, batch: Any, /) -> TrainState:
         """The step, reusing the storage of ``state``'s params, buffers and optimizer state.
@@ -228,13 +222,7 @@ class TrainStep:
         with ``exc.reached``: the state before that step, as the single steps
         would have left it.
         """
-        fresh = replace(
-            state,
-            params=_cloned(state.params),
-            buffers=_cloned(state.buffers),
-            opt_state=_cloned(state.opt_state),
-        )
-        return self.donating_steps(fresh, batches)
+        return self.donating_steps(_copied(state), batches)
 
     def donating_steps(self, state: TrainState, batches: Sequence[Any], /) -> TrainState:
         """``steps``, reusing the storage of ``state``'s tensors, on the terms of ``donating``."""
@@ -310,6 +298,16 @@ class TrainStep:
 
     def __repr__(self) -> str:
         return f"train_step({type(self.model).__name__}, {getattr(self.loss_fn, '__name__', self.loss_fn)!r}, {self.optimizer!r})"
+
+
+def _copied(state: TrainState) -> TrainState:
+    """``state`` with copies of its params, buffers and optimizer state, for a step to write into."""
+    return replace(
+        state,
+        params=_cloned(state.params),
+        buffers=_cloned(state.buffers),
+        opt_state=_cloned(state.opt_state),
+    )
 
 
 def _stacked(batches: Sequence[Any], iteration: int) -> tuple[list[torch.Tensor], Any]:
