@@ -16,6 +16,7 @@ Options:
     --raise-at I       rank --raise-rank raises at BEFORE_STEP of step I
     --raise-rank R     (default 1)
     --sigterm-at I     rank 0 sends SIGTERM to its launcher at AFTER_STEP of step I (a preemption)
+    --sigterm-self R:I rank R sends SIGTERM to itself at AFTER_STEP of step I (repeatable)
     --drift-at I       rank 1 nudges one weight at BEFORE_STEP of step I (replicas then differ)
     --steps-per-call K train_step(..., steps_per_call=K); the hooks then run every 2K steps (every K
                        for check_replicas) instead of every 5 (2)
@@ -83,6 +84,11 @@ def preempt(state: TrainState) -> TrainState:
     return state
 
 
+def terminate_self(state: TrainState) -> TrainState:
+    os.kill(os.getpid(), signal.SIGTERM)
+    return state
+
+
 def drift(state: TrainState) -> TrainState:
     params = dict(state.params)
     params["0.weight"] = params["0.weight"] + 1e-3
@@ -98,6 +104,7 @@ def main() -> None:
     parser.add_argument("--raise-at", type=int)
     parser.add_argument("--raise-rank", type=int, default=1)
     parser.add_argument("--sigterm-at", type=int)
+    parser.add_argument("--sigterm-self", action="append", default=[])
     parser.add_argument("--drift-at", type=int)
     parser.add_argument("--steps-per-call", type=int, default=1)
     args = parser.parse_args()
@@ -122,6 +129,9 @@ def main() -> None:
         hooks.append(At(Phase.BEFORE_STEP, args.raise_at, {args.raise_rank}, fail))
     if args.sigterm_at is not None:
         hooks.append(At(Phase.AFTER_STEP, args.sigterm_at, {0}, preempt))
+    for spec in args.sigterm_self:
+        who, at = map(int, spec.split(":"))
+        hooks.append(At(Phase.AFTER_STEP, at, {who}, terminate_self))
     if args.drift_at is not None:
         hooks.insert(0, At(Phase.BEFORE_STEP, args.drift_at, {1}, drift))
     final = fl.run(state, step, stream, hooks)

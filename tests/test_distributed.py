@@ -141,6 +141,19 @@ def test_sigterm_checkpoints_once_and_every_rank_exits_non_zero(tmp_path: Path) 
     assert 8 <= int(saved[1][5:13]) <= 12
 
 
+def test_rank_zero_alone_decides_where_a_signalled_run_stops(tmp_path: Path) -> None:
+    # Rank 1 is signalled first, at step 7, rank 0 only at step 9 (as when a forwarded SIGTERM
+    # reaches the ranks a step apart). Had rank 1 stopped at once, rank 0 would wait in step 8's
+    # all-reduce for it, fail there with its state torn, and save nothing on the way out.
+    done = launch(
+        tmp_path, 2, "--max-iter", "100000", "--sigterm-self", "1:7", "--sigterm-self", "0:9", limit=120
+    )
+    assert done.returncode != 0
+    saved = sorted(p.name for p in (tmp_path / "out" / "ckpt").glob("*.safetensors"))
+    # Rank 0 stopped between steps 9 and 10, as signalled, and saved that state on the way out.
+    assert saved == ["ckpt-00000005.safetensors", "ckpt-00000010.safetensors"], (saved, done.stderr[-3000:])
+
+
 def test_check_replicas_names_the_tensor_that_drifted(tmp_path: Path) -> None:
     done = launch(tmp_path, 2, "--drift-at", "3", limit=120)
     assert done.returncode != 0

@@ -142,6 +142,13 @@ def _performs(effects: bool) -> bool:
     return effects
 
 
+def _decides_stops() -> bool:
+    """Whether this process stops on SIGTERM/SIGINT itself: rank 0 alone in a data-parallel run."""
+    from fnloop.distributed import rank, world_size
+
+    return world_size() <= 1 or rank() == 0
+
+
 def _perform(effects: tuple[Effect, ...], began: TrainState, ended: TrainState) -> None:
     for effect in effects:
         effect.perform(replace(began, effects=()) if effect.start else ended)
@@ -481,7 +488,12 @@ def run(
     """
     hook = _start(state, step, hooks, debug)
     with _signals(signals) as stop:
-        fold = _fold(state, step, batches, hook, clock, _performs(effects), True, stop, donate_input)
+        # In a data-parallel run rank 0 alone stops on a signal; the other ranks
+        # keep the signal from killing them mid-step and go on until rank 0 has
+        # stopped between two steps and saved. A rank that stopped first would
+        # leave rank 0 waiting in the next step's all-reduce, its state torn and unsaved.
+        obeys = stop if _decides_stops() else None
+        fold = _fold(state, step, batches, hook, clock, _performs(effects), True, obeys, donate_input)
         # Only the fold (and the caller, if it kept it) holds the input now.
         del state
         # Drained in C, keeping only the last state: the fold's final one.
