@@ -320,9 +320,16 @@ class Stateful:
     name: str = attrs.field(validator=non_empty_str)
     init: Any
     update: Callable[[TrainState, Phase, Any], tuple[TrainState, Any]]
+    # The update's own acts_in, read once: this hook runs every step of many runs.
+    _acts: frozenset[Phase] | None = attrs.field(init=False, eq=False, repr=False)
+
+    @_acts.default
+    def _declared(self) -> frozenset[Phase] | None:
+        declared = getattr(self.update, "acts_in", None)
+        return declared if type(declared) is frozenset else None
 
     def __call__(self, state: TrainState, phase: Phase, /) -> TrainState:
-        acts_in = self.acts_in
+        acts_in = self._acts
         if acts_in is not None and phase not in acts_in:
             return state  # the update says it changes nothing here: its memory is not even stored
         name = self.name
@@ -350,8 +357,7 @@ class Stateful:
     @property
     def acts_in(self) -> frozenset[Phase] | None:
         """The phases the update declares it acts in (its own ``acts_in``), or ``None``: every phase."""
-        declared = getattr(self.update, "acts_in", None)
-        return declared if type(declared) is frozenset else None
+        return self._acts
 
     @property
     def state_names(self) -> tuple[str, ...]:
