@@ -138,7 +138,16 @@ def test_composes_with_chain_and_every_in_a_real_run(name, tmp_path):
 def test_deterministic_given_the_state_and_the_clock(name, tmp_path):
     a = fl.run(template(), STEP, DATA * 3, hooks_for(name, tmp_path / "a"), clock=ticking(), effects=False)
     b = fl.run(template(), STEP, DATA * 3, hooks_for(name, tmp_path / "b"), clock=ticking(), effects=False)
+    if name == "memory":
+        # The process's peak RSS may rise between the two runs (it did after the property tests):
+        # the same iterations are recorded, not the same peaks.
+        assert [i for i, _ in a.metrics.history("max_mem")] == [i for i, _ in b.metrics.history("max_mem")]
+        a, b = (attrs.evolve(s, metrics=_without(s.metrics, "max_mem")) for s in (a, b))
     testing.assert_identical(a, b)
+
+
+def _without(metrics: fl.Metrics, name: str) -> fl.Metrics:
+    return fl.Metrics(window=metrics.window, series={k: v for k, v in metrics.series.items() if k != name})
 
 
 def without_clock(state: fl.TrainState) -> fl.TrainState:
