@@ -18,6 +18,12 @@ LIMIT = 240
 """Seconds any one launch may take (a cold compile on a busy 2-core machine included)."""
 
 
+# Each rank computes and compiles on one thread, without inductor's pool of compile workers: the
+# ranks share two cores. In CI a cold compile in both ranks at once ended one of them, once, with
+# "terminate called without an active exception" (SIGABRT); the worker pool is the likeliest cause.
+ONE_CORE_EACH = {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+
+
 def launch(tmp: Path, ranks: int, *options: str, limit: int = LIMIT) -> subprocess.CompletedProcess[str]:
     """The worker on ``ranks`` processes (torchrun for 2, plain python for 1), writing into ``tmp``."""
     runner = (
@@ -25,7 +31,7 @@ def launch(tmp: Path, ranks: int, *options: str, limit: int = LIMIT) -> subproce
         if ranks > 1
         else [sys.executable]
     )
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, **ONE_CORE_EACH}
     return subprocess.run(
         [*runner, WORKER, str(tmp / "out"), str(tmp / "results"), *options],
         capture_output=True,
@@ -175,7 +181,7 @@ def test_every_rank_loads_the_checkpoint_rank_zero_chose_while_saves_land(tmp_pa
         capture_output=True,
         text=True,
         timeout=LIMIT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, **ONE_CORE_EACH},
     )
     ok(done)
     loaded = dict(line.split(" loaded ") for line in done.stdout.splitlines() if " loaded " in line)

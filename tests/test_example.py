@@ -18,6 +18,7 @@ import torch
 import fnloop as fl
 from fnloop import testing
 from fnloop.examples import digits
+from tests.test_distributed import ONE_CORE_EACH
 
 # Eager: the run takes seconds, not a compile, and a kill lands mid-run (a millisecond or so per
 # step, a checkpoint every 50 steps). The example pins torch to one thread, on which a run's bits depend.
@@ -170,7 +171,7 @@ def test_the_default_run_reaches_95_percent_and_a_rerun_resumes_at_the_end(tmp_p
         capture_output=True,
         text=True,
         timeout=4 * TIMEOUT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, **ONE_CORE_EACH},
     )
     assert done.returncode == 0, done.stdout + done.stderr[-4000:]
     assert done.stdout.count("started fresh") == 1, done.stdout
