@@ -178,18 +178,20 @@ def _before_step(due: Any, state: TrainState, start: float, perform: bool) -> Tr
     return state
 
 
+def _next(stream: Iterator[Any], resumable: bool, i: int, state: TrainState) -> tuple[Any, Any]:
+    """The batch for iteration ``i`` and the stream's cursor after it (``state.data`` if not resumable)."""
+    try:
+        batch = next(stream)
+    except StopIteration:
+        raise _exhausted(i, state.max_iter) from None
+    return batch if resumable else (batch, state.data)
+
+
 def _take(stream: Iterator[Any], resumable: bool, n: int, i: int, state: TrainState) -> tuple[list, list]:
     """The next ``n`` batches, for iterations ``i ..``, and the stream's cursor after each."""
     batches, cursors = [], []
     for j in range(n):
-        try:
-            batch = next(stream)
-        except StopIteration:
-            raise _exhausted(i + j, state.max_iter) from None
-        if resumable:
-            batch, cursor = batch
-        else:
-            cursor = state.data
+        batch, cursor = _next(stream, resumable, i + j, state)
         batches.append(batch)
         cursors.append(cursor)
     return batches, cursors
@@ -256,6 +258,7 @@ def _fold(
                 # No hook can act in this iteration: the batch, the step, one
                 # new state. The step gets the state the last iteration ended
                 # with, and the clock is read once, for the state this one ends with.
+                # (`_next`, written out: this is the path a bare run takes every step.)
                 try:
                     batch = next(stream)
                 except StopIteration:
@@ -305,14 +308,7 @@ def _fold(
                 if after:
                     fetching = clock()
                 if n == 1:
-                    try:
-                        batch = next(stream)
-                    except StopIteration:
-                        raise _exhausted(i, state.max_iter) from None
-                    if resumable:
-                        batch, cursor = batch
-                    else:
-                        cursor = state.data
+                    batch, cursor = _next(stream, resumable, i, state)
                 else:
                     batch, cursors = _take(stream, resumable, n, i, state)
                     cursor = cursors[-1]
