@@ -15,6 +15,12 @@ Each iteration asks the batch stream for one batch, so the times between two ask
 are the iterations' times, measured without adding a hook or touching the fold's clock. "Between writes" is the median iteration: writes (every 20th
 step) and checkpoints/evaluations (every 100th) are a few percent of the iterations,
 so the median is a step on which no hook wrote. The mean, writes included, is shown too.
+
+Three controls split the cost between writes: a hook that acts after every
+step and does nothing (the fold's share), ``timer + progress`` (the hooks that
+act after every step) alone, and the same with the writing hooks replaced by
+spins as long as their writes (``pauses``): a pause alone slows the steps after
+it for a while, whatever runs in it.
 """
 
 from __future__ import annotations
@@ -104,6 +110,60 @@ def runner():
     return run
 
 
+class Nothing:
+    """A hook that acts after every step and returns its input unchanged: the fold's share alone."""
+
+    acts_in = frozenset({fl.Phase.AFTER_STEP})
+
+    def __call__(self, state, phase):
+        return state
+
+
+def every_step(model, val, folder):
+    """The hooks of the set that act after every step: ``timer()`` and ``progress()``."""
+    return [h for name, h in zip(NAMES, hook_set(model, val, folder)) if name in ("timer", "progress")]
+
+
+def pauses(write: float, save: float):
+    """Stand-ins for the writing hooks: spin ``write`` seconds every 20 steps, ``save`` every 100.
+
+    A spin runs no code of any hook and touches almost no memory, so the set
+    ``timer(), progress()`` plus these pauses shows what the writes cost the steps
+    between them by taking time alone.
+    """
+
+    def spin(seconds):
+        def wait(state):
+            until = time.perf_counter() + seconds
+            while time.perf_counter() < until:
+                pass
+
+        return fl.on(fl.Phase.AFTER_STEP, lambda state, phase: fl.request(state, wait))
+
+    def hooks_for(model, val, folder):
+        return [
+            *every_step(model, val, folder),
+            fl.every(WRITE_EVERY, spin(write)),
+            fl.every(100, spin(save)),
+        ]
+
+    return hooks_for
+
+
+def durations(run, repeats: int = 3) -> tuple[float, float]:
+    """The seconds a write (every 20th step) and a checkpoint with an evaluation (every 100th) take."""
+    bare, writes, saves = [], [], []
+    for _ in range(repeats):
+        bare += run(1000, lambda model, val, folder: [])[10:]
+        times = run(1000, hook_set)
+        # times[i] ends when iteration i + 1 asks for its batch: it holds iteration i's effects.
+        writes += [t for i, t in enumerate(times) if (i + 1) % WRITE_EVERY == 0 and (i + 1) % 100]
+        saves += [t for i, t in enumerate(times) if i > 0 and (i + 1) % 100 == 0]
+    step = statistics.median(bare)
+    write = statistics.median(writes) - step
+    return write, statistics.median(saves) - step - write
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iters", type=int, default=2000)
@@ -118,6 +178,10 @@ def main() -> None:
         runs[f"hooks - {name}"] = lambda model, val, folder, name=name: hook_set(model, val, folder, name)
     for hooks_for in runs.values():
         run(120, hooks_for)  # compile (step and evaluation) and warm up
+    write, save = durations(run)
+    runs["a hook doing nothing"] = lambda model, val, folder: [Nothing()]
+    runs["timer + progress"] = every_step
+    runs["  + pauses"] = pauses(write, save)
     medians = {name: [] for name in runs}
     steadies = {name: [] for name in runs}
     means = {name: [] for name in runs}
@@ -143,6 +207,18 @@ def main() -> None:
     for name in NAMES:
         share = whole - statistics.median(medians[f"hooks - {name}"])
         print(f"  {name:12s} costs about {share:5.1f} us/it between writes (the set with it, minus without)")
+
+    def ratio(name: str) -> str:
+        each = [h / b for h, b in zip(medians[name], medians["bare"])]
+        return f"{statistics.median(each):.3f}"
+
+    print(
+        f"  a write takes {write * 1e6:.0f} us, a checkpoint with an evaluation {save * 1e3:.1f} ms; "
+        f"between writes, over bare: a hook doing nothing {ratio('a hook doing nothing')}, "
+        f"timer + progress {ratio('timer + progress')}, with pauses as long "
+        f"as the writes in place of log, checkpoint and evaluate {ratio('  + pauses')}",
+        file=out,
+    )
     steady = [h / b for h, b in zip(steadies["hooks"], steadies["bare"])]
     print(
         f"  hooks / bare, 5 or more steps after a write: {statistics.median(steady):.3f} "

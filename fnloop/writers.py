@@ -58,11 +58,31 @@ class Line:
     names: tuple[str, ...]
     resumed: bool = False
     first: int = 0
+    _recent: dict[str, list[float]] = attrs.field(init=False, factory=dict, eq=False, repr=False)
+
+    def recent(self) -> dict[str, list[float]]:
+        """Each name's values recorded at ``first`` or later, oldest first, as floats.
+
+        A name the line holds has its newest entry there, so its list ends with
+        the newest value. Converted once per line, with one host sync for all
+        tensors, however many writers read it.
+        """
+        if not self._recent and self.names:
+            series, first = self.metrics.series, self.first
+            wanted: list[Scalar] = []
+            spans = []
+            for name in self.names:
+                entries = series[name]
+                recent = [v for i, v in entries if i >= first] or [entries[-1][1]]
+                spans.append((name, len(wanted), len(wanted) + len(recent)))
+                wanted.extend(recent)
+            floats = to_floats(wanted)
+            self._recent.update((name, floats[lo:hi]) for name, lo, hi in spans)
+        return self._recent
 
     def values(self) -> dict[str, float]:
         """The newest value of each name, as floats (one host sync for all tensors)."""
-        latest = [self.metrics.series[name][-1][1] for name in self.names]
-        return dict(zip(self.names, to_floats(latest)))
+        return {name: values[-1] for name, values in self.recent().items()}
 
 
 def since(metrics: Metrics, first: int) -> tuple[str, ...]:
@@ -149,34 +169,23 @@ def format_line(line: Line) -> str:
         'eta: 0:00:04  iter: 2  loss: 1.5  lr: 1.000e-01  time: 0.5000'
     """
     names = sorted(line.names, key=_order)
-    series = line.metrics.series
+    recent = line.recent()
     # Counts and peaks (a running total, the memory high-water mark) and the lr read as they are now.
-    windowed = [n for n in names if _order(n) not in (2, 5) and n != "skipped"]
-    timed = "time" in series
-    # One host sync for every value this line shows.
-    wanted: list[Scalar] = []
-    spans: dict[str, tuple[int, int]] = {}
-    for name in [*windowed, *(["time"] if timed and "time" not in windowed else [])]:
-        recent = [v for i, v in series[name] if i >= line.first] or [series[name][-1][1]]
-        spans[name] = (len(wanted), len(wanted) + len(recent))
-        wanted.extend(recent)
-    for name in names:
-        if name not in spans:
-            spans[name] = (len(wanted), len(wanted) + 1)
-            wanted.append(series[name][-1][1])
-    floats = to_floats(wanted)
+    windowed = {n for n in names if _order(n) not in (2, 5) and n != "skipped"}
 
     def value(name: str) -> float:
-        lo, hi = spans[name]
-        return statistics.median(floats[lo:hi]) if name in windowed else floats[hi - 1]
+        return statistics.median(recent[name]) if name in windowed else recent[name][-1]
+
+    times = recent.get("time")
+    if times is None and "time" in line.metrics.series:
+        times = to_floats([line.metrics.latest("time")[1]])  # no time since the previous write: the newest
 
     fields = []
     left = max(line.max_iter - line.iteration, 0)
     if left == 0:
         fields.append("eta: 0:00:00")
-    elif timed:
-        lo, hi = spans["time"]
-        fields.append(f"eta: {_eta(statistics.median(floats[lo:hi]) * left)}")
+    elif times:
+        fields.append(f"eta: {_eta(statistics.median(times) * left)}")
     fields.append(f"iter: {line.iteration}")
     for name in names:
         kind = _order(name)
@@ -227,6 +236,10 @@ def _iteration(text: str) -> int | None:
     return iteration if type(iteration) is int else None
 
 
+_FILES: dict[tuple[int, str], Any] = {}
+"""(process id, path) -> the JSON lines file open for appending; a forked child opens its own."""
+
+
 @attrs.frozen
 class Jsonl:
     """Appends one JSON object per line to ``path``; build it with ``jsonl``."""
@@ -235,6 +248,7 @@ class Jsonl:
 
     def start(self, iteration: int) -> None:
         """Cut the file back to the lines of iterations before ``iteration``, atomically."""
+        self.close()
         path = Path(self.path)
         try:
             old = path.read_text(encoding="utf-8")
@@ -254,13 +268,20 @@ class Jsonl:
     def write(self, line: Line) -> None:
         """Append ``{"iteration": N, name: value, ...}`` (the newest value of each name) and flush."""
         entry: dict[str, Any] = {"iteration": line.iteration, **line.values()}
-        path = Path(self.path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a", encoding="utf-8") as file:
-            file.write(json.dumps(entry) + "\n")
+        key = (os.getpid(), self.path)
+        file = _FILES.get(key)
+        if file is None:
+            path = Path(self.path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            file = _FILES[key] = path.open("a", encoding="utf-8")
+        file.write(json.dumps(entry) + "\n")
+        file.flush()  # the line is the operating system's now: a crash of this process keeps it
 
     def close(self) -> None:
-        """Nothing to close: each write opens and closes the file."""
+        """Close the file, if this process has it open."""
+        file = _FILES.pop((os.getpid(), self.path), None)
+        if file is not None:
+            file.close()
 
 
 def jsonl(path: str | os.PathLike[str]) -> Jsonl:

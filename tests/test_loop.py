@@ -350,3 +350,58 @@ def test_signals_can_be_left_alone():
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert final.iteration == 5 and handler_seen == [1]
+
+
+def _fields(state):
+    return (state.iteration, state.time, state.data_time, state.step_time, state.effects, state.data)
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+@pytest.mark.parametrize("keep", [False, True])
+def test_states_anyone_holds_are_never_changed_by_the_fold(hooked, keep):
+    # The fold timestamps and advances in place only the states nobody else holds (a step's or a
+    # hook's fresh result); a state the step, a hook or the caller kept is copied instead.
+    kept: list = []
+
+    def step(state, batch):
+        new = fl.record(state, x=float(batch))
+        if keep:
+            kept.append((new, _fields(new)))
+        return new
+
+    def hook(state, phase):
+        kept.append((state, _fields(state)))
+        new = fl.record(state, y=1.0)
+        if keep:
+            kept.append((new, _fields(new)))
+        return new
+
+    hooks = [fl.on(Phase.AFTER_STEP, hook)] if hooked else []
+    yielded = [
+        (s, _fields(s)) for s in fl.scan(TrainState(max_iter=4), step, range(4), hooks, clock=ticking())
+    ]
+    assert kept or not (hooked or keep)
+    for state, fields in [*kept, *yielded]:
+        assert _fields(state) == fields
+    assert [s.iteration for s, _ in yielded] == [1, 2, 3, 4, 4]
+
+
+def test_fresh_states_are_timed_and_advanced_without_a_copy(monkeypatch):
+    # A run whose step and hook build fresh states copies no state to time or advance it (the
+    # fold's copies go through state.timed and state.advanced); the test above shows that a state
+    # anyone kept is copied.
+    from fnloop._core import loop
+
+    copies = []
+    for name in ("timed", "advanced"):
+        real = getattr(loop, name)
+        monkeypatch.setattr(loop, name, lambda *a, real=real, name=name: (copies.append(name), real(*a))[1])
+    step = lambda s, b: fl.record(s, x=1.0)  # noqa: E731
+    fl.run(
+        TrainState(max_iter=5), step, range(5), [fl.on(Phase.AFTER_STEP, lambda s, p: fl.record(s, y=1.0))]
+    )
+    assert copies == []
+    # A hook that returns its input unchanged: that state also began the phase (its effects may
+    # ask for it), so advancing it takes a copy.
+    fl.run(TrainState(max_iter=5), step, range(5), [fl.on(Phase.AFTER_STEP, lambda s, p: s)])
+    assert copies == ["advanced"] * 5

@@ -183,8 +183,8 @@ def test_values_are_converted_only_when_a_line_is_written(monkeypatch, tmp_path)
     seen = []
     for state in fl.scan(fl.TrainState(max_iter=25), step, range(25), hooks):
         seen.append((state.iteration, len(calls)))
-    # Each write converts once per writer: after steps 10 and 20, and at the end (25).
-    assert [n for _, n in seen] == [0] * 9 + [2] * 10 + [4] * 5 + [4, 6]
+    # Each write converts once, for both writers: after steps 10 and 20, and at the end (25).
+    assert [n for _, n in seen] == [0] * 9 + [1] * 10 + [2] * 5 + [2, 3]
     assert [json.loads(t)["iteration"] for t in (tmp_path / "m.jsonl").read_text().splitlines()] == [
         10,
         20,
