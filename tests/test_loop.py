@@ -387,15 +387,21 @@ def test_states_anyone_holds_are_never_changed_by_the_fold(hooked, keep):
 
 
 def test_fresh_states_are_timed_and_advanced_without_a_copy(monkeypatch):
-    # A run whose step and hook build fresh states copies no state to time or advance it (the
-    # fold's copies go through state.timed and state.advanced); the test above shows that a state
-    # anyone kept is copied.
+    # A run whose step and hook build fresh states copies no state to time or advance it (the fold
+    # times and advances through state.timed and state.advanced, copying unless told `owned`); the
+    # test above shows that a state anyone kept is copied.
     from fnloop._core import loop
 
     copies = []
     for name in ("timed", "advanced"):
         real = getattr(loop, name)
-        monkeypatch.setattr(loop, name, lambda *a, real=real, name=name: (copies.append(name), real(*a))[1])
+
+        def counting(*args, real=real, name=name):
+            if not (len(args) > 4 and args[4]):  # not owned: a copy
+                copies.append(name)
+            return real(*args)
+
+        monkeypatch.setattr(loop, name, counting)
     step = lambda s, b: fl.record(s, x=1.0)  # noqa: E731
     fl.run(
         TrainState(max_iter=5), step, range(5), [fl.on(Phase.AFTER_STEP, lambda s, p: fl.record(s, y=1.0))]

@@ -21,7 +21,10 @@ __all__ = ["BatchesExhausted", "Preempted", "Step", "UnclaimedHookState", "run",
 
 _refs = sys.getrefcount
 _SOLE = 2 if sys.implementation.name == "cpython" else -1
-"""``_refs(x)`` when a local ``x`` is the only reference (the call's argument is the other)."""
+"""``_refs(x)`` when a local ``x`` is the only reference (the call's argument is the other).
+
+The fold then times and advances ``x`` in place (``owned=True``): nobody can see it change.
+Elsewhere than CPython, never."""
 
 _BEFORE_TRAIN = Phase.BEFORE_TRAIN
 _BEFORE_STEP = Phase.BEFORE_STEP
@@ -183,18 +186,6 @@ def _before_step(due: Any, state: TrainState, start: float, perform: bool) -> Tr
     return state
 
 
-def _advance(state: TrainState, iteration: int, data: Any, time: float) -> TrainState:
-    """``advanced(state, ...)``, in place: for a state nobody but the fold holds (see ``_SOLE``)."""
-    fields = state.__dict__
-    fields["iteration"] = iteration
-    fields["data"] = data
-    fields["time"] = time
-    fields["data_time"] = 0.0
-    fields["step_time"] = 0.0
-    fields["effects"] = ()
-    return state
-
-
 def _next(stream: Iterator[Any], resumable: bool, i: int, state: TrainState) -> tuple[Any, Any]:
     """The batch for iteration ``i`` and the stream's cursor after it (``state.data`` if not resumable)."""
     try:
@@ -291,10 +282,10 @@ def _fold(
                 if new.iteration != i:
                     raise _moved(i, new.iteration)
                 now = clock()
-                if _refs(new) == _SOLE and not new.effects:
-                    state = last = _advance(new, i + 1, cursor, now)  # nobody else holds it
-                else:
-                    state = last = advanced(new, i + 1, cursor, now)
+                # In place when nobody else holds the step's result (its effects need it as it is).
+                # (Counted before the call: an argument being passed is one more reference.)
+                owned = _refs(new) == _SOLE and not new.effects
+                state = last = advanced(new, i + 1, cursor, now, owned)
                 mixed = False
                 if new.effects and perform:
                     # A step asked for effects with no hook due: nothing was measured.
@@ -357,16 +348,9 @@ def _fold(
                 now = clock()
                 if after:
                     # Per iteration: a call's times are shared out over its steps.
-                    if _refs(new) == _SOLE:
-                        # Nobody but this frame holds the step's new state (CPython counts the
-                        # references): it takes the times in place, a copy saved per step.
-                        began = new
-                        fields = new.__dict__
-                        fields["time"] = now
-                        fields["data_time"] = (fetched - fetching) / n
-                        fields["step_time"] = (now - start) / n
-                    else:
-                        began = timed(new, now, (fetched - fetching) / n, (now - start) / n)
+                    # In place when nobody else holds the step's result.
+                    owned = _refs(new) == _SOLE
+                    began = timed(new, now, (fetched - fetching) / n, (now - start) / n, owned)
                     state = call(after, began, _AFTER_STEP)
                 else:
                     # Nothing was measured: no hook was due to see it.
@@ -374,11 +358,9 @@ def _fold(
                 if state.iteration != end:
                     raise _moved(end, state.iteration)
                 requested = state.effects
-                if _refs(state) == _SOLE:
-                    # A state the hooks built and nobody else holds: advanced in place.
-                    state = last = _advance(state, end + 1, cursor, state.time if after else now)
-                else:
-                    state = last = advanced(state, end + 1, cursor, state.time if after else now)
+                # In place when the hooks built a state nobody else holds (not `began` itself).
+                owned = _refs(state) == _SOLE
+                state = last = advanced(state, end + 1, cursor, state.time if after else now, owned)
                 mixed = False
                 if requested and perform:
                     _perform(requested, began, state)

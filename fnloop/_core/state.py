@@ -242,26 +242,37 @@ def with_field(state: TrainState, name: str, value: Any) -> TrainState:
     return new
 
 
-def timed(state: TrainState, time: float, data_time: float, step_time: float) -> TrainState:
-    """``state`` with the fold's clock readings for ``AFTER_STEP`` (as ``with_field``, no validation)."""
-    fields = state.__dict__.copy()
+def timed(
+    state: TrainState, time: float, data_time: float, step_time: float, owned: bool = False
+) -> TrainState:
+    """``state`` with the fold's clock readings for ``AFTER_STEP`` (as ``with_field``, no validation).
+
+    With ``owned`` (nobody but the caller holds ``state``), ``state`` itself
+    takes them and is returned: a copy saved.
+    """
+    fields = state.__dict__ if owned else state.__dict__.copy()
     fields["time"] = time
     fields["data_time"] = data_time
     fields["step_time"] = step_time
-    new = _new(TrainState)
-    _set(new, "__dict__", fields)
-    return new
+    return state if owned else _built(fields)
 
 
-def advanced(state: TrainState, iteration: int, data: Any, time: float) -> TrainState:
-    """The state an iteration ends with: the next index, the stream's cursor, no effects, nothing measured."""
-    fields = state.__dict__.copy()
+def advanced(state: TrainState, iteration: int, data: Any, time: float, owned: bool = False) -> TrainState:
+    """The state an iteration ends with: the next index, the stream's cursor, no effects, nothing measured.
+
+    With ``owned``, ``state`` itself is changed and returned, as for ``timed``.
+    """
+    fields = state.__dict__ if owned else state.__dict__.copy()
     fields["iteration"] = iteration
     fields["data"] = data
     fields["time"] = time
     fields["data_time"] = 0.0
     fields["step_time"] = 0.0
     fields["effects"] = ()
+    return state if owned else _built(fields)
+
+
+def _built(fields: dict[str, Any]) -> TrainState:
     new = _new(TrainState)
     _set(new, "__dict__", fields)
     return new
