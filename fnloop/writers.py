@@ -285,7 +285,7 @@ class Jsonl:
 
 
 def jsonl(path: str | os.PathLike[str]) -> Jsonl:
-    """A writer appending one JSON object per line to ``path``.
+    """A writer appending one JSON object per line to ``path`` (open from its first write to the run's end).
 
     Each line holds ``"iteration"`` (the completed steps when written) and the
     newest value, as a float, of each metric recorded since the previous line;
