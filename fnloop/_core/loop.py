@@ -162,28 +162,28 @@ def _perform(effects: tuple[Effect, ...], began: TrainState, ended: TrainState) 
         effect.perform(replace(began, effects=()) if effect.start else ended)
 
 
+def _settled(ended: TrainState, began: TrainState, perform: bool) -> TrainState:
+    """``ended``, a phase's result, with the effects it requested cleared and, if ``perform``, performed."""
+    effects = ended.effects
+    if not effects:
+        return ended
+    ended = replace(ended, effects=())
+    if perform:
+        _perform(effects, began, ended)
+    return ended
+
+
 def _phase(hook: Hook, state: TrainState, phase: Phase, perform: bool) -> TrainState:
     new = hook(state, phase)
     if type(new) is not TrainState:
         raise returned(hook, phase, new)
-    effects = new.effects
-    if effects:
-        new = replace(new, effects=())
-        if perform:
-            _perform(effects, state, new)
-    return new
+    return _settled(new, state, perform)
 
 
 def _before_step(due: Any, state: TrainState, start: float, perform: bool) -> TrainState:
     """The ``BEFORE_STEP`` hooks ``due`` on ``state`` at time ``start``, their effects performed."""
     began = with_field(state, "time", start)
-    state = call(due, began, _BEFORE_STEP)
-    requested = state.effects
-    if requested:
-        state = replace(state, effects=())
-        if perform:
-            _perform(requested, began, state)
-    return state
+    return _settled(call(due, began, _BEFORE_STEP), began, perform)
 
 
 def _next(stream: Iterator[Any], resumable: bool, i: int, state: TrainState) -> tuple[Any, Any]:
