@@ -19,7 +19,15 @@ from fnloop._core.phase import Phase
 from fnloop._core.state import Effect, TrainState, Unclaimed, hook_state, record, request, with_hook_state
 from fnloop._step.eval import EvalStep, eval_step
 from fnloop._step.export import load_state_dict, state_dict
-from fnloop._step.train import GraphBreakError, NonFiniteLoss, RecompileError, TrainStep, init, train_step
+from fnloop._step.train import (
+    CompileError,
+    GraphBreakError,
+    NonFiniteLoss,
+    RecompileError,
+    TrainStep,
+    init,
+    train_step,
+)
 from fnloop.checkpoint import load, save
 
 __version__ = "0.1.0"
@@ -28,6 +36,7 @@ __all__ = [
     "BatchesExhausted",
     "Effect",
     "EvalStep",
+    "CompileError",
     "GraphBreakError",
     "Hook",
     "Metrics",

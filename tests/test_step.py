@@ -109,8 +109,8 @@ def test_dropout_replays_identically_and_resume_equals_no_resume(noisy):
     again = fl.run(state, step, batches(30), clock=zero)
     testing.assert_identical(whole, again)
     assert torch.equal(torch.get_rng_state(), rng_before), "the step must not move the global generator"
-    # The graph draws random numbers (dropout): the step seeds the generator for it.
-    assert [entry.random for entry in step.jit._cache.values()] == [True]
+    # Dropout draws from the seed the graph takes as an input, not from torch's generator.
+    assert [entry.draws for entry in step.jit._cache.values()] == [False]
     midway = list(fl.scan(state, step, batches(30), clock=zero))[12 - 1]
     assert midway.iteration == 12
     resumed = fl.run(midway, step, batches(30)[12:], clock=zero)
@@ -168,8 +168,8 @@ def test_the_compiled_step_matches_the_torch_loop_including_batchnorm_buffers(pl
     optimizer = ours()
     step = fl.train_step(plain, classify, optimizer)
     final = fl.run(fl.init(plain, optimizer, seed=0, max_iter=100), step, batches(100), clock=zero)
-    # No dropout: no random op in the graph, so the step never touches the generator.
-    assert [entry.random for entry in step.jit._cache.values()] == [False]
+    # No random op in the graph draws from torch's generator, so the step never touches it.
+    assert [entry.draws for entry in step.jit._cache.values()] == [False]
     torch_optimizer, scheduler = theirs(reference.parameters())
     torch_loop(reference, torch_optimizer, scheduler, 100)
     for name, p in reference.named_parameters():

@@ -67,7 +67,7 @@ def _several(k: int):
     return fl.train_step(_model(), classify, OPT, steps_per_call=k)
 
 
-@pytest.fixture(params=[2, 4], ids=["2 steps (written out)", "4 steps (a loop)"])
+@pytest.fixture(params=[2, 4], ids=["2 steps", "4 steps"])
 def multi(request):
     return _several(request.param)
 
@@ -194,28 +194,45 @@ def test_skipping_non_finite_steps_inside_a_call_counts_as_single_steps_do():
     assert [int(v) for _, v in got.metrics.history("skipped")] == [0] * 5 + [1] * 4 + [2] * 3
 
 
-def test_a_step_that_draws_random_numbers_is_refused_when_compiled():
-    step = fl.train_step(_model(dropout=True), classify, OPT, steps_per_call=2)
-    state = fl.init(_model(dropout=True), OPT, seed=0, max_iter=4)
+def test_dropout_inside_a_call_draws_what_single_steps_draw():
+    # Each step of a call draws from its own (seed, iteration), inside the loop's graph.
+    model = _model(dropout=True)
+    single = fl.train_step(model, classify, OPT)
+    many = fl.train_step(model, classify, OPT, steps_per_call=4)
+    state = fl.init(model, OPT, seed=0, max_iter=8)
+    expected = _run(single, state)
+    testing.assert_identical(_run(many, state), expected)
+    other = _run(many, attrs.evolve(state, rng=5))
+    assert fl._core.tree.first_difference(other.params, expected.params) is not None, (
+        "dropout follows the seed"
+    )
+
+
+def test_an_op_that_draws_from_the_generator_is_refused_inside_a_call():
+    def shuffled(forward, batch):  # randperm draws from torch's generator, not from the step's seed
+        x, y = batch
+        order = torch.randperm(x.shape[0])
+        return classify(forward, (x[order], y[order]))
+
+    step = fl.train_step(_model(), shuffled, OPT, steps_per_call=2)
     with pytest.raises(
-        ValueError, match=r"steps_per_call=2\) runs 2 steps in one compiled call, but this step draws random"
-    ):
-        fl.run(state, step, DATA)
+        ValueError, match=r"steps_per_call=2\) runs 2 steps in one compiled call, but"
+    ) as info:
+        fl.run(_start(4), step, DATA)
+    assert "aten.randperm" in str(info.value)
 
 
-def test_a_side_effect_in_the_loop_body_is_named_with_the_fix():
+def test_python_in_the_loss_runs_once_when_the_call_is_traced(four):
     seen = []
 
     def noting(forward, batch):
-        seen.append(1)  # dynamo refuses this inside the loop's body
-        return classify(forward, batch)[0]
+        seen.append(1)  # runs while the step is traced, as for a single step (library logging, say)
+        return classify(forward, batch)
 
     step = fl.train_step(_model(), noting, OPT, steps_per_call=4)
-    with pytest.raises(
-        fl.GraphBreakError,
-        match=r"^train_step\(..., steps_per_call=4\) compiles the steps of a call as a loop",
-    ):
-        fl.run(_start(4), step, DATA)
+    got = _run(step, _start(8))
+    assert len(seen) == 1
+    testing.assert_identical(got, _run(four, _start(8)))
 
 
 def test_eager_steps_per_call_equal_single_eager_steps_with_dropout():

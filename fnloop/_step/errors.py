@@ -6,11 +6,18 @@ import math
 
 import torch
 
-__all__ = ["GraphBreakError", "NonFiniteLoss", "RecompileError"]
+__all__ = ["CompileError", "GraphBreakError", "NonFiniteLoss", "RecompileError"]
 
 
 class RecompileError(RuntimeError):
     """The compiled step would need another graph, beyond its budget; nothing of that call ran."""
+
+
+class CompileError(RuntimeError):
+    """Torch's compiler failed on the traced step; the message says where, and ``compile=False`` runs it.
+
+    The error torch raised is chained (``__cause__``).
+    """
 
 
 class GraphBreakError(RuntimeError):
@@ -35,6 +42,11 @@ class NonFiniteLoss(FloatingPointError):
     def __init__(self, message: str, iteration: int) -> None:
         super().__init__(message)
         self.iteration = iteration
+
+
+def _compile_failed(op: str | None, where: str | None) -> str:
+    parts = [f" at the op {op}" if op else "", f", made by {where}" if where else ""]
+    return _COMPILE_FAILED.format(where="".join(parts))
 
 
 def _nonfinite_message(iteration: int, loss: torch.Tensor) -> str:
@@ -89,16 +101,17 @@ _RECOMPILED = (
 )
 
 _RANDOM_STEPS = (
-    "train_step(..., steps_per_call={n}) runs {n} steps in one compiled call, but this step draws "
-    "random numbers (dropout, say). Each step's randomness is seeded from (seed, iteration), which "
-    "one call of several steps cannot do for each of them, so its results would not be those of "
-    "{n} single steps. Use steps_per_call=1 (the default) for this model, or compile=False, which "
+    "train_step(..., steps_per_call={n}) runs {n} steps in one compiled call, but this step has "
+    "random ops that draw from torch's generator rather than from the step's own seed. Dropout and "
+    "the other random ops fnloop knows draw from a seed made from (seed, iteration) inside the "
+    "graph, which a call of several steps gives each of them; these cannot, so the results would "
+    "not be those of {n} single steps. Use steps_per_call=1 for this model, or compile=False, which "
     "runs the steps of a call one by one."
 )
 
-_LOOP_BODY = (
-    "train_step(..., steps_per_call={n}) compiles the steps of a call as a loop whose body torch's "
-    "compiler (dynamo) traces, and it refused this step's Python: side effects in loss_fn (print, "
-    "appending to a list, changing a global) are not allowed there. Remove them, or use "
-    "steps_per_call=1. The compiler said: {error}"
+_COMPILE_FAILED = (
+    "compiling the training step failed in torch's compiler (inductor){where}. The step traced "
+    "into one graph, so the model's code is fine as Python; the compiler could not build that "
+    "graph. train_step(..., compile=False) runs the same step eagerly. The compiler's error is "
+    "chained above."
 )

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import re
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -29,15 +30,18 @@ from torch.utils import _pytree as pytree
 
 from fnloop._step.cache import CompileCache, default_cache, graph_key
 from fnloop._step.probes import remembered_probes
+from fnloop._step.seeding import drawn_decompositions
 
 __all__ = [
+    "CompileFailed",
     "Entry",
     "Jit",
-    "LoopBodyRefused",
     "OverBudget",
     "RandomInGraph",
     "TraceError",
     "flatten_batch",
+    "generator_draws",
+    "trace",
     "unflatten_batch",
 ]
 
@@ -49,12 +53,8 @@ class TraceError(RuntimeError):
     """The function cannot be one graph: it depends on a tensor's value in Python."""
 
 
-class LoopBodyRefused(TraceError):
-    """The compiler refused the body of a loop (dynamo traces it): the message says why and the fix."""
-
-
 class RandomInGraph(TraceError):
-    """The function draws random numbers where the caller cannot seed them (several steps per call)."""
+    """The function draws from torch's generator where the caller cannot seed it (several steps per call)."""
 
 
 class OverBudget(RuntimeError):
@@ -113,6 +113,145 @@ def _signature(leaves: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
     return [(t.shape, t.stride(), t.dtype, t.device) for t in leaves]
 
 
+def _decompositions(drawn: bool) -> dict[Any, Callable[..., Any]]:
+    """Inductor's own decompositions, and (``drawn``) the random ops drawn from the step's seed.
+
+    The graph is traced with the decompositions inductor applies when it
+    compiles it: traced without them, a ``reshape`` was recorded as a ``view``
+    valid for the strides of the undecomposed ops, which inductor's re-trace
+    with its decompositions then gave other strides (GPT-2's attention:
+    "Cannot view a tensor with shape ... and strides ...").
+    """
+    import torch._inductor.lowering  # noqa: F401 - some of inductor's decompositions consult it
+    from torch._inductor.decomposition import select_decomp_table
+
+    return {**select_decomp_table(), **(drawn_decompositions() if drawn else {})}
+
+
+def trace(
+    function: Flat, leaves: Sequence[torch.Tensor], *, drawn: bool = True, stack_traces: bool = False
+) -> torch.fx.GraphModule:
+    """``function`` traced on fake copies of ``leaves`` into a graph of aten ops; nothing real runs.
+
+    ``drawn``: random ops draw from the seed given to ``drawing_from`` (off
+    when inductor is told ``fallback_random``, which then runs torch's own).
+    """
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    try:
+        # Without oneDNN while tracing: ops that choose a oneDNN kernel in Python-visible
+        # ways record it in the graph, and the CPU LSTM's (mkldnn_rnn_layer) left its backward
+        # without the workspace its forward makes once compiled. Ops that choose at run time
+        # (convolutions) are recorded as the generic op and still run on oneDNN.
+        with _without_onednn():
+            return make_fx(
+                function,
+                decomposition_table=_decompositions(drawn),
+                tracing_mode="fake",
+                _allow_non_fake_inputs=True,
+                record_stack_traces=stack_traces,
+            )(*leaves)
+    except _data_dependent() as exc:
+        raise TraceError(str(exc)) from exc
+
+
+@contextlib.contextmanager
+def _without_onednn() -> Iterator[None]:
+    # torch.backends.mkldnn.flags() would also reset oneDNN's TF32 setting, with a warning.
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
+
+
+def _argument(node: torch.fx.Node, name: str) -> Any:
+    schema = node.target._schema  # type: ignore[union-attr]
+    for index, argument in enumerate(schema.arguments):
+        if argument.name == name:
+            if name in node.kwargs:
+                return node.kwargs[name]
+            return node.args[index] if index < len(node.args) else argument.default_value
+    return None
+
+
+def generator_draws(nodes: Sequence[torch.fx.Node]) -> list[str]:
+    """The ops among ``nodes`` that draw from torch's generator when they run.
+
+    An op draws when it is tagged as seeded and it would draw numbers: fused
+    attention with a ``dropout_p`` of zero draws none, though its tag says it
+    may (the CPU flash-attention op carries the tag whatever ``dropout_p``
+    is). The random ops the step draws from its seed are not among them.
+    """
+    found = []
+    for node in nodes:
+        target = node.target
+        if (
+            not isinstance(target, torch._ops.OpOverload)
+            or torch.Tag.nondeterministic_seeded not in target.tags
+        ):
+            continue
+        if _argument(node, "dropout_p") in (0, 0.0):
+            continue
+        found.append(str(target))
+    return found
+
+
+class CompileFailed(RuntimeError):
+    """Inductor failed to compile a traced graph: ``op`` and ``where`` (source lines) if known."""
+
+    def __init__(self, op: str | None, where: str | None) -> None:
+        super().__init__(op, where)
+        self.op = op
+        self.where = where
+
+
+def _located(
+    function: Flat, leaves: Sequence[torch.Tensor], drawn: bool, error: BaseException
+) -> CompileFailed:
+    """Which node of the graph ``error`` came from, traced again with stack traces to say where."""
+    names = re.findall(r"While executing %(\w+)", str(error))
+    target = re.findall(r"target: (\S+)", str(error))
+    if not names and not target:
+        return CompileFailed(None, None)
+    try:
+        graph = trace(function, leaves, drawn=drawn, stack_traces=True)
+    except Exception:  # noqa: BLE001 - the first error is the one to report
+        return CompileFailed(target[0] if target else None, None)
+    for node in graph.graph.nodes:
+        if names and node.name == names[-1]:
+            return CompileFailed(str(node.target), _user_frames(node.meta.get("stack_trace")))
+    return CompileFailed(target[0] if target else None, None)
+
+
+def _user_frames(stack: str | None) -> str | None:
+    """The innermost frames of ``stack`` outside torch and fnloop: the model's code that made the op."""
+    if not stack:
+        return None
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)', stack)
+    own = ("/torch/", "/fnloop/_step/", "/fnloop/_core/")
+    kept = [f for f in frames if not any(part in f[0] for part in own)]
+    if not kept:
+        return None
+    return "; ".join(f"{path}:{line} in {fn}: {code.strip()}" for path, line, fn, code in kept[-2:])
+
+
+def _options_for(options: Mapping[str, Any], leaves: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """``options`` with fnloop's per-device defaults under them.
+
+    On the CPU, inductor's layout optimization is off unless asked for: it
+    turns convolution weights channels-last inside the graph, so their
+    gradients come out channels-last beside parameters that are not, and
+    the fused optimizer update walked them with strided loads. On a
+    ResNet-18 (batch 64, AdamW, one thread) the update took 32.8 ms of the
+    step with it and 5.0 ms without, and the whole step 150 ms against 109.
+    """
+    if "layout_optimization" in options or any(leaf.device.type != "cpu" for leaf in leaves):
+        return dict(options)
+    return {"layout_optimization": False, **options}
+
+
 def _compile(
     function: Flat,
     leaves: list[torch.Tensor],
@@ -120,20 +259,19 @@ def _compile(
     cache: CompileCache | None = None,
     no_random: str | None = None,
 ) -> tuple[Flat, bool]:
-    """``function`` traced on ``leaves`` and compiled, and whether its graph draws random numbers.
+    """``function`` traced on ``leaves`` and compiled, and whether its graph draws from torch's generator.
 
-    With a ``cache``, the traced graph is looked up there first (see
+    Random ops the trace knows (dropout's, ``rand``, ``randn``, ...) draw
+    from the seed the function passes to ``drawing_from``; any other random
+    op draws from torch's generator, which the caller then seeds. With a
+    ``cache``, the traced graph is looked up there first (see
     ``fnloop/_step/cache.py``) and what inductor builds is kept there.
     ``no_random``: the message of the ``RandomInGraph`` raised, before
-    anything is compiled, when the graph draws random numbers.
+    anything is compiled, when the graph draws from the generator (the
+    name of each such op is added to it).
     """
-    import torch._inductor
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    try:
-        graph = make_fx(function, tracing_mode="fake", _allow_non_fake_inputs=True)(*leaves)
-    except _data_dependent() as exc:
-        raise TraceError(str(exc)) from exc
+    drawn = not options.get("fallback_random", False)
+    graph = trace(function, leaves, drawn=drawn)
     # A number read out of a tensor whose value nothing in the graph uses (print(loss.item()))
     # traces without complaint; inductor then fails on it with an internal assertion.
     if any(node.target is torch.ops.aten._local_scalar_dense.default for node in graph.graph.nodes):
@@ -145,17 +283,31 @@ def _compile(
         if isinstance(module, torch.fx.GraphModule)
         for node in module.graph.nodes
     ]
-    random = any(
-        isinstance(node.target, torch._ops.OpOverload)
-        and torch.Tag.nondeterministic_seeded in node.target.tags
-        for node in nodes
-    )
-    if random and no_random is not None:
-        raise RandomInGraph(no_random)
+    draws = generator_draws(nodes)
+    if draws and no_random is not None:
+        raise RandomInGraph(f"{no_random} The ops that draw from torch's generator: {sorted(set(draws))}.")
+    options = _options_for(options, leaves)
+
+    def failed(exc: BaseException) -> CompileFailed:
+        return _located(function, leaves, drawn, exc)
+
+    return _built(graph, leaves, options, cache, nodes, failed), bool(draws)
+
+
+def _built(
+    graph: torch.fx.GraphModule,
+    leaves: list[torch.Tensor],
+    options: Mapping[str, Any],
+    cache: CompileCache | None,
+    nodes: list[torch.fx.Node],
+    failed: Callable[[BaseException], CompileFailed],
+) -> Flat:
+    """What inductor builds from ``graph``, or finds in ``cache``; ``failed`` makes inductor's errors ours."""
+    import torch._inductor
+
     standalone = getattr(torch._inductor, "standalone_compile", None)
     if standalone is None:  # torch before 2.8: dynamo over the traced graph (flat inputs, cheap guards)
-        compiled = torch.compile(graph, fullgraph=True, dynamic=False, options=dict(options))
-        return compiled, random
+        return torch.compile(graph, fullgraph=True, dynamic=False, options=dict(options))
     with remembered_probes(None if cache is None else cache.directory):
         # A graph with tensor constants (a tensor a closure captured) is not
         # reloadable on torch 2.13: the loaded graph expects them as inputs
@@ -166,16 +318,19 @@ def _compile(
         if cache is not None and key is not None:
             found = cache.load(key)
             if found is not None:
-                return found, random
+                return found
         # A loop's graph cannot be saved: inductor would warn so at every compile.
         quiet = (
             _quiet("torch._inductor.standalone_compile") if _has_loops(nodes) else contextlib.nullcontext()
         )
-        with torch._inductor.config.patch(dict(options)), quiet:
-            compiled = standalone(graph, leaves, dynamic_shapes="from_example_inputs")
+        try:
+            with torch._inductor.config.patch(dict(options)), quiet:
+                compiled = standalone(graph, leaves, dynamic_shapes="from_example_inputs")
+        except Exception as exc:
+            raise failed(exc) from exc
         if cache is not None and key is not None:
             cache.save(key, compiled)
-    return compiled, random
+    return compiled
 
 
 @contextlib.contextmanager
@@ -277,7 +432,7 @@ class Jit:
     ) -> None:
         self._make = make
         self.no_random = no_random
-        """Refuse graphs that draw random numbers, with this message (``RandomInGraph``)."""
+        """Refuse graphs that draw from torch's generator, with this message (``RandomInGraph``)."""
         self.cache = default_cache() if isinstance(cache, _Default) else cache
         """Where compiled graphs are kept between processes (``None``: nowhere); see ``fnloop/_step/cache.py``."""
         self.budget = budget
@@ -332,14 +487,15 @@ class Jit:
 class Entry:
     """One compiled graph: ``compiled(*tensors)``, and what it was built for.
 
-    ``random`` says whether the graph draws random numbers (dropout, say): a
-    caller seeds the generator only for those.
+    ``draws`` says whether the graph draws from torch's generator (a random
+    op the trace does not draw from its seed input): a caller seeds the
+    generator only for those.
     """
 
     structure: Hashable
     signature: list[tuple[Any, ...]]
     compiled: Flat
-    random: bool
+    draws: bool
     context: Any
 
 

@@ -6,14 +6,15 @@ import contextlib
 import functools
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
-from torch.func import functional_call, grad_and_value
+from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
-from fnloop._step.errors import _LOOP_BODY, _NUMBER_METRIC, _RANDOM_STEPS, GraphBreakError, _number
-from fnloop._step.jit import Flat, Jit, LoopBodyRefused, unflatten_batch
+from fnloop._step.errors import _NUMBER_METRIC, _RANDOM_STEPS, GraphBreakError, _number
+from fnloop._step.jit import Flat, Jit, _decompositions, unflatten_batch
+from fnloop._step.seeding import drawing_from
 from fnloop.distributed import _group
 from fnloop.optim import Optimizer, learning_rates
 
@@ -85,6 +86,25 @@ def _all_finite(loss: torch.Tensor, grads: Mapping[str, torch.Tensor], eager: bo
     return torch.isfinite(torch.stack([p.to(dtype) for p in peaks]).amax())
 
 
+class Stepped(NamedTuple):
+    """What one step computes: the new params, buffers and optimizer state, before the guard.
+
+    ``finite`` (a 0-d bool) says whether the loss and every gradient were
+    finite; the callers keep the old state where it is false.
+    """
+
+    params: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    opt_state: Any
+    loss: torch.Tensor
+    finite: torch.Tensor
+    metrics: dict[str, torch.Tensor]
+
+
+Update = Callable[[dict, dict, Any, torch.Tensor, Any], Stepped]
+"""``update(params, buffers, opt_state, iteration, batch) -> Stepped``, pure."""
+
+
 def _kernel(
     model: torch.nn.Module,
     loss_fn: LossFn,
@@ -92,19 +112,17 @@ def _kernel(
     accumulate: int,
     autocast: torch.dtype | None,
     eager: bool = False,
-) -> Callable[..., Any]:
-    """The traced function: forward, backward and update on plain dicts, writing results into its inputs.
+) -> Update:
+    """The step as a pure function: forward, backward and update on plain dicts, nothing written.
 
-    It returns ``(loss, finite, metrics)``. A step whose loss or any gradient is
-    not finite writes the old values back (``finite`` is false): decided in the
-    graph, so no host sync is needed to keep the state clean. So does a step
-    given a false ``gate`` (a 0-d bool): several steps in one call stop
-    changing the state after the first non-finite one.
+    Gradients come from ``torch.autograd.grad`` on leaf copies of the
+    parameters, eager and traced alike: the trace records the ops autograd
+    runs, so the graph holds the backward torch's own engine would run
+    (``convolution_backward``, autocast's casts, the saved-tensor machinery),
+    where ``torch.func.grad_and_value`` failed under bf16 autocast with
+    dropout and its transform layer cost a fifth of a small CNN's eager step.
 
-    ``eager``: the gradients come from ``torch.autograd.grad`` on leaf copies of
-    the parameters instead of ``torch.func.grad_and_value``, whose per-op
-    transform layer costs about a fifth of a small CNN's eager step; traced,
-    both give the same graph, so the compiled step keeps ``grad_and_value``.
+    ``eager``: the finiteness check is the one that is fast op by op.
     """
 
     def loss_of(params: dict, buffers: dict, batch: Any) -> tuple[torch.Tensor, dict]:
@@ -117,7 +135,7 @@ def _kernel(
             loss, metrics = _split(loss_fn(forward, batch))
         return loss.float(), metrics
 
-    def autograd(params: dict, buffers: dict, batch: Any) -> tuple[dict, tuple[torch.Tensor, dict]]:
+    def grads_and_loss(params: dict, buffers: dict, batch: Any) -> tuple[dict, torch.Tensor, dict]:
         leaves = {
             k: v.detach().requires_grad_(v.is_floating_point() or v.is_complex()) for k, v in params.items()
         }
@@ -129,26 +147,17 @@ def _kernel(
         for k, v in leaves.items():
             g = next(found) if v.requires_grad else None
             grads[k] = torch.zeros_like(v) if g is None else g
-        return grads, (loss.detach(), metrics)
+        return grads, loss.detach(), {k: v.detach() for k, v in metrics.items()}
 
-    grads_and_loss = autograd if eager else grad_and_value(loss_of, has_aux=True)
-
-    def kernel(
-        params: dict,
-        buffers: dict,
-        opt_state: Any,
-        iteration: torch.Tensor,
-        batch: Any,
-        gate: torch.Tensor | None = None,
-    ) -> Any:
+    def update(params: dict, buffers: dict, opt_state: Any, iteration: torch.Tensor, batch: Any) -> Stepped:
         # functional_call writes running statistics into the buffers it is given.
         new_buffers = {k: v.clone() for k, v in buffers.items()}
         if accumulate == 1:
-            grads, (loss, metrics) = grads_and_loss(params, new_buffers, batch)
+            grads, loss, metrics = grads_and_loss(params, new_buffers, batch)
         else:
             grads, losses, parts = {}, [], []
             for micro in _micro_batches(batch, accumulate):
-                g, (l_k, m_k) = grads_and_loss(params, new_buffers, micro)
+                g, l_k, m_k = grads_and_loss(params, new_buffers, micro)
                 grads = {k: grads[k] + v for k, v in g.items()} if grads else g
                 losses.append(l_k)
                 parts.append(m_k)
@@ -160,22 +169,38 @@ def _kernel(
             grads, loss, metrics, new_buffers = _averaged(grads, loss, metrics, new_buffers, group)
         new_params, new_opt_state = optimizer.update(grads, opt_state, params, iteration)
         finite = _all_finite(loss, grads, eager)
-        # `gate` false (an earlier step of the same call was not finite) keeps the state as it is too.
-        keep = finite if gate is None else finite & gate
-        # Donation: the new values go into the input storage, so the compiled
-        # graph updates in place and keeps no second copy alive. A non-finite
-        # step writes the old values back: the state is never poisoned.
-        for k, p in params.items():
-            p.copy_(torch.where(keep, new_params[k], p))
-        for k, b in buffers.items():
-            b.copy_(torch.where(keep, new_buffers[k], b))
-        for old, new in zip(pytree.tree_leaves(opt_state), pytree.tree_leaves(new_opt_state)):
-            old.copy_(torch.where(keep, new, old))
         # Fixed learning rates are recorded as the numbers they are, outside the graph (TrainStep.fixed).
         rates = {k: v for k, v in learning_rates(optimizer, iteration).items() if isinstance(v, torch.Tensor)}
-        return loss, finite, {**rates, **{k: v.detach() for k, v in metrics.items()}}
+        return Stepped(new_params, new_buffers, new_opt_state, loss, finite, {**rates, **metrics})
 
-    return kernel
+    return update
+
+
+def _state(stepped: Stepped) -> list[torch.Tensor]:
+    return [*stepped.params.values(), *stepped.buffers.values(), *pytree.tree_leaves(stepped.opt_state)]
+
+
+def _kept(keep: torch.Tensor, old: list[torch.Tensor], new: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``new`` where ``keep`` holds, else ``old``: a non-finite step leaves the state as it was."""
+    return [torch.where(keep, n, o) for o, n in zip(old, new)]
+
+
+def _eager(update: Update) -> Callable[..., Any]:
+    """``update`` run op by op, its results written into the given state's tensors when finite.
+
+    ``(params, buffers, opt_state, iteration, batch) -> (loss, finite, metrics)``.
+    Whether the step was finite is read on the host (free on a CPU; one sync
+    per step on a GPU), so a non-finite step writes nothing at all.
+    """
+
+    def step(params: dict, buffers: dict, opt_state: Any, iteration: torch.Tensor, batch: Any) -> Any:
+        new = update(params, buffers, opt_state, iteration, batch)
+        if new.finite:
+            old = [*params.values(), *buffers.values(), *pytree.tree_leaves(opt_state)]
+            torch._foreach_copy_(old, _state(new))
+        return new.loss, new.finite, new.metrics
+
+    return step
 
 
 def _averaged(
@@ -218,8 +243,13 @@ def _averaged(
     )
 
 
-def _jit_kernel(kernel: Callable[..., Any], budget: int, options: Mapping[str, Any] | None) -> Jit:
-    """The kernel as a function of flat tensors: params, buffers, optimizer state, iteration, batch."""
+def _jit_kernel(update: Update, budget: int, options: Mapping[str, Any] | None) -> Jit:
+    """The step as a function of flat tensors: params, buffers, optimizer state, iteration, seed, batch.
+
+    It writes the new state into the input tensors (the fold's donation, inside
+    the graph, so nothing keeps a second copy alive) and returns ``loss,
+    finite, *metrics``. Its random ops draw from the seed.
+    """
 
     def make(structure: Any) -> tuple[Flat, list[str]]:
         pkeys, bkeys, ospec, bstructure = structure
@@ -231,116 +261,157 @@ def _jit_kernel(kernel: Callable[..., Any], budget: int, options: Mapping[str, A
             params = dict(zip(pkeys, leaves[:a]))
             buffers = dict(zip(bkeys, leaves[a:b]))
             opt_state = pytree.tree_unflatten(list(leaves[b:c]), ospec)
-            batch = unflatten_batch(leaves[c + 1 :], bstructure)
-            loss, finite, metrics = kernel(params, buffers, opt_state, leaves[c], batch)
-            names[:] = metrics
-            return [loss, finite, *metrics.values()]
+            iteration, seed = leaves[c], leaves[c + 1]
+            batch = unflatten_batch(leaves[c + 2 :], bstructure)
+            with drawing_from(seed):
+                new = update(params, buffers, opt_state, iteration, batch)
+            for old, value in zip(leaves[:c], _kept(new.finite, list(leaves[:c]), _state(new))):
+                old.copy_(value)
+            names[:] = new.metrics
+            return [new.loss, new.finite, *new.metrics.values()]
 
         return flat, names
 
     return Jit(make, budget, options)
 
 
-UNROLL = 2
+UNROLL = 1
 """Steps written out one after the other in the body of a several-step call's loop.
 
 The loop (``torch._higher_order_ops.scan``) compiles its body once, whatever
-the number of steps; each turn of it costs about 10 us on the tiny MLP (its
-carry is copied, its buffers allocated), so two steps per turn halve that.
-Measured on the tiny MLP with AdamW: one step per turn 34 us per step, two
-24.5 us, four 21.8 us but a compile 1.4 times as long as two's (26 s against 19 s).
+the number of steps, so the loop graph compiles in about the time of one
+step's graph; two steps per turn would halve the loop's own cost per step
+on a tiny model, and double the compile.
 """
 
 
-def _jit_steps(kernel: Callable[..., Any], n: int, budget: int, options: Mapping[str, Any] | None) -> Jit:
-    """The kernel run ``n`` times in one graph: ``n`` is in the structure, the batches stacked.
+def _jit_steps(update: Update, n: int, budget: int, options: Mapping[str, Any] | None) -> Jit:
+    """``n`` steps in one graph: ``n`` is in the structure, the batches and the steps' seeds stacked.
 
-    Inputs: params, buffers, optimizer state, the first iteration, then each
-    batch tensor with the ``n`` batches stacked on a new first dimension (so
-    the graph does not grow with ``n``). Outputs: ``loss, finite, *metrics``,
-    each a 1-d tensor of the ``n`` steps' values. When the structure says
-    ``stop``, a step after a non-finite one leaves the state unchanged (the
-    fold then stops at the first non-finite step, with the state it began),
-    and one more output says whether every step was finite.
+    Inputs: params, buffers, optimizer state, the first iteration, the ``n``
+    steps' seeds (a 1-d int64), then each batch tensor with the ``n`` batches
+    stacked on a new first dimension (so the graph does not grow with ``n``).
+    Outputs: ``loss, finite, *metrics``, each a 1-d tensor of the ``n`` steps'
+    values. When the structure says ``stop``, a step after a non-finite one
+    leaves the state unchanged (the fold then stops at the first non-finite
+    step, with the state it began), and one more output says whether every
+    step was finite. Each step draws its random numbers from its own seed, so
+    the result is that of ``n`` single steps, bit for bit.
 
-    ``n`` steps run as a loop over turns of ``UNROLL`` steps (one graph for the
+    The steps run as a loop over turns of ``UNROLL`` steps (one graph for the
     body, whatever ``n``); with ``n`` at most ``UNROLL``, or a torch without
-    ``scan``, they are written out one after the other.
+    ``scan``, they are written out one after the other. The body is traced
+    before the loop is (Python in ``loss_fn`` runs then, as for a single
+    step), and the loop is handed the traced graph: torch's compiler, which
+    traces a loop's body itself, meets only tensor ops.
     """
-    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, make_fx
 
     try:
-        from torch._higher_order_ops import scan
+        from torch._higher_order_ops.scan import scan_op
     except ImportError:  # torch before 2.6: every step written out
-        scan = None  # type: ignore[assignment]
+        scan_op = None  # type: ignore[assignment]
 
     def make(structure: Any) -> tuple[Flat, list[str]]:
         pkeys, bkeys, ospec, bstructure, n, stop = structure
         names: list[str] = []
         a, b = len(pkeys), len(pkeys) + len(bkeys)
         c = b + ospec.num_leaves
-        unroll = UNROLL if scan is not None and n > UNROLL and n % UNROLL == 0 else n
-        if unroll < n:
-            # torch 2.13 keeps state from tracing one loop body into the next: a
-            # second loop graph in a process failed inductor's fake tensor update
-            # (tests/test_steps_per_call.py). dynamo's caches are cleared first;
-            # functions compiled with torch.compile recompile at their next call.
-            torch._dynamo.reset()
+        unroll = UNROLL if scan_op is not None and n > UNROLL and n % UNROLL == 0 else n
 
         def steps(
-            state: list[torch.Tensor], iteration: torch.Tensor, xs: list[torch.Tensor], gate: Any
-        ) -> tuple[Any, list[torch.Tensor], list[str]]:
-            # `unroll` steps on `state` (written into in place), the j-th on the rows xs[:][j].
-            params = dict(zip(pkeys, state[:a]))
-            buffers = dict(zip(bkeys, state[a:b]))
-            opt_state = pytree.tree_unflatten(list(state[b:c]), ospec)
+            state: list[torch.Tensor],
+            iteration: torch.Tensor,
+            seeds: torch.Tensor,
+            xs: list[torch.Tensor],
+            gate: Any,
+        ) -> tuple[list[torch.Tensor], Any, list[torch.Tensor]]:
+            # `unroll` steps from `state`, the j-th on the rows xs[:][j] with seed seeds[j].
             out: list[torch.Tensor] = []
             for j in range(unroll):
+                params = dict(zip(pkeys, state[:a]))
+                buffers = dict(zip(bkeys, state[a:b]))
+                opt_state = pytree.tree_unflatten(list(state[b:c]), ospec)
                 batch = unflatten_batch([x[j] for x in xs], bstructure)
-                loss, finite, metrics = kernel(params, buffers, opt_state, iteration + j, batch, gate)
+                with drawing_from(seeds[j]):
+                    new = update(params, buffers, opt_state, iteration + j, batch)
+                keep = new.finite if gate is None else new.finite & gate
+                state = _kept(keep, state, _state(new))
                 if stop:
-                    gate = gate & finite
-                found = list(metrics)
-                out += [loss, finite, *metrics.values()]
-            return gate, out, found
+                    gate = keep
+                names[:] = new.metrics
+                out += [new.loss, new.finite, *new.metrics.values()]
+            return state, gate, out
 
         def flat(*leaves: torch.Tensor) -> list[torch.Tensor]:
-            state, iteration, xs = list(leaves[:c]), leaves[c], list(leaves[c + 1 :])
+            state, iteration, seeds = list(leaves[:c]), leaves[c], leaves[c + 1]
+            xs = list(leaves[c + 2 :])
             gate = torch.ones((), dtype=torch.bool, device=iteration.device) if stop else None
             if unroll == n:
-                gate, out, names[:] = steps(state, iteration, xs, gate)
+                final, gate, out = steps(state, iteration, seeds, xs, gate)
                 per = len(out) // n
                 stacked = [torch.stack(out[q::per]) for q in range(per)]
-                return [*stacked, gate] if stop else stacked
-            turns = n // unroll
-            rows = [x.reshape(turns, unroll, *x.shape[1:]) for x in xs]
-            # The loop's body is traced by dynamo, which refuses side effects
-            # such as keeping the metrics' names: they are found first, on fake
-            # copies, with nothing recorded into the graph.
-            with disable_proxy_modes_tracing():
-                names[:] = steps([t.clone() for t in state], iteration, [x[0] for x in rows], gate)[2]
+            else:
+                turns = n // unroll
+                rows = [seeds.reshape(turns, unroll), *(x.reshape(turns, unroll, *x.shape[1:]) for x in xs)]
 
-            def turn(carry: list[torch.Tensor], rows: list[torch.Tensor]) -> tuple[list, list]:
-                # The body must not write into its carry: the steps write into copies.
-                fresh = [t.clone() for t in carry[:c]]
-                after, out, _ = steps(fresh, carry[c], rows, carry[c + 1] if stop else None)
-                return [*fresh, carry[c] + unroll, *([after] if stop else [])], out
+                def turn(*flat: torch.Tensor) -> list[torch.Tensor]:
+                    # One turn of the loop: the carry (state, iteration, gate), then this turn's rows.
+                    carry, row = flat[:width], flat[width:]
+                    after, gate, out = steps(
+                        list(carry[:c]), carry[c], row[0], list(row[1:]), carry[c + 1] if stop else None
+                    )
+                    return [*after, carry[c] + unroll, *([gate] if stop else []), *out]
 
-            try:
-                carry, ys = scan(  # type: ignore[misc]
-                    turn, [*state, iteration, *([gate] if stop else [])], rows
-                )
-            except torch._dynamo.exc.UncapturedHigherOrderOpError as exc:
-                raise LoopBodyRefused(_LOOP_BODY.format(n=n, error=exc)) from exc
-            for old, new in zip(state, carry[:c]):
+                init = [*state, iteration, *([gate] if stop else [])]
+                width = len(init)
+                # The body is traced on its own first, as the rest of the step is (Python runs
+                # once, now, and autograd records its backward); the loop then meets tensor ops only.
+                with disable_proxy_modes_tracing():
+                    body = make_fx(turn, decomposition_table=_decompositions(True))(
+                        *[t.clone() for t in init], *[r[0].clone() for r in rows]
+                    )
+                body, constants = _lifted(body)
+                flat_out = scan_op(body, init, rows, additional_inputs=_constants(constants))
+                carry, ys = flat_out[:width], flat_out[width:]
+                final, gate = carry[:c], (carry[c + 1] if stop else None)
+                # The outputs of one step; ys[j * per + q] is output q of step j of each turn.
+                per = len(ys) // unroll
+                stacked = [torch.stack(ys[q::per], dim=1).reshape(n) for q in range(per)]
+            for old, new in zip(state, final):
                 old.copy_(new)
-            per = len(ys) // unroll  # outputs of one step; ys[j * per + q] is output q of step j of each turn
-            stacked = [torch.stack(ys[q::per], dim=1).reshape(n) for q in range(per)]
-            return [*stacked, carry[c + 1]] if stop else stacked
+            return [*stacked, gate] if gate is not None else stacked
 
         return flat, names
 
     return Jit(make, budget, options, no_random=_RANDOM_STEPS.format(n=n))
+
+
+def _lifted(body: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
+    """``body`` with its tensor constants (a ``torch.tensor(...)`` in the model, say) as inputs after the others.
+
+    A loop's body may not hold tensors of its own: the loop passes them in.
+    Constants nothing uses are dropped first.
+    """
+    graph = body.graph
+    graph.eliminate_dead_code()
+    last = [node for node in graph.nodes if node.op == "placeholder"][-1]
+    constants: list[torch.Tensor] = []
+    for node in list(graph.nodes):
+        value = getattr(body, str(node.target), None) if node.op == "get_attr" else None
+        if isinstance(value, torch.Tensor):
+            with graph.inserting_after(last):
+                last = graph.placeholder(f"constant_{len(constants)}")
+            node.replace_all_uses_with(last)
+            graph.erase_node(node)
+            constants.append(value)
+    body.recompile()
+    return body, constants
+
+
+def _constants(constants: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    # Made where the loop is traced, so the outer graph holds them as its own constants.
+    return tuple(torch.ops.aten.lift_fresh_copy.default(t) for t in constants)
 
 
 def _leaf_name(structure: Any, index: int) -> str:
@@ -354,7 +425,9 @@ def _leaf_name(structure: Any, index: int) -> str:
     if index < ospec.num_leaves:
         return f"opt_state leaf {index}"
     index -= ospec.num_leaves
-    return "the iteration" if index == 0 else f"the batch's tensor {index - 1}"
+    if index < 2:
+        return ("the iteration", "the step's seed")[index]
+    return f"the batch's tensor {index - 2}"
 
 
 def _device(params: Mapping[str, torch.Tensor]) -> torch.device:

@@ -1,13 +1,21 @@
-"""Randomness as a function of the run's seed and the step: one generator seeded per step."""
+"""Randomness as a function of the run's seed and the step.
+
+Run eagerly, a step draws from torch's generator, seeded for the step
+(``_seeded``). Traced, its random ops draw from a seed the step takes as an
+input (``drawing_from``), through inductor's counter-based generator: the
+compiled graph is then a pure function of its inputs, and a loop of several
+steps in one graph seeds each of them as single steps are seeded.
+"""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
-__all__ = ["step_seed"]
+__all__ = ["drawing_from", "drawn_decompositions", "step_seed"]
 
 
 _MASK = (1 << 64) - 1
@@ -53,3 +61,117 @@ def _seeded(device: torch.device, seed: int, iteration: int, rank: int = 0) -> I
         yield
     finally:
         generator.set_state(saved)
+
+
+class _Drawing:
+    """While a step is traced: the tensor its random numbers are drawn from, and how many draws so far."""
+
+    def __init__(self, seed: torch.Tensor) -> None:
+        self.seed = seed
+        self.count = 0
+
+    def next_seed(self) -> torch.Tensor:
+        # One seed per random op of the step: the step's seed with the op's index mixed in. The
+        # counter-based generator behind inductor's random ops keys on the seed's low 32 bits,
+        # which an exclusive or with a small index keeps distinct.
+        self.count += 1
+        return torch.bitwise_xor(self.seed, self.count)
+
+
+_DRAWING: list[_Drawing] = []
+
+
+@contextlib.contextmanager
+def drawing_from(seed: torch.Tensor) -> Iterator[None]:
+    """While a step is traced inside, its random ops draw from ``seed`` (a 0-d int64), not the generator.
+
+    The traced graph is then a function of its inputs alone: a compiled step
+    given the same seed draws the same numbers, and a loop of several steps
+    gives each step its own seed, as single steps get theirs. Random ops
+    outside (none active) are left as they are.
+    """
+    _DRAWING.append(_Drawing(seed))
+    try:
+        yield
+    finally:
+        _DRAWING.pop()
+
+
+def _uniform(shape: Sequence[int], device: torch.device) -> torch.Tensor | None:
+    if not _DRAWING:
+        return None
+    from torch._inductor import inductor_prims
+
+    seed = _DRAWING[-1].next_seed()
+    return inductor_prims.random(list(shape), seed.to(device), "rand")
+
+
+def _normal(shape: Sequence[int], device: torch.device) -> torch.Tensor | None:
+    if not _DRAWING:
+        return None
+    from torch._inductor import inductor_prims
+
+    seed = _DRAWING[-1].next_seed()
+    return inductor_prims.random(list(shape), seed.to(device), "randn")
+
+
+def _dtype(dtype: torch.dtype | None) -> torch.dtype:
+    return torch.get_default_dtype() if dtype is None else dtype
+
+
+def _rand(size: Sequence[int], *, dtype: Any = None, device: Any = None, **_: Any) -> Any:
+    drawn = _uniform(size, torch.device(device or "cpu"))
+    return NotImplemented if drawn is None else drawn.to(_dtype(dtype))
+
+
+def _randn(size: Sequence[int], *, dtype: Any = None, device: Any = None, **_: Any) -> Any:
+    drawn = _normal(size, torch.device(device or "cpu"))
+    return NotImplemented if drawn is None else drawn.to(_dtype(dtype))
+
+
+def _rand_like(x: torch.Tensor, *, dtype: Any = None, **_: Any) -> Any:
+    drawn = _uniform(x.shape, x.device)
+    return NotImplemented if drawn is None else drawn.to(x.dtype if dtype is None else dtype)
+
+
+def _randn_like(x: torch.Tensor, *, dtype: Any = None, **_: Any) -> Any:
+    drawn = _normal(x.shape, x.device)
+    return NotImplemented if drawn is None else drawn.to(x.dtype if dtype is None else dtype)
+
+
+def _bernoulli_(x: torch.Tensor, p: Any = 0.5, *, generator: Any = None) -> Any:
+    drawn = None if generator is not None else _uniform(x.shape, x.device)
+    return NotImplemented if drawn is None else x.copy_(drawn < p)
+
+
+def _bernoulli(x: torch.Tensor, p: Any = None, *, generator: Any = None) -> Any:
+    # bernoulli(probs) and bernoulli(x, p): ones with probability probs (or p), in x's dtype.
+    drawn = None if generator is not None else _uniform(x.shape, x.device)
+    return NotImplemented if drawn is None else (drawn < (x if p is None else p)).to(x.dtype)
+
+
+def _uniform_(x: torch.Tensor, low: float = 0.0, high: float = 1.0, *, generator: Any = None) -> Any:
+    drawn = None if generator is not None else _uniform(x.shape, x.device)
+    return NotImplemented if drawn is None else x.copy_(drawn * (high - low) + low)
+
+
+def _normal_(x: torch.Tensor, mean: float = 0.0, std: float = 1.0, *, generator: Any = None) -> Any:
+    drawn = None if generator is not None else _normal(x.shape, x.device)
+    return NotImplemented if drawn is None else x.copy_(drawn * std + mean)
+
+
+def drawn_decompositions() -> dict[Any, Callable[..., Any]]:
+    """The random ops a traced step draws from its seed input (see ``drawing_from``)."""
+    aten = torch.ops.aten
+    return {
+        aten.rand.default: _rand,
+        aten.randn.default: _randn,
+        aten.rand_like.default: _rand_like,
+        aten.randn_like.default: _randn_like,
+        aten.bernoulli_.float: _bernoulli_,
+        aten.bernoulli_.Tensor: _bernoulli_,
+        aten.bernoulli.default: _bernoulli,
+        aten.bernoulli.p: _bernoulli,
+        aten.uniform_.default: _uniform_,
+        aten.normal_.default: _normal_,
+    }

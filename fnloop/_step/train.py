@@ -17,21 +17,39 @@ from fnloop._step.donation import Clean, exclusive, holds_containers, opt_contai
 from fnloop._step.errors import (
     _GRAPH_BREAK,
     _RECOMPILED,
+    CompileError,
     GraphBreakError,
     NonFiniteLoss,
     RecompileError,
+    _compile_failed,
     _nonfinite_message,
 )
 from fnloop._step.eval import plain_module
-from fnloop._step.jit import Entry, Jit, LoopBodyRefused, OverBudget, RandomInGraph, TraceError, flatten_batch
-from fnloop._step.kernel import LossFn, _cloned, _device, _jit_kernel, _jit_steps, _kernel, _leaf_name
+from fnloop._step.jit import (
+    CompileFailed,
+    Entry,
+    Jit,
+    OverBudget,
+    RandomInGraph,
+    TraceError,
+    flatten_batch,
+)
+from fnloop._step.kernel import LossFn, _cloned, _device, _eager, _jit_kernel, _jit_steps, _kernel, _leaf_name
 from fnloop._step.pool import ScalarPool
-from fnloop._step.seeding import _seeded
+from fnloop._step.seeding import _seeded, step_seed
 from fnloop.distributed import broadcast_tensors, rank
 from fnloop.optim import Optimizer
 from fnloop.optim._base import fixed_learning_rates
 
-__all__ = ["GraphBreakError", "NonFiniteLoss", "RecompileError", "TrainStep", "init", "train_step"]
+__all__ = [
+    "CompileError",
+    "GraphBreakError",
+    "NonFiniteLoss",
+    "RecompileError",
+    "TrainStep",
+    "init",
+    "train_step",
+]
 
 
 def init(
@@ -111,6 +129,7 @@ class TrainStep:
     multi: Jit | None = None
     """The kernel run ``steps_per_call`` times in one compiled graph, when compiled and ``steps_per_call > 1``."""
     _counters: dict[torch.device, torch.Tensor] = attrs.field(factory=dict)
+    _seeds: dict[torch.device, torch.Tensor] = attrs.field(factory=dict)
     _opt_cache: list[Any] = attrs.field(factory=list)
     # The recorded loss and metrics live in long-lived homes: see fnloop/_step/pool.py.
     _pool: ScalarPool = attrs.field(factory=ScalarPool)
@@ -149,12 +168,14 @@ class TrainStep:
             else:
                 tensors, batch_structure = flatten_batch(batch)
                 structure = (tuple(params), tuple(buffers), ospec, batch_structure)
-                flat = [*donated, iteration, *tensors]
+                seed = self._seed(device)
+                seed.fill_(step_seed(state.rng, i, self.rank))  # what the graph's random ops draw from
+                flat = [*donated, iteration, seed, *tensors]
                 entry = self._entry(jit, structure, flat, i)
-                if entry.random:
+                if entry.draws:  # an op the trace could not give the seed to draws from the generator
                     with _seeded(device, state.rng, i, self.rank):
                         outputs = entry.compiled(*flat)
-                else:  # no random op in the graph: the generator need not be touched
+                else:
                     outputs = entry.compiled(*flat)
                 loss, finite, metrics = outputs[0], outputs[1], dict(zip(entry.context, outputs[2:]))
         except BaseException as exc:
@@ -196,8 +217,8 @@ class TrainStep:
             ) from None
         except RandomInGraph as random:
             raise ValueError(str(random)) from None
-        except LoopBodyRefused as refused:
-            raise GraphBreakError(str(refused)) from refused.__cause__
+        except CompileFailed as failed:
+            raise CompileError(_compile_failed(failed.op, failed.where)) from failed.__cause__
         except TraceError as trace:
             raise GraphBreakError(f"{_GRAPH_BREAK}\n\n{trace}") from trace.__cause__
 
@@ -252,7 +273,10 @@ class TrainStep:
         try:
             tensors, batch_structure = _stacked(batches, i)
             structure = (tuple(params), tuple(buffers), ospec, batch_structure, n, not self.skip_nonfinite)
-            flat = [*donated, iteration, *tensors]
+            seeds = torch.tensor(
+                [step_seed(state.rng, i + j, self.rank) for j in range(n)], dtype=torch.int64, device=device
+            )
+            flat = [*donated, iteration, seeds, *tensors]
             entry = self._entry(multi, structure, flat, i)
             outputs = entry.compiled(*flat)
         except BaseException as exc:
@@ -294,6 +318,12 @@ class TrainStep:
         tensor = self._counters.get(device)
         if tensor is None:
             tensor = self._counters[device] = torch.zeros((), dtype=torch.int64, device=device)
+        return tensor
+
+    def _seed(self, device: torch.device) -> torch.Tensor:
+        tensor = self._seeds.get(device)
+        if tensor is None:
+            tensor = self._seeds[device] = torch.zeros((), dtype=torch.int64, device=device)
         return tensor
 
     def __repr__(self) -> str:
@@ -423,23 +453,23 @@ def train_step(
             "build one with fnloop.optim.sgd/adam/adamw (the same numbers as torch.optim's)."
         )
     accumulate = _check_positive("accumulate", accumulate)
-    kernel = _kernel(model, loss_fn, optimizer, accumulate, autocast, eager=not compile)
+    update = _kernel(model, loss_fn, optimizer, accumulate, autocast, eager=not compile)
     if type(recompiles) is not int or recompiles < 0:
         raise ValueError(f"'recompiles' must be an int >= 0 ({got(recompiles)}).")
-    jit = _jit_kernel(kernel, 1 + recompiles, options) if compile else None
+    jit = _jit_kernel(update, 1 + recompiles, options) if compile else None
     if type(skip_nonfinite) is not bool:
         raise TypeError(f"'skip_nonfinite' must be a bool ({got(skip_nonfinite)}).")
     steps_per_call = _check_positive("steps_per_call", steps_per_call)
     multi = None
     if compile and steps_per_call > 1:
-        multi = _jit_steps(kernel, steps_per_call, 1 + recompiles, options)
+        multi = _jit_steps(update, steps_per_call, 1 + recompiles, options)
     fixed = fixed_learning_rates(optimizer)
     step = TrainStep(
         model,
         loss_fn,
         optimizer,
         recompiles,
-        kernel,
+        _eager(update),
         jit,
         skip_nonfinite,
         fixed,
