@@ -631,3 +631,41 @@ def test_a_non_finite_step_changes_no_bit_and_stops_the_compiled_run(noisy, tmp_
     saved = fl.checkpoint.latest(tmp_path, like=state)  # the end-of-run save holds the clean state
     assert saved is not None and saved.iteration == 3
     testing.assert_identical(saved.params, reference.params)
+
+
+@pytest.mark.slow
+def test_a_graph_torch_cannot_compile_is_fnloops_compile_error_naming_the_fix():
+    model, mse, data = linear_problem()
+    opt = fl.optim.sgd(0.1)
+    # A C++ compiler that always fails: inductor traces and lowers the graph, then cannot build it.
+    step = fl.train_step(model, mse, opt, options={"cpp.cxx": (None, "/bin/false")})
+    with pytest.raises(
+        fl.CompileError, match=r"^compiling the training step failed in torch's compiler"
+    ) as info:
+        fl.run(fl.init(model, opt, seed=0, max_iter=2), step, data)
+    assert "train_step(..., compile=False) runs the same step eagerly" in str(info.value)
+    assert info.value.__cause__ is not None, "torch's own error is chained"
+
+
+class _Scaled(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(x) * 3.0  # the line the error points to
+
+
+def test_a_compile_failure_names_the_op_and_the_models_lines_that_made_it():
+    from torch.func import functional_call
+
+    from fnloop._step.jit import _located, trace
+
+    model = _Scaled()
+
+    def scaled(x: torch.Tensor) -> list[torch.Tensor]:
+        return [functional_call(model, {}, (x,))]
+
+    x = torch.ones(3)
+    node = next(n for n in trace(scaled, [x]).graph.nodes if n.target is torch.ops.aten.sin.default)
+    error = RuntimeError(f"some inductor failure\nWhile executing %{node.name} : ...")
+    failed = _located(scaled, [x], True, error)
+    assert failed.op == "aten.sin.default"
+    assert failed.where is not None and "test_step.py" in failed.where, failed.where
+    assert "torch.sin(x) * 3.0" in failed.where

@@ -85,28 +85,45 @@ _TO_NUMBER = (
     "as a metric (a tensor) and write it with a hook; to debug with print, run eagerly."
 )
 
-DEFAULT_OPTIONS: Mapping[str, Any] = {"cpp_wrapper": True}
-"""fnloop's inductor settings: a C++ wrapper calls the kernels, not Python.
 
-On the tiny benchmark it takes about 8 us off each step (44 -> 36 us per
-iteration) for about 6 s more at the first compile, which inductor's cache
-then keeps.
-"""
+def default_options(leaves: Sequence[torch.Tensor], loops: bool) -> dict[str, Any]:
+    """fnloop's inductor settings for a graph on ``leaves``, with a loop in it or not; options given win.
+
+    - ``cpp_wrapper``: a C++ wrapper calls the kernels, not Python. On the
+      tiny benchmark it takes about 8 us off each step (44 -> 36 us) for
+      about 6 s more at the first compile. Not for a graph with a loop:
+      the C++ wrapper writes the loop's body into its own source, and g++
+      took 88 s more on a 2-layer GPT-2's loop of steps (106 s against 18).
+    - ``layout_optimization`` off on the CPU: inductor turns convolution
+      weights channels-last inside the graph, so their gradients come out
+      channels-last beside parameters that are not, and the fused optimizer
+      update walked them with strided loads. On a ResNet-18 (batch 64,
+      AdamW, one thread) the update took 32.8 ms of the step with it and
+      5.0 ms without, and the whole step 150 ms against 109.
+
+    Examples:
+        >>> default_options([torch.zeros(2)], loops=False)
+        {'cpp_wrapper': True, 'layout_optimization': False}
+    """
+    defaults: dict[str, Any] = {"cpp_wrapper": not loops}
+    if all(leaf.device.type == "cpu" for leaf in leaves):
+        defaults["layout_optimization"] = False
+    return defaults
 
 
 def inductor_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
-    """``DEFAULT_OPTIONS`` updated with ``options``, each name checked against inductor's config."""
+    """``options`` as a dict, each name checked against inductor's config."""
     import torch._inductor.config as config
 
-    merged = {**DEFAULT_OPTIONS, **(options or {})}
+    given = dict(options or {})
     known = config.get_config_copy()
-    for name in merged:
+    for name in given:
         if name not in known:
             raise ValueError(
                 f"options: {name!r} is not a setting of torch._inductor.config; use the names "
                 "torch.compile(options=...) takes, for example {'cpp_wrapper': False}."
             )
-    return merged
+    return given
 
 
 def _signature(leaves: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
@@ -226,30 +243,23 @@ def _located(
 
 
 def _user_frames(stack: str | None) -> str | None:
-    """The innermost frames of ``stack`` outside torch and fnloop: the model's code that made the op."""
+    """The innermost frames of ``stack`` outside fnloop and torch's machinery: the module's forward that made the op.
+
+    The trace records, for an op made inside a module's ``forward``, where in
+    that ``forward`` it was made (torch's own modules, such as ``linear.py``,
+    count: they say which kind of layer it was).
+    """
     if not stack:
         return None
     frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)', stack)
-    own = ("/torch/", "/fnloop/_step/", "/fnloop/_core/")
-    kept = [f for f in frames if not any(part in f[0] for part in own)]
+    kept = [
+        f
+        for f in frames
+        if "/fnloop/_" not in f[0] and ("/torch/" not in f[0] or "/torch/nn/modules/" in f[0])
+    ]
     if not kept:
         return None
     return "; ".join(f"{path}:{line} in {fn}: {code.strip()}" for path, line, fn, code in kept[-2:])
-
-
-def _options_for(options: Mapping[str, Any], leaves: Sequence[torch.Tensor]) -> dict[str, Any]:
-    """``options`` with fnloop's per-device defaults under them.
-
-    On the CPU, inductor's layout optimization is off unless asked for: it
-    turns convolution weights channels-last inside the graph, so their
-    gradients come out channels-last beside parameters that are not, and
-    the fused optimizer update walked them with strided loads. On a
-    ResNet-18 (batch 64, AdamW, one thread) the update took 32.8 ms of the
-    step with it and 5.0 ms without, and the whole step 150 ms against 109.
-    """
-    if "layout_optimization" in options or any(leaf.device.type != "cpu" for leaf in leaves):
-        return dict(options)
-    return {"layout_optimization": False, **options}
 
 
 def _compile(
@@ -286,7 +296,7 @@ def _compile(
     draws = generator_draws(nodes)
     if draws and no_random is not None:
         raise RandomInGraph(f"{no_random} The ops that draw from torch's generator: {sorted(set(draws))}.")
-    options = _options_for(options, leaves)
+    options = {**default_options(leaves, _has_loops(nodes)), **options}
 
     def failed(exc: BaseException) -> CompileFailed:
         return _located(function, leaves, drawn, exc)

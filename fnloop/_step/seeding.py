@@ -97,22 +97,36 @@ def drawing_from(seed: torch.Tensor) -> Iterator[None]:
         _DRAWING.pop()
 
 
-def _uniform(shape: Sequence[int], device: torch.device) -> torch.Tensor | None:
+@torch.library.custom_op("fnloop::drawn", mutates_args=())
+def _drawn_op(seed: torch.Tensor, size: list[int], mode: str) -> torch.Tensor:
+    generator = torch.Generator(device=seed.device)
+    generator.manual_seed(int(seed))
+    draw = torch.rand if mode == "rand" else torch.randn
+    return draw(size, generator=generator, device=seed.device)
+
+
+@_drawn_op.register_fake
+def _drawn_fake(seed: torch.Tensor, size: list[int], mode: str) -> torch.Tensor:
+    return torch.empty(size, device=seed.device)
+
+
+def _draw(shape: Sequence[int], device: torch.device, mode: str) -> torch.Tensor | None:
     if not _DRAWING:
         return None
+    seed = _DRAWING[-1].next_seed().to(device)
+    if device.type == "cpu":
+        return torch.ops.fnloop.drawn(seed, list(shape), mode)
     from torch._inductor import inductor_prims
 
-    seed = _DRAWING[-1].next_seed()
-    return inductor_prims.random(list(shape), seed.to(device), "rand")
+    return inductor_prims.random(list(shape), seed, mode)
+
+
+def _uniform(shape: Sequence[int], device: torch.device) -> torch.Tensor | None:
+    return _draw(shape, device, "rand")
 
 
 def _normal(shape: Sequence[int], device: torch.device) -> torch.Tensor | None:
-    if not _DRAWING:
-        return None
-    from torch._inductor import inductor_prims
-
-    seed = _DRAWING[-1].next_seed()
-    return inductor_prims.random(list(shape), seed.to(device), "randn")
+    return _draw(shape, device, "randn")
 
 
 def _dtype(dtype: torch.dtype | None) -> torch.dtype:

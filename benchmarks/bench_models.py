@@ -1,0 +1,416 @@
+"""The field's models under fnloop against the loops a user writes with stock PyTorch.
+
+    python benchmarks/bench_models.py                      # the three workloads, every row (~25 min)
+    python benchmarks/bench_models.py --only gpt2          # one workload (repeatable)
+    python benchmarks/bench_models.py --skip-processes     # speed only: no memory, no cold/warm compile
+    python benchmarks/bench_models.py --quick              # tiny sizes, few steps: a smoke run
+    python benchmarks/bench_models.py --device cuda --dtype bf16   # on a GPU, under bf16 autocast
+
+Workloads, randomly initialised, at the library's defaults unless said:
+
+- ``gpt2``: ``transformers``' GPT-2, 2 layers, 128 wide, 4 heads, 128 positions, a vocabulary of 256
+  (bytes of the standard library's sources, ``fnloop.examples.lm``), batch 16, dropout 0.1 (its
+  default), its own loss (``labels=``);
+- ``resnet``: ``transformers``' ResNet-18 (basic blocks, depths 2-2-2-2, widths 64-512), 10 classes,
+  on scikit-learn's digits upsampled to 3x32x32, batch 64;
+- ``vit``: ``transformers``' ViT, 4 layers, 384 wide, 6 heads, image 32, patch 4, hidden and
+  attention dropout 0.1, 10 classes, the same digits, batch 64.
+
+Every loop uses AdamW (lr 1e-3, weight decay 0.01). The speed rows run in one process, the loops
+taking turns (interleaved), one thread; each round times ``--steps`` steps of each loop; the table
+gives the median over ``--repeats`` rounds in ms per step. The loops:
+
+- ``fnloop``: ``fl.run`` over ``train_step(...)`` (the whole step compiled, donated);
+- ``fnloop eager``: the same with ``compile=False``;
+- ``eager``: ``zero_grad(set_to_none=True)`` / ``backward`` / ``step``, with the faster of
+  ``torch.optim.AdamW(foreach=True)`` and ``AdamW(fused=True)`` (measured, named in the table);
+- ``torch.compile``: the same loop around ``torch.compile(model)``, with the faster of the same two
+  optimizers and, for the ResNet, the faster of inductor's layout optimization on and off;
+- ``fnloop k=4``: ``train_step(..., steps_per_call=4)`` (GPT-2 only).
+
+Memory and compile times run each loop in fresh processes: peak RSS over the timed steps (the
+high-water mark reset after the warm-up), the first step with empty inductor and fnloop caches
+(cold) and with the caches that run left (warm, from the start of the process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import fnloop as fl
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+X = "\u00d7"
+Batch = Any
+Train = Callable[[int], None]
+"""``train(n)``: ``n`` steps of a loop, built once, on its own batches."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    label: str
+    build: Callable[[], torch.nn.Module]
+    batches: Callable[[torch.device], list[Batch]]
+    loss: Callable[[Any, Batch], torch.Tensor]
+    convolutional: bool = False
+
+
+def _lm_loss(forward: Any, batch: Batch) -> torch.Tensor:
+    return forward(input_ids=batch, labels=batch).loss
+
+
+def _image_loss(forward: Any, batch: Batch) -> torch.Tensor:
+    x, y = batch
+    return forward(pixel_values=x, labels=y).loss
+
+
+def _text(device: torch.device, batch: int, context: int) -> list[Batch]:
+    from fnloop.examples import lm
+
+    train, _ = lm.corpus()
+    gen = torch.Generator().manual_seed(1)
+    rows = train[:, :context]
+    return [rows[torch.randint(0, len(rows), (batch,), generator=gen)].to(device) for _ in range(8)]
+
+
+def _digits(device: torch.device, batch: int, side: int) -> list[Batch]:
+    from sklearn.datasets import load_digits
+
+    images, labels = load_digits(return_X_y=True)
+    x = torch.tensor(images, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
+    x = F.interpolate(x, size=side, mode="bilinear", align_corners=False).repeat(1, 3, 1, 1)
+    y = torch.tensor(labels, dtype=torch.int64)
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(4):
+        pick = torch.randint(0, len(x), (batch,), generator=gen)
+        out.append((x[pick].to(device), y[pick].to(device)))
+    return out
+
+
+def workloads(quick: bool) -> dict[str, Workload]:
+    import transformers as T
+
+    width, layers, batch, context = (32, 1, 4, 32) if quick else (128, 2, 16, 128)
+    gpt2 = Workload(
+        "gpt2",
+        f"GPT-2 ({layers} layers, {width} wide, 4 heads, {context} positions, bytes), batch {batch}, dropout 0.1",
+        lambda: T.GPT2LMHeadModel(
+            T.GPT2Config(vocab_size=256, n_positions=context, n_embd=width, n_layer=layers, n_head=4)
+        ),
+        lambda d: _text(d, batch, context),
+        _lm_loss,
+    )
+    side, ibatch = (16, 8) if quick else (32, 64)
+    sizes = ([8, 16], [1, 1], 8) if quick else ([64, 128, 256, 512], [2, 2, 2, 2], 64)
+    resnet = Workload(
+        "resnet",
+        f"ResNet-18 ({'tiny' if quick else 'basic, 2-2-2-2, 64-512'}) on digits 3x{side}x{side}, batch {ibatch}",
+        lambda: T.ResNetForImageClassification(
+            T.ResNetConfig(
+                layer_type="basic",
+                hidden_sizes=sizes[0],
+                depths=sizes[1],
+                embedding_size=sizes[2],
+                num_labels=10,
+            )
+        ),
+        lambda d: _digits(d, ibatch, side),
+        _image_loss,
+        convolutional=True,
+    )
+    hidden, vlayers = (32, 1) if quick else (384, 4)
+    vit = Workload(
+        "vit",
+        f"ViT ({vlayers} layers, {hidden} wide, patch 4) on digits 3x{side}x{side}, batch {ibatch}, dropout 0.1",
+        lambda: T.ViTForImageClassification(
+            T.ViTConfig(
+                image_size=side,
+                patch_size=4,
+                hidden_size=hidden,
+                num_hidden_layers=vlayers,
+                num_attention_heads=max(hidden // 64, 2),
+                intermediate_size=4 * hidden,
+                hidden_dropout_prob=0.1,
+                attention_probs_dropout_prob=0.1,
+                num_labels=10,
+            )
+        ),
+        lambda d: _digits(d, ibatch, side),
+        _image_loss,
+    )
+    return {w.name: w for w in (gpt2, resnet, vit)}
+
+
+# --------------------------------------------------------------------------- the loops
+
+
+@dataclass(frozen=True)
+class Settings:
+    device: torch.device
+    dtype: torch.dtype | None  # autocast
+
+
+def _model(w: Workload, s: Settings) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return w.build().to(s.device)
+
+
+def _autocast(s: Settings) -> contextlib.AbstractContextManager[Any]:
+    if s.dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(s.device.type, dtype=s.dtype)
+
+
+def fnloop_loop(w: Workload, s: Settings, *, compile: bool = True, k: int = 1) -> Train:
+    model = _model(w, s)
+    data = w.batches(s.device)
+    opt = fl.optim.adamw(1e-3, weight_decay=0.01)
+    step = fl.train_step(model, w.loss, opt, compile=compile, autocast=s.dtype, steps_per_call=k)
+    state = fl.init(model, opt, seed=0, max_iter=0)
+    del model
+
+    def train(n: int) -> None:
+        nonlocal state
+        start = state.iteration
+        batches = (data[(start + i) % len(data)] for i in range(n))
+        state = fl.run(fl.TrainState(**{**state.__dict__, "max_iter": start + n}), step, batches)
+
+    return train
+
+
+def _torch_optimizer(params: Any, kind: str) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, **{kind: True})
+
+
+def torch_loop(w: Workload, s: Settings, *, kind: str, compiled: dict[str, Any] | None = None) -> Train:
+    model = _model(w, s)
+    data = w.batches(s.device)
+    net = model if compiled is None else torch.compile(model, options=compiled)
+    opt = _torch_optimizer(model.parameters(), kind)
+    done = [0]
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return net(*args, **kwargs)
+
+    def train(n: int) -> None:
+        model.train()
+        for _ in range(n):
+            batch = data[done[0] % len(data)]
+            done[0] += 1
+            with _autocast(s):
+                loss = w.loss(forward, batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    return train
+
+
+def _sync(s: Settings) -> None:
+    if s.device.type == "cuda":
+        torch.cuda.synchronize(s.device)
+
+
+def interleave(loops: dict[str, Train], s: Settings, steps: int, repeats: int) -> dict[str, float]:
+    """Median ms per step of each loop, the loops taking turns, ``steps`` steps a turn."""
+    for train in loops.values():
+        train(2)  # compile and warm up
+    _sync(s)
+    times: dict[str, list[float]] = {name: [] for name in loops}
+    for _ in range(repeats):
+        for name, train in loops.items():
+            start = time.perf_counter()
+            train(steps)
+            _sync(s)
+            times[name].append((time.perf_counter() - start) / steps * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def fastest(candidates: dict[str, Train], s: Settings, steps: int) -> tuple[str, Train]:
+    """The faster of some versions of one loop, by a short interleaved measurement."""
+    if len(candidates) == 1:
+        return next(iter(candidates.items()))
+    med = interleave(candidates, s, max(steps // 2, 2), 3)
+    best = min(med, key=med.__getitem__)
+    return best, candidates[best]
+
+
+# --------------------------------------------------------------------------- one process per loop
+
+
+def probe(w: Workload, s: Settings, loop: str, steps: int) -> dict[str, float]:
+    """In a fresh process: the first step's seconds, then peak RSS and ms per step over ``steps`` steps."""
+    import psutil
+    from peers import peak_rss_mb, reset_peak_rss
+
+    train = build_loop(w, s, loop)
+    begun = time.perf_counter()
+    train(1)
+    _sync(s)
+    first = time.perf_counter() - begun
+    since_start = time.time() - psutil.Process().create_time()
+    train(2)
+    _sync(s)
+    reset_peak_rss()
+    start = time.perf_counter()
+    train(steps)
+    _sync(s)
+    return {
+        "first_step_s": first,
+        "process_s": since_start,
+        "ms_per_step": (time.perf_counter() - start) / steps * 1e3,
+        "peak_rss_mb": peak_rss_mb(),
+    }
+
+
+def build_loop(w: Workload, s: Settings, loop: str) -> Train:
+    if loop == "fnloop":
+        return fnloop_loop(w, s)
+    if loop == "fnloop-eager":
+        return fnloop_loop(w, s, compile=False)
+    if loop.startswith("eager-"):
+        return torch_loop(w, s, kind=loop.split("-", 1)[1])
+    if loop.startswith("compile-"):
+        _, kind, layout = loop.split("-")
+        options = {} if layout == "default" else {"layout_optimization": False}
+        return torch_loop(w, s, kind=kind, compiled=options)
+    raise ValueError(loop)
+
+
+def run_probe(name: str, loop: str, args: argparse.Namespace, caches: str) -> dict[str, float]:
+    env = {
+        **os.environ,
+        "FNLOOP_CACHE_DIR": os.path.join(caches, "fnloop"),
+        "TORCHINDUCTOR_CACHE_DIR": os.path.join(caches, "inductor"),
+    }
+    cmd = [sys.executable, __file__, "--probe", name, loop, "--device", args.device, "--dtype", args.dtype]
+    cmd += ["--steps", str(args.steps)] + (["--quick"] if args.quick else [])
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"probe {name} {loop} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+# --------------------------------------------------------------------------- the table
+
+
+def measure(w: Workload, args: argparse.Namespace, s: Settings) -> list[str]:
+    steps, repeats = args.steps, args.repeats
+    optim_kinds = ["foreach", "fused"]
+    kind, _ = fastest({k: torch_loop(w, s, kind=k) for k in optim_kinds}, s, steps)
+    layouts = ["default", "nolayout"] if w.convolutional and s.device.type == "cpu" else ["default"]
+    compiled_candidates = {
+        f"{layout}": torch_loop(
+            w, s, kind=kind, compiled={} if layout == "default" else {"layout_optimization": False}
+        )
+        for layout in layouts
+    }
+    layout, compiled = fastest(compiled_candidates, s, steps)
+    loops = {
+        "fnloop": fnloop_loop(w, s),
+        "fnloop eager": fnloop_loop(w, s, compile=False),
+        "eager": torch_loop(w, s, kind=kind),
+        "torch.compile": compiled,
+    }
+    if w.name == "gpt2":
+        loops["fnloop k=4"] = fnloop_loop(w, s, k=4)
+    med = interleave(loops, s, steps, repeats)
+    best_ref = min(med["eager"], med["torch.compile"])
+    lines = [
+        f"#### {w.label}",
+        "",
+        f"Eager and `torch.compile` use `AdamW({kind}=True)`"
+        + (f", layout optimization {layout}" if len(layouts) > 1 else "")
+        + ".",
+        "",
+        "| loop | ms per step | speed against the faster of eager and `torch.compile` | against eager |",
+        "|---|---|---|---|",
+    ]
+    for name, ms in med.items():
+        lines.append(f"| {name} | {ms:.1f} | {best_ref / ms:.2f}{X} | {med['eager'] / ms:.2f}{X} |")
+    if "fnloop k=4" in med:
+        lines += ["", f"`steps_per_call=4` against single steps: {med['fnloop'] / med['fnloop k=4']:.2f}{X}."]
+    if not args.skip_processes:
+        lines += ["", *processes(w, args, kind, layout)]
+    return lines
+
+
+def processes(w: Workload, args: argparse.Namespace, kind: str, layout: str) -> list[str]:
+    loops = {
+        "fnloop": "fnloop",
+        "fnloop eager": "fnloop-eager",
+        "eager": f"eager-{kind}",
+        "torch.compile": f"compile-{kind}-{layout}",
+    }
+    rows = []
+    results: dict[str, tuple[dict[str, float], dict[str, float]]] = {}
+    for label, loop in loops.items():
+        with tempfile.TemporaryDirectory() as caches:
+            cold = run_probe(w.name, loop, args, caches)
+            warm = run_probe(w.name, loop, args, caches)
+        results[label] = (cold, warm)
+    eager_rss = results["eager"][1]["peak_rss_mb"]
+    for label, (cold, warm) in results.items():
+        rows.append(
+            f"| {label} | {cold['first_step_s']:.1f} | {warm['first_step_s']:.1f} | {warm['process_s']:.1f} | "
+            f"{warm['peak_rss_mb']:.0f} | {warm['peak_rss_mb'] / eager_rss:.2f}{X} |"
+        )
+    return [
+        "Fresh processes: the first step (its own call) with empty inductor and fnloop caches and with "
+        "the caches that run left; the process from its start to the end of that warm first step "
+        "(Python, imports, the model, the data); peak RSS over the timed steps:",
+        "",
+        "| loop | first step, cold (s) | first step, warm (s) | process to first step, warm (s) | peak RSS (MiB) | against eager |",
+        "|---|---|---|---|---|---|",
+        *rows,
+    ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", action="append", choices=["gpt2", "resnet", "vit"])
+    parser.add_argument("--steps", type=int, default=None, help="steps per turn (default 10, quick 3)")
+    parser.add_argument("--repeats", type=int, default=None, help="rounds (default 7, quick 2)")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--skip-processes", action="store_true", help="no memory or compile-time rows")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--probe", nargs=2, metavar=("WORKLOAD", "LOOP"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.steps = args.steps or (3 if args.quick else 10)
+    args.repeats = args.repeats or (2 if args.quick else 7)
+    torch.set_num_threads(1)
+    sys.path.insert(0, HERE)
+    # Each round of a loop is a new fl.run over its next batches, on purpose.
+    warnings.simplefilter("ignore", fl.data.DataRestarts)
+    settings = Settings(torch.device(args.device), torch.bfloat16 if args.dtype == "bf16" else None)
+    chosen = workloads(args.quick)
+    if args.probe:
+        name, loop = args.probe
+        print(json.dumps(probe(chosen[name], settings, loop, args.steps)))
+        return
+    print(f"device {args.device}, {args.dtype}, torch {torch.__version__}, one thread")
+    for name in args.only or list(chosen):
+        print("\n".join(["", *measure(chosen[name], args, settings)]), flush=True)
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        main()

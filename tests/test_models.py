@@ -1,0 +1,156 @@
+"""The field's models train under the compiled step at their library defaults.
+
+``transformers``' GPT-2 (SDPA and eager attention), Llama (RMSNorm, rotary
+embeddings, grouped keys), BERT, ViT, ResNet (BatchNorm), ConvNeXt (drop path),
+and ``torch.nn``'s ``TransformerEncoder`` and ``LSTM``, each from a tiny config
+at the library's defaults: dropout on where the library has it, keyword
+arguments to ``forward``, ``ModelOutput`` returns, the library's own losses
+(``labels=``), tied embeddings. The builders live in ``tests/models_worker.py``,
+which also runs the SIGKILL test's training. ``$FNLOOP_TEST_DEVICE=cuda``
+runs them on a GPU (``benchmarks/device_check.sh``).
+
+Compiled steps are shared (``_step``): each graph costs 10-30 s to build here.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fnloop as fl
+from fnloop import testing
+
+pytestmark = pytest.mark.slow
+
+WORKER = Path(__file__).with_name("models_worker.py")
+_spec = importlib.util.spec_from_file_location("models_worker", WORKER)
+assert _spec is not None and _spec.loader is not None
+cases = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cases)
+
+OPT = cases.OPT
+
+
+def zero() -> float:
+    return 0.0
+
+
+@functools.cache
+def _step(name: str, **kwargs: object) -> fl.Step:
+    _build, loss, _ = cases.CASES[name]
+    return fl.train_step(cases.built(name), loss, OPT, **kwargs)
+
+
+def _run(name: str, step: fl.Step, n: int = 3, model: torch.nn.Module | None = None) -> fl.TrainState:
+    model = cases.built(name) if model is None else model
+    batches = cases.CASES[name][2]()
+    return fl.run(fl.init(model, OPT, seed=0, max_iter=n), step, batches, clock=zero)
+
+
+def _losses(state: fl.TrainState) -> list[float]:
+    return state.metrics.floats("loss")
+
+
+@pytest.mark.parametrize("name", list(cases.CASES))
+def test_each_architecture_compiles_at_its_defaults_into_one_graph(name):
+    step = _step(name)
+    start = fl.init(cases.built(name), OPT, seed=0, max_iter=3)
+    batches = cases.CASES[name][2]()
+    generator = torch.get_rng_state()
+    final = fl.run(start, step, batches, clock=zero)
+    assert torch.equal(torch.get_rng_state(), generator), "dropout draws from the step's seed"
+    losses = _losses(final)
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses))), losses
+    assert step.compiles == 1  # one graph, no recompile
+    assert fl._core.tree.first_difference(final.params, start.params) is not None, "it trained"
+
+
+def _torch_losses(model: torch.nn.Module, name: str, n: int) -> list[float]:
+    _build, loss_fn, batches = cases.CASES[name]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model.train()
+    losses = []
+    for batch in batches()[:n]:
+        loss = loss_fn(model, batch)  # the module itself is a `forward`
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _gpt2_without_dropout() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return cases.gpt2(dropout=0.0).to(cases.DEVICE)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "vit", "resnet"])
+def test_losses_equal_a_torch_optim_loop_without_dropout(name):
+    # ViT and ResNet have no dropout at their defaults; GPT-2's is turned off, in a graph of its own.
+    if name == "gpt2":
+        model = _gpt2_without_dropout()
+        ours = _losses(_run(name, fl.train_step(model, cases.lm_loss, OPT), 5, model=model))
+        theirs = _torch_losses(_gpt2_without_dropout(), name, 5)
+    else:
+        ours, theirs = _losses(_run(name, _step(name), 5)), _torch_losses(cases.built(name), name, 5)
+    torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-4, atol=0.0)
+
+
+def test_two_steps_per_call_with_dropout_equal_single_steps_bit_for_bit():
+    single = _run("gpt2", _step("gpt2"), 6)
+    double = _run("gpt2", _step("gpt2", steps_per_call=2), 6)
+    testing.assert_identical(double, single)
+    assert _step("gpt2", steps_per_call=2).compiles == 1
+
+
+def test_bf16_autocast_with_dropout_compiles_and_trains():
+    step = _step("gpt2", autocast=torch.bfloat16)
+    final = _run("gpt2", step, 3)
+    assert all(torch.isfinite(torch.tensor(_losses(final))))
+    assert step.compiles == 1
+    assert all(p.dtype == torch.float32 for p in final.params.values()), "autocast leaves the params in fp32"
+
+
+def test_a_run_killed_with_sigkill_resumes_bit_exact(tmp_path):
+    n = cases.STEPS
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    command = [sys.executable, str(WORKER), str(tmp_path), str(n)]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env) as first:
+        assert first.stdout is not None
+        for line in first.stdout:
+            if line.startswith("step 2"):
+                first.send_signal(signal.SIGKILL)
+                break
+        assert first.wait(timeout=600) == -signal.SIGKILL
+    assert fl.checkpoint.checkpoints(tmp_path / "ckpt"), "a checkpoint was left behind"
+    subprocess.run(command, check=True, env=env, timeout=600, stdout=subprocess.DEVNULL)
+    template = fl.init(cases.built("gpt2"), OPT, seed=0, max_iter=n)
+    hooks = [fl.hooks.checkpoint(tmp_path / "whole", keep=2)]
+    whole = fl.run(template, _step("gpt2"), fl.data.resumable(cases.tokens(n)), hooks, clock=zero)
+    resumed = fl.load(tmp_path / "final.safetensors", like=whole)
+    for field in ("iteration", "params", "buffers", "opt_state", "metrics", "data", "rng"):
+        testing.assert_identical(getattr(resumed, field), getattr(whole, field))
+
+
+def test_save_pretrained_round_trip_keeps_the_trained_and_tied_weights(tmp_path):
+    from transformers import GPT2LMHeadModel
+
+    model = cases.built("gpt2")
+    final = _run("gpt2", _step("gpt2"), 3, model=model)
+    assert "lm_head.weight" not in final.params, "the tied head is one parameter with the embedding"
+    model.load_state_dict(fl.state_dict(final, model))
+    model.save_pretrained(tmp_path)
+    loaded = GPT2LMHeadModel.from_pretrained(tmp_path).to(cases.DEVICE).eval()
+    assert loaded.lm_head.weight is loaded.transformer.wte.weight
+    torch.testing.assert_close(loaded.transformer.wte.weight.detach(), final.params["transformer.wte.weight"])
+    ids = cases.tokens(1)[0]
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model.eval()(ids).logits, rtol=0, atol=0)
