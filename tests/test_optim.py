@@ -280,6 +280,42 @@ def test_does_not_mutate_inputs(case_name: str) -> None:
     assert not new_ids & {id(t) for t in pytree.tree_leaves(params)}
 
 
+def test_the_in_place_update_is_the_update_bit_for_bit(case_name: str) -> None:
+    # update_ writes into the state it is given; what it leaves is what update returns.
+    opt = CASES[case_name].make()
+    params = make_params()
+    state = opt.init(params)
+    mine = {k: v.clone() for k, v in params.items()}
+    mine_state = pytree.tree_map(torch.clone, state)
+    for i in range(12):
+        grads = grad(loss_fn)(params)
+        params, state = opt.update(grads, state, params, torch.tensor(i))
+        opt.update_({k: g.clone() for k, g in grads.items()}, mine_state, mine, torch.tensor(i))
+        for x, y in zip(pytree.tree_leaves((params, state)), pytree.tree_leaves((mine, mine_state))):
+            assert torch.equal(x, y), f"step {i}"
+
+
+def test_a_transformation_without_an_in_place_update_is_copied_into_its_state() -> None:
+    class Counting(NamedTuple):  # a user's own, pure only: its state counts the steps
+        def init(self, params):
+            return torch.zeros((), dtype=torch.int64)
+
+        def update(self, updates, state, params, iteration):
+            return {k: u * 2.0 for k, u in updates.items()}, state + 1
+
+    opt = O.chain(Counting(), sgd(0.1))
+    params = make_params()
+    state = opt.init(params)
+    mine, mine_state = {k: v.clone() for k, v in params.items()}, pytree.tree_map(torch.clone, state)
+    for i in range(3):
+        grads = grad(loss_fn)(params)
+        params, state = opt.update(grads, state, params, torch.tensor(i))
+        opt.update_(dict(grads), mine_state, mine, torch.tensor(i))
+    assert int(mine_state[0]) == 3
+    for x, y in zip(pytree.tree_leaves((params, state)), pytree.tree_leaves((mine, mine_state))):
+        assert torch.equal(x, y)
+
+
 def test_init_does_not_alias_params(case_name: str) -> None:
     params = make_params()
     state = CASES[case_name].make().init(params)

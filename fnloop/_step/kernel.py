@@ -112,8 +112,14 @@ def _kernel(
     accumulate: int,
     autocast: torch.dtype | None,
     eager: bool = False,
-) -> Update:
-    """The step as a pure function: forward, backward and update on plain dicts, nothing written.
+) -> tuple[Update, Callable[..., Any]]:
+    """The step as a pure function, and as an eager one writing into the state it is given.
+
+    ``update(params, buffers, opt_state, iteration, batch) -> Stepped`` is
+    pure: forward, backward and update on plain dicts, nothing written (what
+    is traced and compiled). ``in_place(params, buffers, opt_state, iteration,
+    batch) -> (loss, finite, metrics)`` runs op by op and writes a finite
+    step's results into the given tensors.
 
     Gradients come from ``torch.autograd.grad`` on leaf copies of the
     parameters, eager and traced alike: the trace records the ops autograd
@@ -149,7 +155,8 @@ def _kernel(
             grads[k] = torch.zeros_like(v) if g is None else g
         return grads, loss.detach(), {k: v.detach() for k, v in metrics.items()}
 
-    def update(params: dict, buffers: dict, opt_state: Any, iteration: torch.Tensor, batch: Any) -> Stepped:
+    def gradients(params: dict, buffers: dict, batch: Any) -> tuple[dict, dict, torch.Tensor, dict]:
+        """``(grads, new_buffers, loss, metrics)``: forward and backward, averaged over micro-batches and ranks."""
         # functional_call writes running statistics into the buffers it is given.
         new_buffers = {k: v.clone() for k, v in buffers.items()}
         if accumulate == 1:
@@ -167,13 +174,31 @@ def _kernel(
         group = _group()
         if group is not None:  # data parallel: every rank gets the same averages, inside the graph
             grads, loss, metrics, new_buffers = _averaged(grads, loss, metrics, new_buffers, group)
+        return grads, new_buffers, loss, metrics
+
+    def rates(iteration: torch.Tensor) -> dict[str, torch.Tensor]:
+        # Fixed learning rates are recorded as the numbers they are, outside the graph (TrainStep.fixed).
+        return {k: v for k, v in learning_rates(optimizer, iteration).items() if isinstance(v, torch.Tensor)}
+
+    def update(params: dict, buffers: dict, opt_state: Any, iteration: torch.Tensor, batch: Any) -> Stepped:
+        grads, new_buffers, loss, metrics = gradients(params, buffers, batch)
         new_params, new_opt_state = optimizer.update(grads, opt_state, params, iteration)
         finite = _all_finite(loss, grads, eager)
-        # Fixed learning rates are recorded as the numbers they are, outside the graph (TrainStep.fixed).
-        rates = {k: v for k, v in learning_rates(optimizer, iteration).items() if isinstance(v, torch.Tensor)}
-        return Stepped(new_params, new_buffers, new_opt_state, loss, finite, {**rates, **metrics})
+        return Stepped(new_params, new_buffers, new_opt_state, loss, finite, {**rates(iteration), **metrics})
 
-    return update
+    def in_place(params: dict, buffers: dict, opt_state: Any, iteration: torch.Tensor, batch: Any) -> Any:
+        # Eager, on a state the step owns: whether the step is finite is read on the host (free on a
+        # CPU; one sync per step on a GPU), and a finite one updates params and optimizer state in
+        # place (the optimizer's update_): no second copy of the state is made, as torch.optim makes none.
+        grads, new_buffers, loss, metrics = gradients(params, buffers, batch)
+        finite = _all_finite(loss, grads, eager)
+        if finite:
+            optimizer.update_(grads, opt_state, params, iteration)
+            if buffers:
+                torch._foreach_copy_(list(buffers.values()), [new_buffers[k] for k in buffers])
+        return loss, finite, {**rates(iteration), **metrics}
+
+    return update, in_place
 
 
 def _state(stepped: Stepped) -> list[torch.Tensor]:
@@ -183,24 +208,6 @@ def _state(stepped: Stepped) -> list[torch.Tensor]:
 def _kept(keep: torch.Tensor, old: list[torch.Tensor], new: list[torch.Tensor]) -> list[torch.Tensor]:
     """``new`` where ``keep`` holds, else ``old``: a non-finite step leaves the state as it was."""
     return [torch.where(keep, n, o) for o, n in zip(old, new)]
-
-
-def _eager(update: Update) -> Callable[..., Any]:
-    """``update`` run op by op, its results written into the given state's tensors when finite.
-
-    ``(params, buffers, opt_state, iteration, batch) -> (loss, finite, metrics)``.
-    Whether the step was finite is read on the host (free on a CPU; one sync
-    per step on a GPU), so a non-finite step writes nothing at all.
-    """
-
-    def step(params: dict, buffers: dict, opt_state: Any, iteration: torch.Tensor, batch: Any) -> Any:
-        new = update(params, buffers, opt_state, iteration, batch)
-        if new.finite:
-            old = [*params.values(), *buffers.values(), *pytree.tree_leaves(opt_state)]
-            torch._foreach_copy_(old, _state(new))
-        return new.loss, new.finite, new.metrics
-
-    return step
 
 
 def _averaged(

@@ -34,7 +34,7 @@ from fnloop._step.jit import (
     TraceError,
     flatten_batch,
 )
-from fnloop._step.kernel import LossFn, _cloned, _device, _eager, _jit_kernel, _jit_steps, _kernel, _leaf_name
+from fnloop._step.kernel import LossFn, _cloned, _device, _jit_kernel, _jit_steps, _kernel, _leaf_name
 from fnloop._step.pool import ScalarPool
 from fnloop._step.seeding import _seeded, step_seed
 from fnloop.distributed import broadcast_tensors, rank
@@ -455,7 +455,7 @@ def train_step(
             "build one with fnloop.optim.sgd/adam/adamw (the same numbers as torch.optim's)."
         )
     accumulate = _check_positive("accumulate", accumulate)
-    update = _kernel(model, loss_fn, optimizer, accumulate, autocast, eager=not compile)
+    update, in_place = _kernel(model, loss_fn, optimizer, accumulate, autocast, eager=not compile)
     if type(recompiles) is not int or recompiles < 0:
         raise ValueError(f"'recompiles' must be an int >= 0 ({got(recompiles)}).")
     jit = _jit_kernel(update, 1 + recompiles, options) if compile else None
@@ -471,7 +471,7 @@ def train_step(
         loss_fn,
         optimizer,
         recompiles,
-        _eager(update),
+        in_place,
         jit,
         skip_nonfinite,
         fixed,

@@ -16,12 +16,14 @@ from typing import Any, NamedTuple, Protocol, TypeAlias, runtime_checkable
 
 import attrs
 import torch
+from torch.utils import _pytree as pytree
 
 from fnloop._core.messages import got
 
 __all__ = [
     "EmptyState",
     "GradientTransformation",
+    "InPlaceTransformation",
     "LearningRate",
     "OptState",
     "Optimizer",
@@ -33,6 +35,7 @@ __all__ = [
     "check_keys",
     "describe",
     "first_device",
+    "update_in_place",
 ]
 
 Params: TypeAlias = dict[str, torch.Tensor]
@@ -97,6 +100,48 @@ class GradientTransformation(Protocol):
     def update(
         self, updates: Params, state: OptState, params: Params, iteration: torch.Tensor, /
     ) -> tuple[Params, OptState]: ...
+
+
+@runtime_checkable
+class InPlaceTransformation(Protocol):
+    """A gradient transformation that can also update in place: ``update_``, the same numbers, no copies.
+
+    ``update_(updates, state, params, iteration)`` returns what ``update``
+    returns as updates, and leaves in ``state``'s tensors what ``update``
+    returns as the new state, bit for bit. It may write into ``updates``'s
+    tensors (the caller gives them up, and reads only the returned ones)
+    and never writes into ``params``. The library's transformations offer
+    it; the eager step (``train_step(..., compile=False)``) calls it on the
+    optimizer state it owns, so an update allocates no second state. A
+    transformation without it is called as usual, its new state copied in.
+
+    Examples:
+        >>> from fnloop.optim import scale_by_adam
+        >>> isinstance(scale_by_adam(), InPlaceTransformation)
+        True
+    """
+
+    def update_(
+        self, updates: Params, state: OptState, params: Params, iteration: torch.Tensor, /
+    ) -> Params: ...
+
+
+def update_in_place(
+    transform: GradientTransformation,
+    updates: Params,
+    state: OptState,
+    params: Params,
+    iteration: torch.Tensor,
+) -> Params:
+    """``transform``'s updates, its new state written into ``state``: by ``update_`` when it offers it."""
+    if isinstance(transform, InPlaceTransformation):
+        return transform.update_(updates, state, params, iteration)
+    new_updates, new_state = transform.update(updates, state, params, iteration)
+    old, new = pytree.tree_leaves(state), pytree.tree_leaves(new_state)
+    if old:
+        torch._foreach_copy_(old, new)
+    # What a transformation of one's own returns may share storage with its state: a copy is safe to write into.
+    return {k: u.clone() for k, u in new_updates.items()}
 
 
 def describe(obj: object) -> str:
@@ -254,6 +299,40 @@ class Optimizer:
             raise TypeError(_ITERATION.format(got=iteration, kind=type(iteration).__name__))
         updates, state = self.transform.update(grads, state, params, iteration)
         return apply_updates(params, updates), state
+
+    def update_(self, grads: Params, state: OptState, params: Params, iteration: torch.Tensor, /) -> None:
+        """``update`` in place: the new parameters into ``params``'s tensors, the new state into ``state``'s.
+
+        The numbers are those of ``update``, bit for bit; ``grads``'s tensors
+        may be overwritten. For a state nobody else holds: the eager step
+        calls it on the state it was given to own.
+
+        Args:
+            grads: gradients, keyed like ``params``; given up to the update.
+            state: the optimizer state, written into.
+            params: the parameters, written into.
+            iteration: 0-d int64 tensor, the index of this step.
+
+        Examples:
+            >>> from fnloop.optim import sgd
+            >>> opt = sgd(0.5)
+            >>> params = {"w": torch.tensor([1.0, 2.0])}
+            >>> state = opt.init(params)
+            >>> opt.update_({"w": torch.tensor([1.0, 1.0])}, state, params, torch.tensor(0))
+            >>> params
+            {'w': tensor([0.5000, 1.5000])}
+        """
+        check_keys("grads", grads, params, _GRADS_FIX)
+        if not isinstance(iteration, torch.Tensor) or iteration.ndim != 0:
+            raise TypeError(_ITERATION.format(got=iteration, kind=type(iteration).__name__))
+        updates = update_in_place(self.transform, grads, state, params, iteration)
+        check_keys("updates", updates, params, "Transformations must return one update per parameter.")
+        same = [k for k, p in params.items() if p.dtype == updates[k].dtype]
+        if same:  # p + u in p's dtype, as apply_updates computes it
+            torch._foreach_add_([params[k] for k in same], [updates[k] for k in same])
+        for k, p in params.items():
+            if p.dtype != updates[k].dtype:
+                p.copy_((p + updates[k]).to(p.dtype))
 
     def __repr__(self) -> str:
         return f"Optimizer({self.transform!r})"

@@ -16,6 +16,7 @@ from fnloop.optim._base import (
     check_keys,
     describe,
     learning_rates,
+    update_in_place,
 )
 
 __all__ = ["chain", "partition"]
@@ -43,6 +44,15 @@ class _Chain:
             updates, inner = transform.update(updates, inner, params, iteration)
             new_state.append(inner)
         return updates, tuple(new_state)
+
+    def update_(
+        self, updates: Params, state: tuple[OptState, ...], params: Params, iteration: torch.Tensor, /
+    ) -> Params:
+        if type(state) is not tuple or len(state) != len(self.transforms):
+            raise ValueError(_CHAIN_STATE.format(n=len(self.transforms), got=repr(state)))
+        for transform, inner in zip(self.transforms, state):
+            updates = update_in_place(transform, updates, inner, params, iteration)
+        return updates
 
     def learning_rates(self, iteration: torch.Tensor, /) -> dict[str, torch.Tensor | float]:
         rates: dict[str, torch.Tensor | float] = {}
@@ -129,6 +139,14 @@ class _Partition:
             labels[name] = label
         return labels
 
+    def _check_state(self, state: object) -> None:
+        if not isinstance(state, dict) or state.keys() != self.transforms.keys():
+            raise KeyError(
+                f"partition expected its state as a dict keyed by the labels "
+                f"{list(self.transforms)}, but got {state!r:.80}. Pass the state that init() or "
+                "the previous update() returned."
+            )
+
     def init(self, params: Params, /) -> dict[Label, OptState]:
         labels = self._labels(params)
         return {
@@ -140,12 +158,7 @@ class _Partition:
         self, updates: Params, state: dict[Label, OptState], params: Params, iteration: torch.Tensor, /
     ) -> tuple[Params, dict[Label, OptState]]:
         check_keys("updates", updates, params, "Give one gradient per parameter.")
-        if not isinstance(state, dict) or state.keys() != self.transforms.keys():
-            raise KeyError(
-                f"partition expected its state as a dict keyed by the labels "
-                f"{list(self.transforms)}, but got {state!r:.80}. Pass the state that init() or "
-                "the previous update() returned."
-            )
+        self._check_state(state)
         labels = self._labels(params)
         new_updates: Params = {}
         new_state = {}
@@ -159,6 +172,21 @@ class _Partition:
             )
             new_updates.update(group_updates)
         return {k: new_updates[k] for k in params}, new_state
+
+    def update_(
+        self, updates: Params, state: dict[Label, OptState], params: Params, iteration: torch.Tensor, /
+    ) -> Params:
+        check_keys("updates", updates, params, "Give one gradient per parameter.")
+        self._check_state(state)
+        labels = self._labels(params)
+        new_updates: Params = {}
+        for label, transform in self.transforms.items():
+            names = [k for k in params if labels[k] == label]
+            group = {k: updates[k] for k in names}
+            new_updates.update(
+                update_in_place(transform, group, state[label], {k: params[k] for k in names}, iteration)
+            )
+        return {k: new_updates[k] for k in params}
 
     def learning_rates(self, iteration: torch.Tensor, /) -> dict[str, torch.Tensor | float]:
         return {

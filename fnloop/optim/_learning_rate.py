@@ -99,6 +99,14 @@ class _ScaleByLearningRate:
         step = -_scheduled(self.lr, iteration) if callable(self.lr) else -self.lr
         return {k: u * step for k, u in updates.items()}, state
 
+    def update_(
+        self, updates: Params, state: EmptyState, params: Params, iteration: torch.Tensor, /
+    ) -> Params:
+        if updates:
+            step = -_scheduled(self.lr, iteration) if callable(self.lr) else -self.lr
+            torch._foreach_mul_(list(updates.values()), step)
+        return updates
+
     def learning_rates(self, iteration: torch.Tensor, /) -> dict[str, torch.Tensor | float]:
         return {"lr": _scheduled(self.lr, iteration) if callable(self.lr) else self.lr}
 

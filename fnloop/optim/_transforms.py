@@ -76,6 +76,18 @@ class _ClipByGlobalNorm:
         coef = torch.clamp(self.max_norm / (total + 1e-6), max=1.0)
         return {k: u * coef for k, u in updates.items()}, ClipByGlobalNormState(total)
 
+    def update_(
+        self, updates: Params, state: ClipByGlobalNormState, params: Params, iteration: torch.Tensor, /
+    ) -> Params:
+        if not updates:
+            return updates
+        first = next(iter(updates.values())).device
+        norms = [torch.linalg.vector_norm(u).to(first) for u in updates.values()]
+        total = torch.linalg.vector_norm(torch.stack(norms))
+        torch._foreach_mul_(list(updates.values()), torch.clamp(self.max_norm / (total + 1e-6), max=1.0))
+        state.global_norm.copy_(total)
+        return updates
+
     def __repr__(self) -> str:
         return f"clip_by_global_norm({self.max_norm!r})"
 
@@ -144,6 +156,17 @@ class _AddDecayedWeights:
             for k, u in updates.items()
         }, state
 
+    def update_(
+        self, updates: Params, state: EmptyState, params: Params, iteration: torch.Tensor, /
+    ) -> Params:
+        check_keys("updates", updates, params, "Give one gradient per parameter.")
+        for k, u in updates.items():
+            if self.mask is None or _mask_value(self.mask, k, params[k]):
+                u.add_(
+                    self.weight_decay * params[k]
+                )  # one parameter's product at a time: no state-sized copy
+        return updates
+
     def __repr__(self) -> str:
         mask = "" if self.mask is None else f", decay_mask={describe(self.mask)}"
         return f"add_decayed_weights({self.weight_decay!r}{mask})"
@@ -207,6 +230,27 @@ class _Trace:
         }
         out = {k: u + self.momentum * trace[k] for k, u in updates.items()} if self.nesterov else dict(trace)
         return out, TraceState(state.step + 1, trace)
+
+    def update_(
+        self, updates: Params, state: TraceState, params: Params, iteration: torch.Tensor, /
+    ) -> Params:
+        check_keys("opt_state.trace", state.trace, updates, _STATE_FIX)
+        if not updates:
+            return updates
+        first = state.step == 0
+        keys = list(updates)
+        us, traces = [updates[k] for k in keys], [state.trace[k] for k in keys]
+        moved = torch._foreach_add(
+            torch._foreach_mul(traces, self.momentum), torch._foreach_mul(us, 1 - self.dampening)
+        )
+        for old, u, new in zip(traces, us, moved):
+            old.copy_(torch.where(first, u, new))
+        state.step.add_(1)
+        if self.nesterov:
+            torch._foreach_add_(us, torch._foreach_mul(traces, self.momentum))
+        else:
+            torch._foreach_copy_(us, traces)
+        return updates
 
     def __repr__(self) -> str:
         return f"trace({self.momentum!r}, dampening={self.dampening!r}, nesterov={self.nesterov!r})"
@@ -301,6 +345,39 @@ class _ScaleByAdam:
             c1, c2 = rounded[dtype]
             out[k] = mu[k] / (nu[k].sqrt() / c2 + self.eps) / c1
         return out, ScaleByAdamState(step, mu, nu)
+
+    def update_(
+        self, updates: Params, state: ScaleByAdamState, params: Params, iteration: torch.Tensor, /
+    ) -> Params:
+        check_keys("opt_state.mu", state.mu, updates, _STATE_FIX)
+        check_keys("opt_state.nu", state.nu, updates, _STATE_FIX)
+        if not updates:
+            state.step.add_(1)
+            return updates
+        keys = list(updates)
+        us, mus, nus = [updates[k] for k in keys], [state.mu[k] for k in keys], [state.nu[k] for k in keys]
+        torch._foreach_lerp_(mus, us, 1 - self.b1)
+        torch._foreach_mul_(nus, self.b2)
+        torch._foreach_addcmul_(nus, us, us, value=1 - self.b2)
+        state.step.add_(1)
+        t = state.step.to(torch.float64)
+        correction1 = 1 - torch.exp(t * _log(self.b1))
+        correction2_sqrt = (1 - torch.exp(t * _log(self.b2))).sqrt()
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, mu in enumerate(mus):
+            by_dtype.setdefault(torch.promote_types(mu.dtype, torch.float32), []).append(i)
+        for dtype, group in by_dtype.items():
+            # The denominator is made in the updates' own tensors (no allocation: a fresh
+            # tensor the size of the state costs page faults on every step), then mu / it.
+            out = [us[i] for i in group]
+            torch._foreach_copy_(out, [nus[i] for i in group])
+            torch._foreach_sqrt_(out)
+            torch._foreach_div_(out, correction2_sqrt.to(dtype))
+            torch._foreach_add_(out, self.eps)
+            for i, u in zip(group, out):
+                torch.div(mus[i], u, out=u)
+            torch._foreach_div_(out, correction1.to(dtype))
+        return updates
 
     def __repr__(self) -> str:
         return f"scale_by_adam(betas=({self.b1!r}, {self.b2!r}), eps={self.eps!r})"
