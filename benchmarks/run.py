@@ -1,9 +1,10 @@
 """fnloop against the loops people use today, every row of issue 12, in one command.
 
-    python benchmarks/run.py                  # everything (about 30 minutes), rewrites docs/benchmarks.md
+    python benchmarks/run.py                  # everything (about an hour), rewrites docs/benchmarks.md
     python benchmarks/run.py --quick          # few iterations, small sizes: a smoke run of a few minutes
     python benchmarks/run.py --only peers     # one section (repeatable): machine, peers, width, memory,
-                                              # digits, fold, steps, latency, checkpoints
+                                              # digits, fold, steps, models, latency,
+                                              # checkpoints
     python benchmarks/run.py --no-write       # print the tables, leave the page alone
 
 One thread (``torch.set_num_threads(1)``). Loops in one table run in one
@@ -46,7 +47,18 @@ import peers  # noqa: E402
 import workloads  # noqa: E402
 
 X = "\u00d7"  # the multiplication sign of the tables
-SECTIONS = ["machine", "peers", "width", "memory", "digits", "fold", "steps", "latency", "checkpoints"]
+SECTIONS = [
+    "machine",
+    "peers",
+    "width",
+    "memory",
+    "digits",
+    "fold",
+    "steps",
+    "models",
+    "latency",
+    "checkpoints",
+]
 TITLE = "## Every peer, one command (`benchmarks/run.py`)"
 INTRO = """\
 Everything below this heading is written by `python benchmarks/run.py` (`--quick` for a smoke run,
@@ -517,6 +529,14 @@ def steps_section(args: argparse.Namespace) -> str:
     return f"{head}{status}\n\n```text\n{text}\n```"
 
 
+def models_section(args: argparse.Namespace) -> str:
+    extra = ["--quick"] if args.quick else []
+    text, good = script_output([sys.executable, str(HERE / "bench_models.py"), *extra], timeout=3600)
+    head = "### The field's models (`benchmarks/bench_models.py`, as printed)"
+    status = "" if good else "\n\nThe script failed; its last output:"
+    return f"{head}{status}\n\n{text}" if good else f"{head}{status}\n\n```text\n{text}\n```"
+
+
 def latency_section(args: argparse.Namespace) -> str:
     head = "### Compile latency (`benchmarks/bench_latency.py`, as printed)"
     script = HERE / "bench_latency.py"
@@ -610,6 +630,7 @@ RUNNERS: dict[str, Callable[[argparse.Namespace], str]] = {
     "digits": digits_section,
     "fold": fold_section,
     "steps": steps_section,
+    "models": models_section,
     "latency": latency_section,
     "checkpoints": checkpoints_section,
 }

@@ -86,14 +86,21 @@ _TO_NUMBER = (
 )
 
 
-def default_options(leaves: Sequence[torch.Tensor], loops: bool) -> dict[str, Any]:
-    """fnloop's inductor settings for a graph on ``leaves``, with a loop in it or not; options given win.
+SMALL_LOOP = 400
+"""The most ops a graph with a loop may have for fnloop to build it with the C++ wrapper."""
+
+
+def default_options(leaves: Sequence[torch.Tensor], loops: bool, ops: int) -> dict[str, Any]:
+    """fnloop's inductor settings for a graph of ``ops`` ops on ``leaves``, with a loop or not; options given win.
 
     - ``cpp_wrapper``: a C++ wrapper calls the kernels, not Python. On the
       tiny benchmark it takes about 8 us off each step (44 -> 36 us) for
-      about 6 s more at the first compile. Not for a graph with a loop:
-      the C++ wrapper writes the loop's body into its own source, and g++
-      took 88 s more on a 2-layer GPT-2's loop of steps (106 s against 18).
+      about 6 s more at the first compile. For a graph with a loop (several
+      steps per call) only when it is small (``SMALL_LOOP`` ops): the wrapper
+      then runs the loop in C++ (the tiny MLP's 128 steps a call: 20.0 us a
+      step against 38.1 with Python's), but it writes the loop's body into its
+      own source, whose build grows faster than the body: a 2-layer GPT-2's
+      loop took 106 s against 18 s, a ResNet-18's twelve minutes.
     - ``layout_optimization`` off on the CPU: inductor turns convolution
       weights channels-last inside the graph, so their gradients come out
       channels-last beside parameters that are not, and the fused optimizer
@@ -102,10 +109,10 @@ def default_options(leaves: Sequence[torch.Tensor], loops: bool) -> dict[str, An
       5.0 ms without, and the whole step 150 ms against 109.
 
     Examples:
-        >>> default_options([torch.zeros(2)], loops=False)
-        {'cpp_wrapper': True, 'layout_optimization': False}
+        >>> default_options([torch.zeros(2)], loops=True, ops=1_000)
+        {'cpp_wrapper': False, 'layout_optimization': False}
     """
-    defaults: dict[str, Any] = {"cpp_wrapper": not loops}
+    defaults: dict[str, Any] = {"cpp_wrapper": not loops or ops <= SMALL_LOOP}
     if all(leaf.device.type == "cpu" for leaf in leaves):
         defaults["layout_optimization"] = False
     return defaults
@@ -296,7 +303,8 @@ def _compile(
     draws = generator_draws(nodes)
     if draws and no_random is not None:
         raise RandomInGraph(f"{no_random} The ops that draw from torch's generator: {sorted(set(draws))}.")
-    options = {**default_options(leaves, _has_loops(nodes)), **options}
+    ops = sum(node.op == "call_function" for node in nodes)
+    options = {**default_options(leaves, _has_loops(nodes), ops), **options}
 
     def failed(exc: BaseException) -> CompileFailed:
         return _located(function, leaves, drawn, exc)

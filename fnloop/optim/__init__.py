@@ -18,6 +18,7 @@ Examples:
 from fnloop.optim._base import (
     EmptyState,
     GradientTransformation,
+    InPlaceTransformation,
     LearningRate,
     Optimizer,
     OptState,
@@ -52,6 +53,7 @@ __all__ = [
     "ClipByGlobalNormState",
     "EmptyState",
     "GradientTransformation",
+    "InPlaceTransformation",
     "LearningRate",
     "OptState",
     "Optimizer",
