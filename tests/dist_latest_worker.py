@@ -1,16 +1,19 @@
 """Two ranks call ``latest`` while checkpoints keep landing in the directory: they must agree.
 
-    torchrun --standalone --nproc_per_node=2 tests/dist_latest_worker.py DIRECTORY ROUNDS
+    torchrun --standalone --nproc_per_node=2 tests/dist_latest_worker.py DIRECTORY ROUNDS OUT
 
 A thread of rank 0 saves ``ckpt-{k}`` for k = 1, 2, ... into DIRECTORY (each a few MB, so a save
 is in flight for a while) while both ranks call ``fl.checkpoint.latest`` ROUNDS times. Each rank
-prints the iterations it loaded; the test compares the two lists.
+writes the iterations it loaded to OUT/rank-{rank}.json (a file each: two ranks printing to one
+pipe can interleave their lines); the test compares the two lists.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
+from pathlib import Path
 
 import torch
 
@@ -22,7 +25,7 @@ def template() -> fl.TrainState:
 
 
 def main() -> None:
-    directory, rounds = sys.argv[1], int(sys.argv[2])
+    directory, rounds, out = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
     rank = fl.distributed.rank()
     fl.save(template(), fl.checkpoint.path_for(directory, 0)) if rank == 0 else None
     torch.distributed.barrier()
@@ -49,7 +52,7 @@ def main() -> None:
     stop.set()
     if saver is not None:
         saver.join()
-    print(f"rank {rank} loaded {seen}", flush=True)
+    (out / f"rank-{rank}.json").write_text(json.dumps(seen))
 
 
 if __name__ == "__main__":
