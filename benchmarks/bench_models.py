@@ -28,6 +28,12 @@ gives the median over ``--repeats`` rounds in ms per step. The loops:
   optimizers and, for the ResNet, the faster of inductor's layout optimization on and off;
 - ``fnloop k=4``: ``train_step(..., steps_per_call=4)`` (GPT-2 only).
 
+For the ResNet, the cold compile of the loop graph of ``steps_per_call=4`` against the single step's.
+On glibc, a conv net's speed can depend on how the allocator served its first blocks (see the
+step's page on glibc's malloc); pin it for steady numbers:
+
+    MALLOC_MMAP_THRESHOLD_=268435456 MALLOC_TRIM_THRESHOLD_=1073741824 python benchmarks/bench_models.py
+
 Memory and compile times run each loop in fresh processes: peak RSS over the timed steps (the
 high-water mark reset after the warm-up), the first step with empty inductor and fnloop caches
 (cold) and with the caches that run left (warm, from the start of the process).
@@ -115,7 +121,15 @@ def workloads(quick: bool) -> dict[str, Workload]:
         "gpt2",
         f"GPT-2 ({layers} layers, {width} wide, 4 heads, {context} positions, bytes), batch {batch}, dropout 0.1",
         lambda: T.GPT2LMHeadModel(
-            T.GPT2Config(vocab_size=256, n_positions=context, n_embd=width, n_layer=layers, n_head=4)
+            T.GPT2Config(
+                vocab_size=256,
+                n_positions=context,
+                n_embd=width,
+                n_layer=layers,
+                n_head=4,
+                bos_token_id=10,  # a newline: GPT-2's own 50256 is outside a vocabulary of bytes
+                eos_token_id=10,
+            )
         ),
         lambda d: _text(d, batch, context),
         _lm_loss,
@@ -342,11 +356,9 @@ def measure(w: Workload, args: argparse.Namespace, s: Settings) -> list[str]:
     steps, repeats = args.steps, args.repeats
     optim_kinds = ["foreach", "fused"]
     kind, _ = fastest({k: torch_loop(w, s, kind=k) for k in optim_kinds}, s, steps)
-    layouts = ["default", "nolayout"] if w.convolutional and s.device.type == "cpu" else ["default"]
+    layouts = ["on", "off"] if w.convolutional and s.device.type == "cpu" else ["on"]
     compiled_candidates = {
-        f"{layout}": torch_loop(
-            w, s, kind=kind, compiled={} if layout == "default" else {"layout_optimization": False}
-        )
+        layout: torch_loop(w, s, kind=kind, compiled={} if layout == "on" else {"layout_optimization": False})
         for layout in layouts
     }
     layout, compiled = fastest(compiled_candidates, s, steps)
@@ -364,7 +376,7 @@ def measure(w: Workload, args: argparse.Namespace, s: Settings) -> list[str]:
         f"#### {w.label}",
         "",
         f"Eager and `torch.compile` use `AdamW({kind}=True)`"
-        + (f", layout optimization {layout}" if len(layouts) > 1 else "")
+        + (f", inductor's layout optimization {layout} (the faster)" if len(layouts) > 1 else "")
         + ".",
         "",
         "| loop | ms per step | speed against the faster of eager and `torch.compile` | against eager |",

@@ -384,7 +384,7 @@ def train_step(
     """The pure step ``(state, batch) -> state`` for ``model``, ``loss_fn`` and ``optimizer``.
 
     Forward, backward and the optimizer update run as one function on the
-    state's tensors (``torch.func.functional_call`` + ``grad_and_value``),
+    state's tensors (``torch.func.functional_call`` + ``torch.autograd.grad``),
     traced once, like ``jax.jit``, into one graph that inductor compiles; each
     call then checks only the inputs' structure, shapes, strides, dtypes and
     devices. Python in ``loss_fn`` runs once, at trace time. The iteration
