@@ -113,7 +113,9 @@ def load_state_dict(
     for any weights of these shapes (fnloop's optimizers start from zeros), so
     this is a pretrained start. For a state in the middle of a run, rebuild
     the optimizer's state if the new weights should not inherit its moments:
-    ``attrs.evolve(s, opt_state=optimizer.init(s.params))``. The other way to
+    ``attrs.evolve(s, opt_state=fnloop.init(model, optimizer, seed=s.rng,
+    max_iter=s.max_iter).opt_state)`` (``init`` leaves frozen parameters out
+    of it). The other way to
     a pretrained start is ``model.load_state_dict(pretrained)`` before
     ``fnloop.init(model, ...)``.
 

@@ -34,7 +34,7 @@ from fnloop._step.jit import (
     TraceError,
     flatten_batch,
 )
-from fnloop._step.kernel import LossFn, _cloned, _device, _jit_kernel, _jit_steps, _kernel, _leaf_name
+from fnloop._step.kernel import LossFn, _cloned, _device, _jit_kernel, _jit_steps, _kernel, _leaf_name, frozen
 from fnloop._step.pool import ScalarPool
 from fnloop._step.seeding import _seeded, step_seed
 from fnloop.distributed import broadcast_tensors, rank
@@ -59,7 +59,9 @@ def init(
 
     ``params`` and ``buffers`` are detached copies keyed like
     ``model.named_parameters()`` and ``model.named_buffers()``; the model itself
-    is never changed by fnloop.
+    is never changed by fnloop. ``opt_state`` is the optimizer's for the
+    parameters to train: those the model marks ``requires_grad=False`` are
+    kept in ``params`` and never trained (see ``train_step``).
 
     Args:
         model: the module whose parameters and buffers are trained (one
@@ -87,6 +89,7 @@ def init(
         )
     if type(seed) is not int or seed < 0:
         raise ValueError(f"'seed' must be a non-negative int ({got(seed)}).")
+    fixed = frozen(model, "init")
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     # Data parallel: every rank starts from rank 0's initialization, as DistributedDataParallel does.
@@ -95,7 +98,7 @@ def init(
         max_iter=max_iter,
         params=params,
         buffers=buffers,
-        opt_state=optimizer.init(params),
+        opt_state=optimizer.init({k: v for k, v in params.items() if k not in fixed}),
         rng=seed,
         extra=extra,
     )
@@ -397,8 +400,10 @@ def train_step(
     step replays identically after a resume.
 
     Args:
-        model: the module; only its structure and forward are used, never its tensors.
-            One wrapped by ``torch.compile`` is unwrapped: fnloop compiles the whole step itself.
+        model: the module; only its structure, its forward and which parameters
+            have ``requires_grad=False`` (frozen: no gradient, no update, as under
+            torch.optim) are used, never its tensors. One wrapped by
+            ``torch.compile`` is unwrapped: fnloop compiles the whole step itself.
         loss_fn: ``loss_fn(forward, batch)``, where ``forward(*args)`` runs the
             model on the state's params and buffers; returns a scalar loss, or
             ``(loss, metrics)`` with ``metrics`` a dict of scalar tensors.
@@ -427,8 +432,8 @@ def train_step(
             call boundaries, and checks before the run that every hook's
             iterations fall on them (``every(n, ...)`` with ``n`` a multiple of
             it). Each iteration's loss and metrics are still recorded, and the
-            results are bit for bit those of single steps. The step must draw
-            no random numbers (no dropout) when compiled. See ``docs/step.md``.
+            results are bit for bit those of single steps, dropout included
+            (each step draws from its own seed inside the graph). See ``docs/step.md``.
 
     Returns:
         The step. With ``donate=False`` it has no ``donating`` variant.
