@@ -120,3 +120,13 @@ def test_a_model_with_nothing_to_train_is_refused_with_the_fix() -> None:
         fl.train_step(model, loss_fn, OPT)
     with pytest.raises(ValueError, match="requires_grad"):
         fl.init(model, OPT, seed=0, max_iter=1)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_flags_changed_between_init_and_train_step_are_named(compile: bool) -> None:
+    model = _model().requires_grad_(True)
+    state = fl.init(model, OPT, seed=0, max_iter=1)  # every parameter trained
+    model[0].requires_grad_(False)  # then frozen for the step
+    step = fl.train_step(model, loss_fn, OPT, compile=compile)
+    with pytest.raises(KeyError, match=r"freezes \['0.bias', '0.weight'\].*requires_grad flags before both"):
+        step(state, DATA[0])

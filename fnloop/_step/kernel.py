@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -191,7 +191,8 @@ def _kernel(
 
     def update(params: dict, buffers: dict, opt_state: Any, iteration: torch.Tensor, batch: Any) -> Stepped:
         grads, new_buffers, loss, metrics = gradients(params, buffers, batch)
-        trained, new_opt_state = optimizer.update(grads, opt_state, _trained(params, fixed), iteration)
+        with _matching(fixed):
+            trained, new_opt_state = optimizer.update(grads, opt_state, _trained(params, fixed), iteration)
         new_params = {k: v if k in fixed else trained[k] for k, v in params.items()}
         finite = _all_finite(loss, grads, eager)
         return Stepped(new_params, new_buffers, new_opt_state, loss, finite, {**rates(iteration), **metrics})
@@ -203,7 +204,8 @@ def _kernel(
         grads, new_buffers, loss, metrics = gradients(params, buffers, batch)
         finite = _all_finite(loss, grads, eager)
         if finite:
-            optimizer.update_(grads, opt_state, _trained(params, fixed), iteration)
+            with _matching(fixed):
+                optimizer.update_(grads, opt_state, _trained(params, fixed), iteration)
             if buffers:
                 torch._foreach_copy_(list(buffers.values()), [new_buffers[k] for k in buffers])
         return loss, finite, {**rates(iteration), **metrics}
@@ -226,6 +228,21 @@ def frozen(model: torch.nn.Module, where: str) -> frozenset[str]:
             "or module.requires_grad_(True)) before fnloop.init and train_step."
         )
     return names
+
+
+@contextlib.contextmanager
+def _matching(fixed: frozenset[str]) -> Iterator[None]:
+    """The optimizer's complaint that ``opt_state`` is for other parameters, with the likely cause."""
+    try:
+        yield
+    except KeyError as exc:
+        now = f"this step's model freezes {sorted(fixed)}" if fixed else "this step's model freezes none"
+        raise KeyError(
+            f"{exc.args[0]} The state's opt_state was built for other parameters than this step "
+            f"trains ({now}): fnloop.init builds it for the parameters with requires_grad=True, so "
+            "set the model's requires_grad flags before both fnloop.init and train_step, the same "
+            "for both."
+        ) from exc
 
 
 def _trained(params: dict[str, torch.Tensor], fixed: frozenset[str]) -> dict[str, torch.Tensor]:
