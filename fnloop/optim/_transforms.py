@@ -162,9 +162,8 @@ class _AddDecayedWeights:
         check_keys("updates", updates, params, "Give one gradient per parameter.")
         for k, u in updates.items():
             if self.mask is None or _mask_value(self.mask, k, params[k]):
-                u.add_(
-                    self.weight_decay * params[k]
-                )  # one parameter's product at a time: no state-sized copy
+                # One parameter's product at a time: no state-sized copy.
+                u.add_(self.weight_decay * params[k])
         return updates
 
     def __repr__(self) -> str:
