@@ -16,8 +16,10 @@ explicitly, with a timeout of your choice.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
+import sys
 from typing import Any
 
 import torch
@@ -63,6 +65,21 @@ def setup(*, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(timeout=timeout)
+    atexit.register(_leave)
+
+
+def _leave() -> None:
+    """At a clean exit, leave the process group ``setup`` joined (``destroy_process_group``).
+
+    A gloo group left to the interpreter's teardown can abort the process
+    after all its work is done (SIGABRT, "terminate called without an active
+    exception": its worker threads outlive the interpreter). After an
+    unhandled exception the group is left as it is: another rank may still be
+    inside a collective, and leaving could wait on it.
+    """
+    if hasattr(sys, "last_value") or not dist.is_initialized():
+        return
+    dist.destroy_process_group()
 
 
 def _group() -> Any:

@@ -187,3 +187,46 @@ def test_every_rank_loads_the_checkpoint_rank_zero_chose_while_saves_land(tmp_pa
     loaded = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
     assert loaded[0] == loaded[1], loaded
     assert len(set(loaded[0])) > 1  # saves did land while the ranks were reading
+
+
+LEAVING = """
+import atexit, sys
+from pathlib import Path
+import torch.distributed as dist
+import fnloop as fl
+
+out, fail = Path(sys.argv[1]), sys.argv[2] == "raise"
+
+def after() -> None:  # registered before fnloop's own, so it runs after it (last in, first out)
+    (out / f"rank-{fl.distributed.rank() if dist.is_initialized() else 'left'}-{rank}.txt").write_text("")
+
+atexit.register(after)
+rank = fl.distributed.rank()  # joins the group torchrun describes
+if fail:
+    raise RuntimeError("injected")
+"""
+
+
+@pytest.mark.parametrize("how", ["clean", "raise"])
+def test_the_group_fnloop_joined_is_left_at_a_clean_exit_and_kept_after_an_error(
+    tmp_path: Path, how: str
+) -> None:
+    # A gloo group left to the interpreter's teardown could abort a finished job (SIGABRT); after an
+    # unhandled exception it is kept, since another rank may still wait in a collective.
+    script = tmp_path / "leaving.py"
+    script.write_text(LEAVING)
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    done = subprocess.run(
+        [*launch, str(script), str(tmp_path), how],
+        capture_output=True,
+        text=True,
+        timeout=LIMIT,
+        env={**os.environ, **ONE_CORE_EACH},
+    )
+    written = sorted(p.name for p in tmp_path.glob("rank-*.txt"))
+    if how == "clean":
+        ok(done)
+        assert written == ["rank-left-0.txt", "rank-left-1.txt"], written
+    else:
+        assert done.returncode != 0
+        assert written == ["rank-0-0.txt", "rank-1-1.txt"], written
