@@ -276,3 +276,22 @@ def test_accumulation_autocast_and_parameter_groups_inside_a_call():
     testing.assert_identical(got, expected)
     assert {"lr/decay", "lr/no_decay", "acc"} <= set(got.metrics.names)
     assert [i for i, _ in got.metrics.history("lr/no_decay")] == list(range(8))
+
+
+def test_a_users_own_compiled_function_survives_a_run() -> None:
+    # fnloop traces and compiles its steps without touching dynamo's state: a function the user
+    # compiled before the run is not compiled again after it (torch._dynamo.reset() would make it so).
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+
+    @torch.compile(backend=counter)
+    def mine(x: torch.Tensor) -> torch.Tensor:
+        return x.sin() + 1
+
+    x = torch.randn(4)
+    mine(x)
+    assert counter.frame_count == 1
+    _run(fl.train_step(_model(), classify, OPT, steps_per_call=4), _start())  # traced afresh
+    mine(x)
+    assert counter.frame_count == 1
