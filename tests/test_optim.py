@@ -295,6 +295,32 @@ def test_the_in_place_update_is_the_update_bit_for_bit(case_name: str) -> None:
             assert torch.equal(x, y), f"step {i}"
 
 
+@pytest.mark.parametrize(
+    "transform", [O.trace(0.9), O.trace(0.9, nesterov=True), O.scale_by_adam()], ids=repr
+)
+def test_the_in_place_update_of_no_parameters_counts_the_step_as_update_does(transform) -> None:
+    # A group of a partition can be empty (every parameter of its label frozen, say).
+    state = transform.init({})
+    _, new = transform.update({}, state, {}, torch.tensor(0))
+    transform.update_({}, state, {}, torch.tensor(0))
+    for x, y in zip(pytree.tree_leaves(new), pytree.tree_leaves(state)):
+        assert torch.equal(x, y)
+
+
+def test_a_transformation_whose_state_changes_shape_is_refused_in_place() -> None:
+    class Growing(NamedTuple):  # a user's own whose state is not the same tree from step to step
+        def init(self, params):
+            return ()
+
+        def update(self, updates, state, params, iteration):
+            return updates, (torch.zeros(()),)
+
+    opt = O.chain(Growing(), sgd(0.1))
+    params = make_params()
+    with pytest.raises(ValueError, match="same structure"):
+        opt.update_(grad(loss_fn)(params), opt.init(params), params, torch.tensor(0))
+
+
 def test_a_transformation_without_an_in_place_update_is_copied_into_its_state() -> None:
     class Counting(NamedTuple):  # a user's own, pure only: its state counts the steps
         def init(self, params):

@@ -137,7 +137,15 @@ def update_in_place(
     if isinstance(transform, InPlaceTransformation):
         return transform.update_(updates, state, params, iteration)
     new_updates, new_state = transform.update(updates, state, params, iteration)
-    old, new = pytree.tree_leaves(state), pytree.tree_leaves(new_state)
+    (old, before), (new, after) = pytree.tree_flatten(state), pytree.tree_flatten(new_state)
+    if before != after:
+        raise ValueError(
+            f"{describe(transform)}: update returned a state of another structure than the one it "
+            f"was given ({after} for {before}), so it cannot be written into the given state in "
+            "place (the eager step, train_step(..., compile=False), updates in place). Return the "
+            "same structure every step, with the same shapes (as optax's transformations do), or "
+            "give the transformation an update_ of its own."
+        )
     if old:
         torch._foreach_copy_(old, new)
     # What a transformation of one's own returns may share storage with its state: a copy is safe to write into.

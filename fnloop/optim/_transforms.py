@@ -234,7 +234,8 @@ class _Trace:
         self, updates: Params, state: TraceState, params: Params, iteration: torch.Tensor, /
     ) -> Params:
         check_keys("opt_state.trace", state.trace, updates, _STATE_FIX)
-        if not updates:
+        if not updates:  # update counts the step all the same
+            state.step.add_(1)
             return updates
         first = state.step == 0
         keys = list(updates)
