@@ -34,7 +34,17 @@ from fnloop._step.jit import (
     TraceError,
     flatten_batch,
 )
-from fnloop._step.kernel import LossFn, _cloned, _device, _jit_kernel, _jit_steps, _kernel, _leaf_name, frozen
+from fnloop._step.kernel import (
+    LossFn,
+    _cloned,
+    _device,
+    _jit_kernel,
+    _jit_steps,
+    _kernel,
+    _leaf_name,
+    _trained,
+    frozen,
+)
 from fnloop._step.pool import ScalarPool
 from fnloop._step.seeding import _seeded, step_seed
 from fnloop.distributed import broadcast_tensors, rank
@@ -98,7 +108,7 @@ def init(
         max_iter=max_iter,
         params=params,
         buffers=buffers,
-        opt_state=optimizer.init({k: v for k, v in params.items() if k not in fixed}),
+        opt_state=optimizer.init(_trained(params, fixed)),
         rng=seed,
         extra=extra,
     )
