@@ -703,3 +703,8 @@ def test_every_optimizer_compiles_to_what_it_computes_eagerly() -> None:
     for name in optimizers:
         for a, b in zip(pytree.tree_leaves(compiled[name]), pytree.tree_leaves(eager[name])):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_partition_with_its_arguments_swapped_says_so() -> None:
+    with pytest.raises(TypeError, match="look swapped"):
+        O.partition({"all": sgd(0.1)}, lambda name, p: "all")

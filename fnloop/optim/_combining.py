@@ -216,8 +216,8 @@ def partition(
         An ``Optimizer`` if the values are optimizers, else a gradient transformation.
 
     Raises:
-        TypeError: a value is not a transformation, or optimizers and bare
-            transformations are mixed.
+        TypeError: a value is not a transformation, optimizers and bare
+            transformations are mixed, or the two arguments are swapped.
         ValueError: ``transforms`` is empty. At ``init``/``update``: ``label_fn``
             gave a label that is not in ``transforms``.
 
@@ -233,6 +233,12 @@ def partition(
     See Also:
         exclude_bias_and_norm: the one-line way to skip weight decay on biases and norms.
     """
+    if isinstance(label_fn, Mapping) and callable(transforms):
+        raise TypeError(
+            "partition(label_fn, transforms) takes the labelling function first and the mapping "
+            "label -> transformation second; these look swapped (optax's multi_transform takes them "
+            "the other way round). Call partition(label_fn, {label: transformation, ...})."
+        )
     if not isinstance(transforms, Mapping) or not transforms:
         raise ValueError(
             f"partition expected a non-empty mapping label -> transformation (got {transforms!r:.80})."
