@@ -46,7 +46,9 @@ def make_state(mb: int) -> fl.TrainState:
     params = {f"layer{i}.weight": torch.randn(per_big // cols, cols) for i in range(4)}
     params |= {f"layer{i}.bias": torch.randn(256) for i in range(100)}
     metrics = fl.Metrics().record(0, {"loss": torch.tensor(1.0), "lr": 0.1})
-    return fl.TrainState(max_iter=1000, iteration=500, params=params, metrics=metrics, time=12.5)
+    return fl.TrainState(
+        max_iter=1000, iteration=500, params=params, metrics=metrics, clock=fl.Clock(time=12.5)
+    )
 
 
 def timed(fn: Callable[[], object]) -> float:

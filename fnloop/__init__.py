@@ -13,10 +13,20 @@ from fnloop._core.combinators import (
     stateful,
     when,
 )
-from fnloop._core.loop import BatchesExhausted, Preempted, Step, UnclaimedHookState, run, scan
 from fnloop._core.metrics import Metrics
 from fnloop._core.phase import Phase
-from fnloop._core.state import Effect, TrainState, Unclaimed, hook_state, record, request, with_hook_state
+from fnloop._core.schedule import Schedule
+from fnloop._core.state import (
+    Clock,
+    Effect,
+    TrainState,
+    Unclaimed,
+    hook_state,
+    record,
+    request,
+    with_hook_state,
+)
+from fnloop._run import BatchesExhausted, Preempted, Step, UnclaimedHookState, run, scan
 from fnloop._step.eval import EvalStep, eval_step
 from fnloop._step.export import load_state_dict, state_dict
 from fnloop._step.train import (
@@ -34,6 +44,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BatchesExhausted",
+    "Clock",
     "Effect",
     "EvalStep",
     "CompileError",
@@ -43,6 +54,7 @@ __all__ = [
     "NonFiniteLoss",
     "Phase",
     "Preempted",
+    "Schedule",
     "RecompileError",
     "Step",
     "TrainState",

@@ -24,10 +24,10 @@ import attrs
 import torch
 
 from fnloop._core.combinators import Hook
-from fnloop._core.loop import Step, scan
 from fnloop._core.phase import Phase
 from fnloop._core.state import TrainState, request
 from fnloop._core.tree import leaves
+from fnloop._run import Step, scan
 
 __all__ = ["Divergence", "Report", "fingerprint", "fingerprints", "main", "read_log", "replay"]
 

@@ -21,11 +21,11 @@ import torch
 from hypothesis import strategies as st
 
 from fnloop._core.combinators import Hook, every, on, once, stateful, when
-from fnloop._core.loop import run
 from fnloop._core.metrics import Metrics
 from fnloop._core.phase import Phase
-from fnloop._core.state import TrainState, Unclaimed
+from fnloop._core.state import Clock, TrainState, Unclaimed
 from fnloop._core.tree import first_difference, leaves
+from fnloop._run import run
 
 __all__ = [
     "Fail",
@@ -67,21 +67,19 @@ CLOCK_METRICS = ("time", "data_time")
 def without_clock(state: TrainState) -> TrainState:
     """``state`` without what the wall clock put in it: for comparing two runs, not two clocks.
 
-    ``state.time`` becomes 0, the metrics ``time`` and ``data_time`` and the
+    ``state.clock`` becomes ``Clock()``, the metrics ``time`` and ``data_time`` and the
     timer's hook states are left out. Everything else, the run itself, stays;
     a resumed run equals an uninterrupted one under this view.
 
     Examples:
-        >>> a = attrs.evolve(TrainState(max_iter=1), time=1.0)
+        >>> a = attrs.evolve(TrainState(max_iter=1), clock=Clock(time=1.0))
         >>> assert_identical(without_clock(a), without_clock(TrainState(max_iter=1)))
     """
     metrics = {k: v for k, v in state.metrics.series.items() if k not in CLOCK_METRICS}
     hooks = {k: v for k, v in state.hooks.items() if not _is_timer_state(v)}
     return attrs.evolve(
         state,
-        time=0.0,
-        data_time=0.0,
-        step_time=0.0,
+        clock=Clock(),
         hooks=hooks,
         metrics=Metrics(window=state.metrics.window, series=metrics),
     )
@@ -205,7 +203,10 @@ def metrics(draw: st.DrawFn, names: tuple[str, ...] = ("loss", "lr"), window: in
 
 @st.composite
 def states(draw: st.DrawFn, tensors: bool = True) -> TrainState:
-    """Valid states: ``iteration <= max_iter``, small float tensors, metrics, hook states and extra."""
+    """Valid states: ``iteration <= max_iter``, small float tensors, metrics, hook states and extra.
+
+    The clock stopped (``Clock()``), as in a state a checkpoint gives back: the clock is never saved.
+    """
     start, max_iter = draw(bounds())
     shapes = st.lists(st.integers(1, 3), min_size=0, max_size=2).map(tuple)
     params = {}
@@ -221,7 +222,6 @@ def states(draw: st.DrawFn, tensors: bool = True) -> TrainState:
         metrics=draw(metrics()),
         hooks=draw(st.dictionaries(st.sampled_from(["a", "b"]), st.integers(0, 9), max_size=2)),
         extra=draw(st.none() | st.tuples(st.integers())),
-        time=draw(st.floats(0, 1e6, allow_nan=False)),
     )
 
 

@@ -128,7 +128,9 @@ def test_failure_runs_after_train_and_reraises_with_last_consistent_state(b, whe
         if consistent is None:
             assert testing.trace(last) == [(Phase.BEFORE_TRAIN, start)]
         else:
-            testing.assert_identical(attrs.evolve(last, time=0.0), attrs.evolve(consistent, time=0.0))
+            testing.assert_identical(
+                attrs.evolve(last, clock=fl.Clock()), attrs.evolve(consistent, clock=fl.Clock())
+            )
 
 
 def test_the_original_traceback_survives():

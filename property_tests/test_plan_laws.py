@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import fnloop as fl
 from fnloop import Phase, TrainState, testing
-from fnloop._core.plan import _after, _fires, off_boundaries, plan, schedule
+from fnloop._core.plan import off_boundaries, plan
 from fnloop.testing import Tag
 
 PERFORMED: list = []
@@ -60,20 +60,20 @@ def plain_scan(state, step, batches, hooks):
             e.perform(attrs.evolve(began, effects=()) if e.start else s)
         return s
 
-    state = phase(attrs.evolve(state, time=clock), Phase.BEFORE_TRAIN)
+    state = phase(attrs.evolve(state, clock=fl.Clock(time=clock)), Phase.BEFORE_TRAIN)
     batches = iter(batches)
     while state.iteration < state.max_iter:
         i = state.iteration
-        state = phase(attrs.evolve(state, time=clock), Phase.BEFORE_STEP)
+        state = phase(attrs.evolve(state, clock=fl.Clock(time=clock)), Phase.BEFORE_STEP)
         cursor = state.data
         state = step(state, next(batches))
         state = phase(
-            attrs.evolve(state, time=clock, data_time=0.0, step_time=0.0),
+            attrs.evolve(state, clock=fl.Clock(time=clock)),
             Phase.AFTER_STEP,
-            lambda s: attrs.evolve(s, iteration=i + 1, data=cursor, data_time=0.0, step_time=0.0),  # noqa: B023
+            lambda s: attrs.evolve(s, iteration=i + 1, data=cursor, clock=fl.Clock(time=s.time)),  # noqa: B023
         )
         yield state
-    yield phase(attrs.evolve(state, time=clock), Phase.AFTER_TRAIN)
+    yield phase(attrs.evolve(state, clock=fl.Clock(time=clock)), Phase.AFTER_TRAIN)
 
 
 class Declared:
@@ -96,6 +96,36 @@ class RememberAfterStep:
 
     def __call__(self, state, phase, memory):
         return (state, (*memory, state.iteration)) if phase is Phase.AFTER_STEP else (state, memory)
+
+
+S = fl.Schedule
+schedule = S.of
+
+
+@attrs.frozen
+class EveryFrom:
+    """A user's combinator: ``hook`` in the step phases every ``n`` completed steps from ``start`` on.
+
+    It declares its schedule as the library's combinators do, so the fold can skip it.
+    """
+
+    n: int
+    start: int
+    hook: object
+
+    def __call__(self, state, phase):
+        done = state.iteration + 1
+        step_phase = phase in (Phase.BEFORE_STEP, Phase.AFTER_STEP)
+        if step_phase and (done < self.start or (done - self.start) % self.n):
+            return state
+        return self.hook(state, phase)
+
+    def schedule(self, phase):
+        return S(self.n, self.start).both(S.of(self.hook, phase))
+
+    @property
+    def state_names(self):
+        return fl.state_names(self.hook)
 
 
 def _key(hook):
@@ -124,8 +154,10 @@ def nested(draw, depth=3):
         )
     )
     for _ in range(draw(st.integers(0, depth))):
-        kind = draw(st.sampled_from(["every", "on", "once", "when"]))
-        if kind == "every":
+        kind = draw(st.sampled_from(["every", "on", "once", "when", "from"]))
+        if kind == "from":
+            hook = EveryFrom(draw(st.integers(1, 4)), draw(st.integers(0, 6)), hook)
+        elif kind == "every":
             hook = fl.every(draw(st.integers(1, 5)), hook)
         elif kind == "on":
             hook = fl.on(draw(st.sets(st.sampled_from(list(Phase)), min_size=1)), hook)
@@ -189,21 +221,55 @@ def test_a_hook_left_out_would_have_changed_nothing(hooks, iteration):
 @given(st.integers(1, 7), st.integers(0, 50))
 def test_after_is_the_next_firing_iteration(period, iteration):
     expected = next(j for j in range(iteration + 1, iteration + 2 * period + 2) if (j + 1) % period == 0)
-    assert _after((period, 0), iteration) == expected
-    once = (0, 20)  # iteration 19
-    assert _after(once, iteration) == (19 if iteration < 19 else math.inf)
-    assert _fires(once, 19) and not _fires(once, 18)
+    assert S.every(period).after(iteration) == expected
+    once = S.at(19)
+    assert once.after(iteration) == (19 if iteration < 19 else math.inf)
+    assert once.fires(19) and not once.fires(18)
+
+
+@given(st.integers(1, 6), st.integers(0, 8), st.integers(1, 6), st.integers(0, 8), st.integers(0, 60))
+def test_both_is_the_intersection(p, a, q, b, iteration):
+    one, other = S(p, a), S(q, b)
+    met = one.both(other)
+    assert (met is not None and met.fires(iteration)) == (one.fires(iteration) and other.fires(iteration))
+    assert met == other.both(one)
 
 
 def test_schedules_of_the_combinators():
     h = Tag("h")
-    assert schedule(h, Phase.AFTER_STEP) == (1, 0)
-    assert schedule(fl.every(4, h), Phase.AFTER_STEP) == (4, 0)
+    assert schedule(h, Phase.AFTER_STEP) == S(1, 0)
+    assert schedule(fl.every(4, h), Phase.AFTER_STEP) == S(4, 0)
     assert schedule(fl.on(Phase.BEFORE_STEP, h), Phase.AFTER_STEP) is None
-    assert schedule(fl.every(4, fl.every(6, h)), Phase.AFTER_STEP) == (12, 0)
-    assert schedule(fl.every(4, fl.once(7, h)), Phase.BEFORE_STEP) == (0, 8)
+    assert schedule(fl.every(4, fl.every(6, h)), Phase.AFTER_STEP) == S(12, 0)
+    assert schedule(fl.every(4, fl.once(7, h)), Phase.BEFORE_STEP) == S(0, 8)
     assert schedule(fl.every(4, fl.once(6, h)), Phase.BEFORE_STEP) is None
-    assert schedule(fl.when(_odd, fl.every(4, h)), Phase.AFTER_STEP) == (1, 0)  # unknown: always
+    # `when` acts at most where its hook may; its predicate is tested where it is called.
+    assert schedule(fl.when(_odd, fl.every(4, h)), Phase.AFTER_STEP) == S(4, 0)
+    assert schedule(fl.when(_odd, fl.on(Phase.AFTER_TRAIN, h)), Phase.AFTER_STEP) is None
+
+
+def test_a_users_combinator_is_scheduled_from_what_it_declares():
+    hook = EveryFrom(3, 5, Tag("h"))
+    assert schedule(hook, Phase.AFTER_STEP) == S(3, 5)
+    due = plan(fl.chain(hook, Tag("always")), Phase.AFTER_STEP)
+    called = [i for i in range(20) if hook in due.hooks(i)]
+    assert called == [4, 7, 10, 13, 16, 19]
+    trace = testing.phase_trace(lambda h: EveryFrom(3, 5, fl.on(Phase.AFTER_STEP, h)), max_iter=12)
+    assert [i for _, i in trace] == [4, 7, 10]
+
+
+def test_a_schedule_of_another_type_is_refused():
+    class Wrong:
+        def __call__(self, state, phase):
+            return state
+
+        def schedule(self, phase):
+            return (1, 0)
+
+    with pytest.raises(
+        TypeError, match=r"schedule\(Phase.BEFORE_STEP\) returned \(1, 0\); a hook's schedule"
+    ):
+        fl.run(TrainState(max_iter=1), lambda s, b: s, [None], [Wrong()])
 
 
 @pytest.mark.parametrize("n", [1, 3, 10])
@@ -217,7 +283,7 @@ def test_a_stateful_hook_takes_the_phases_its_update_declares():
     hook = fl.stateful("r", (), RememberAfterStep())
     assert hook.acts_in == frozenset({Phase.AFTER_STEP})
     assert schedule(hook, Phase.BEFORE_STEP) is None
-    assert schedule(fl.every(4, hook), Phase.AFTER_STEP) == (4, 0)
+    assert schedule(fl.every(4, hook), Phase.AFTER_STEP) == S(4, 0)
     state = TrainState(max_iter=3)
     assert hook(state, Phase.BEFORE_TRAIN) is state  # not even its first memory is stored there
     testing.check_hook(hook, state)
@@ -226,7 +292,7 @@ def test_a_stateful_hook_takes_the_phases_its_update_declares():
 def test_a_hook_declaring_its_phases_is_not_called_in_the_others():
     hook = Declared("d")
     assert schedule(hook, Phase.BEFORE_STEP) is None
-    assert schedule(hook, Phase.AFTER_STEP) == (1, 0)
+    assert schedule(hook, Phase.AFTER_STEP) == S(1, 0)
     assert schedule(fl.every(3, hook), Phase.BEFORE_STEP) is None
     testing.check_hook(hook, TrainState(max_iter=3))
 

@@ -86,7 +86,6 @@ def full_state() -> TrainState:
         metrics=fl.Metrics().record(10, {"loss": torch.tensor(0.5)}).record(11, {"loss": 0.25, "lr": 0.1}),
         hooks={"best": Best(0.5, 3), "count": 12},
         extra={"tag": "run-1", 3: [None, True, -0.0]},
-        time=1.5,
     )
 
 
@@ -95,6 +94,14 @@ def test_round_trip_is_identical(tmp_path):
     path = checkpoint.save(state, checkpoint.path_for(tmp_path, state.iteration))
     assert path == tmp_path / "ckpt-00000012.safetensors"
     testing.assert_identical(checkpoint.load(path, like=state), state)
+
+
+def test_the_clock_is_no_part_of_a_checkpoint(tmp_path):
+    # What the wall clock read is not the run: a state loads with a stopped clock, as one built by hand.
+    state = attrs.evolve(full_state(), clock=fl.Clock(time=1.5, data_time=0.5, step_time=0.25))
+    loaded = checkpoint.load(checkpoint.save(state, tmp_path / "c"), like=state)
+    assert loaded.clock == fl.Clock()
+    testing.assert_identical(loaded, attrs.evolve(state, clock=fl.Clock()))
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)

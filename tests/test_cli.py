@@ -106,11 +106,7 @@ def test_inspect_json_is_machine_readable(saved, capsys):
         "iteration": 9,
     }
     assert report["extra"] == {"note": "hi", "scale": 2.5}
-    assert set(report) == {"file"} | {f.name for f in attrs.fields(TrainState)} - {
-        "effects",
-        "data_time",
-        "step_time",
-    }
+    assert set(report) == {"file"} | {f.name for f in attrs.fields(TrainState)} - {"effects", "clock"}
 
 
 def test_inspect_a_directory_shows_its_newest_checkpoint(tmp_path, capsys):
@@ -243,17 +239,19 @@ def test_diff_names_each_difference_and_exits_1(saved, tmp_path, capsys):
 
 
 def test_diff_tolerance_and_ignored_entries(tmp_path, capsys):
-    a = TrainState(max_iter=3, params={"w": torch.zeros(4)}, time=1.0)
-    b = attrs.evolve(a, params={"w": torch.tensor([0.0, 1e-7, 0.0, 0.0])}, time=2.0)
+    a = TrainState(max_iter=3, params={"w": torch.zeros(4)}, metrics=fl.Metrics().record(0, {"time": 1.0}))
+    b = attrs.evolve(
+        a, params={"w": torch.tensor([0.0, 1e-7, 0.0, 0.0])}, metrics=fl.Metrics().record(0, {"time": 2.0})
+    )
     pa, pb = checkpoint.save(a, tmp_path / "a"), checkpoint.save(b, tmp_path / "b")
     assert run_cli(capsys, "diff", pa, pb)[0] == 1
     code, out, _ = run_cli(capsys, "diff", pa, pb, "--atol", "1e-6", "--clock")
-    assert code == 1  # time differs by 1
-    assert "state.time 1.0 != 2.0" in squeezed(out)
-    code, out, _ = run_cli(capsys, "diff", pa, pb, "--atol", "1e-6", "--clock", "--ignore", "time")
+    assert code == 1  # the timer's metric differs by 1
+    assert "state.metrics.series['time'][0][1] 1.0 != 2.0" in squeezed(out)
+    code, out, _ = run_cli(capsys, "diff", pa, pb, "--atol", "1e-6", "--clock", "--ignore", "metrics")
     assert code == 0
-    assert out.splitlines()[-1] == "identical: 11 leaves, within atol 1e-06 (1 within atol 1e-06)"
-    code, out, _ = run_cli(capsys, "diff", pa, pb, "--atol", "1e-8", "--clock", "--ignore", "state.time")
+    assert out.splitlines()[-1] == "identical: 9 leaves, within atol 1e-06 (1 within atol 1e-06)"
+    code, out, _ = run_cli(capsys, "diff", pa, pb, "--atol", "1e-8", "--clock", "--ignore", "state.metrics")
     assert code == 1
     assert "max abs diff 1e-07" in out
 

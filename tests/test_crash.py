@@ -176,7 +176,7 @@ def wait_until(condition: Callable[[], object], server: Server, timeout: float =
 
 
 def without_clock(state: fl.TrainState) -> fl.TrainState:
-    return attrs.evolve(state, time=0.0)
+    return attrs.evolve(state, clock=fl.Clock())
 
 
 def test_sigkill_at_random_moments_loses_nothing(server, reference, tmp_path):

@@ -154,7 +154,7 @@ def without_clock(state: fl.TrainState) -> fl.TrainState:
     metrics = {k: v for k, v in state.metrics.series.items() if k not in ("time", "data_time")}
     hooks = {k: v for k, v in state.hooks.items() if k != "timer"}
     return attrs.evolve(
-        state, time=0.0, hooks=hooks, metrics=fl.Metrics(window=state.metrics.window, series=metrics)
+        state, clock=fl.Clock(), hooks=hooks, metrics=fl.Metrics(window=state.metrics.window, series=metrics)
     )
 
 
@@ -177,7 +177,7 @@ def test_resume_equals_no_resume(name, tmp_path):
 
 
 def without_time(state: fl.TrainState) -> fl.TrainState:
-    return attrs.evolve(state, time=0.0)
+    return attrs.evolve(state, clock=fl.Clock())
 
 
 def test_the_fold_with_every_hook_at_once(tmp_path):

@@ -127,16 +127,19 @@ def test_after_train_saves_the_last_consistent_state_after_a_failure(tmp_path, f
 
 
 def test_after_train_does_not_overwrite_the_periodic_checkpoint_of_the_same_iteration(tmp_path):
-    ticks = itertools.count()
-    hooks = [fl.every(2, fl.hooks.checkpoint(tmp_path)), testing.Fail(Phase.BEFORE_STEP, 4)]
+    path = checkpoint.path_for(tmp_path, 4)
+    written = []
+
+    def note(state):  # performed after the checkpoint's own effect: the file as AFTER_STEP of step 3 wrote it
+        written.append((path.stat().st_ino, path.stat().st_mtime_ns))
+
+    seen = fl.on(Phase.AFTER_STEP, fl.once(3, lambda s, p: fl.request(s, note)))
+    hooks = [fl.every(2, fl.hooks.checkpoint(tmp_path)), seen, testing.Fail(Phase.BEFORE_STEP, 4)]
     with pytest.raises(testing.InjectedFailure):
-        fl.run(start(10), moving, stream(), hooks, clock=lambda: float(next(ticks)))
+        fl.run(start(10), moving, stream(), hooks)
     assert names(tmp_path) == [4, 2]
-    saved = checkpoint.load(checkpoint.path_for(tmp_path, 4), like=start(10))
-    # Written at AFTER_STEP of step 3 (clock readings: 0 at BEFORE_TRAIN, then four per step: the two
-    # step phases and both ends of the batch fetch), not at AFTER_TRAIN (reading 18, after the failure
-    # at BEFORE_STEP of step 4 read 17).
-    assert saved.time == 16.0
+    # Written at AFTER_STEP of step 3, and not again at AFTER_TRAIN (an atomic rewrite is a new file).
+    assert written == [(path.stat().st_ino, path.stat().st_mtime_ns)]
 
 
 def test_the_after_train_save_does_not_depend_on_where_the_hook_sits(tmp_path):

@@ -352,7 +352,7 @@ def test_profile_refuses_bad_windows():
 def test_progress_asks_for_a_draw_only_when_the_step_crossed_a_multiple_of_mininterval(
     time, step_time, draws
 ):
-    state = attrs.evolve(TrainState(max_iter=10, iteration=3), time=time, step_time=step_time)
+    state = attrs.evolve(TrainState(max_iter=10, iteration=3), clock=fl.Clock(time=time, step_time=step_time))
     out = progress(mininterval=1.0)(state, Phase.AFTER_STEP)
     assert (len(out.effects) == 1) is draws
     assert progress(mininterval=0)(state, Phase.AFTER_STEP).effects  # 0: every step

@@ -118,10 +118,10 @@ def test_keeps_the_metrics_window_as_record_does(window):
 
 
 def test_is_a_good_hook():
-    state = TrainState(max_iter=5, iteration=2, time=3.0)
+    state = TrainState(max_iter=5, iteration=2, clock=fl.Clock(time=3.0))
     testing.check_hook(timer(), state)
     started = timer(warmup=0)(state, Phase.BEFORE_TRAIN)
-    testing.check_hook(timer(warmup=0), attrs.evolve(started, time=4.5))
+    testing.check_hook(timer(warmup=0), attrs.evolve(started, clock=fl.Clock(time=4.5)))
     assert pickle.loads(pickle.dumps(timer(warmup=5, name="t"))) == timer(warmup=5, name="t")
 
 

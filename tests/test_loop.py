@@ -205,7 +205,7 @@ def test_a_step_returning_something_else_is_named_where_no_hook_is_due():
 
 
 def test_the_clock_of_an_iteration_is_not_saved(tmp_path):
-    state = attrs.evolve(TrainState(max_iter=1), data_time=1.5, step_time=2.5)
+    state = attrs.evolve(TrainState(max_iter=1), clock=fl.Clock(data_time=1.5, step_time=2.5))
     fl.save(state, tmp_path / "s.safetensors")
     loaded = fl.load(tmp_path / "s.safetensors", like=TrainState(max_iter=1))
     assert (loaded.data_time, loaded.step_time) == (0.0, 0.0)
@@ -359,8 +359,8 @@ def _fields(state):
 @pytest.mark.parametrize("hooked", [False, True])
 @pytest.mark.parametrize("keep", [False, True])
 def test_states_anyone_holds_are_never_changed_by_the_fold(hooked, keep):
-    # The fold timestamps and advances in place only the states nobody else holds (a step's or a
-    # hook's fresh result); a state the step, a hook or the caller kept is copied instead.
+    # The fold builds a new record for each phase's result: a state the step, a hook or the caller
+    # kept never changes, however it was reached.
     kept: list = []
 
     def step(state, batch):
@@ -384,30 +384,3 @@ def test_states_anyone_holds_are_never_changed_by_the_fold(hooked, keep):
     for state, fields in [*kept, *yielded]:
         assert _fields(state) == fields
     assert [s.iteration for s, _ in yielded] == [1, 2, 3, 4, 4]
-
-
-def test_fresh_states_are_timed_and_advanced_without_a_copy(monkeypatch):
-    # A run whose step and hook build fresh states copies no state to time or advance it (the fold
-    # times and advances through state.timed and state.advanced, copying unless told `owned`); the
-    # test above shows that a state anyone kept is copied.
-    from fnloop._core import loop
-
-    copies = []
-    for name in ("timed", "advanced"):
-        real = getattr(loop, name)
-
-        def counting(*args, real=real, name=name):
-            if not (len(args) > 4 and args[4]):  # not owned: a copy
-                copies.append(name)
-            return real(*args)
-
-        monkeypatch.setattr(loop, name, counting)
-    step = lambda s, b: fl.record(s, x=1.0)  # noqa: E731
-    fl.run(
-        TrainState(max_iter=5), step, range(5), [fl.on(Phase.AFTER_STEP, lambda s, p: fl.record(s, y=1.0))]
-    )
-    assert copies == []
-    # A hook that returns its input unchanged: that state also began the phase (its effects may
-    # ask for it), so advancing it takes a copy.
-    fl.run(TrainState(max_iter=5), step, range(5), [fl.on(Phase.AFTER_STEP, lambda s, p: s)])
-    assert copies == ["advanced"] * 5

@@ -48,7 +48,7 @@ def test_iteration_message_reads_like_attrs():
         ("params", [torch.zeros(1)], r"'params' must be a mapping from name to tensor"),
         ("buffers", 3, r"'buffers' must be a mapping from name to tensor"),
         ("hooks", {1: 2}, r"'hooks' must be a mapping keyed by hook name \(str\)"),
-        ("time", "now", r"'time' must be a float"),
+        ("clock", 1.0, r"'clock' must be a fnloop.Clock \(got 1.0 that is a float\)"),
         ("effects", [], r"'effects' must be a tuple of fnloop.Effect"),
         ("metrics", {}, r"'metrics' must be a fnloop\.Metrics \(got \{\} that is a dict\)"),
     ],
@@ -56,6 +56,16 @@ def test_iteration_message_reads_like_attrs():
 def test_other_validators(field, bad, match):
     with pytest.raises((TypeError, ValueError), match=match):
         attrs.evolve(TrainState(max_iter=1), **{field: bad})
+
+
+def test_the_clock_validates_its_readings():
+    with pytest.raises(TypeError, match=r"'time' must be a float"):
+        fl.Clock(time="now")
+
+
+def test_the_clock_fields_read_through_the_state():
+    state = TrainState(max_iter=1, clock=fl.Clock(time=1.0, data_time=2.0, step_time=3.0))
+    assert (state.time, state.data_time, state.step_time) == (1.0, 2.0, 3.0)
 
 
 @pytest.mark.parametrize("bad", [0, -2, 1.5])

@@ -9,7 +9,8 @@ import attrs
 
 from fnloop._core.messages import non_empty_str, non_negative_int, positive_int
 from fnloop._core.phase import Phase
-from fnloop._core.state import TrainState, Unclaimed, with_field
+from fnloop._core.schedule import Schedule, scheduled
+from fnloop._core.state import TrainState, Unclaimed, unchecked
 
 __all__ = [
     "Hook",
@@ -41,9 +42,12 @@ class Hook(Protocol):
     ``stateful``), so it is checkpointed with the rest of the run.
 
     A hook object may declare ``acts_in``, a ``frozenset`` of the phases it
-    may change the state in; the fold then does not call it in the other step
-    phases (a saving for hooks run every step). ``fnloop.testing.check_hook``
-    checks that the declaration holds.
+    may change the state in, or ``schedule(phase)``, a ``fnloop.Schedule`` of
+    the iterations it may act in (``None``: none) for each step phase; the
+    fold then does not call it elsewhere (a saving for hooks run every step).
+    A combinator whose schedule already tests what its own call would may
+    also offer ``due()``: what the fold calls in its place where it is due.
+    ``fnloop.testing.check_hook`` checks that an ``acts_in`` holds.
     """
 
     def __call__(self, state: TrainState, phase: Phase, /) -> TrainState: ...
@@ -109,13 +113,31 @@ def _check_hook(hook: object, where: str) -> None:
 
 
 class _Wrapper:
-    """A combinator around one ``hook``: it keeps the state names of the hook it wraps."""
+    """A combinator around one ``hook``: it keeps the state names of the hook it wraps.
+
+    It acts at most where the hook it wraps may (``schedule``); where it is
+    due, the fold calls it whole, unless it is one whose test the schedule
+    has passed already (``due``).
+    """
 
     hook: Hook
 
     @property
     def state_names(self) -> tuple[str, ...]:
         return state_names(self.hook)
+
+    def schedule(self, phase: Phase) -> Schedule | None:
+        """Where this may act in step phase ``phase``: at most where the hook it wraps may."""
+        return scheduled(self.hook, phase)
+
+
+class _Tested(_Wrapper):
+    """A combinator whose own test reads only the phase and ``state.iteration``, as its schedule does."""
+
+    def due(self) -> Hook:
+        """Where the schedule says this fires, its test passes: the fold calls the hook inside."""
+        inner = getattr(self.hook, "due", None)
+        return inner() if callable(inner) else self.hook  # type: ignore[no-any-return]
 
 
 @attrs.frozen(repr=False)
@@ -135,6 +157,13 @@ class Chain:
     @property
     def state_names(self) -> tuple[str, ...]:
         return tuple(n for h in self.hooks for n in state_names(h))
+
+    def schedule(self, phase: Phase) -> Schedule | None:
+        """Where any of the hooks may act (every iteration where theirs differ, none if none may)."""
+        found = {scheduled(h, phase) for h in self.hooks} - {None}
+        if not found:
+            return None
+        return found.pop() if len(found) == 1 else Schedule.always()
 
     def __repr__(self) -> str:
         return f"chain({', '.join(_describe(h) for h in self.hooks)})"
@@ -187,11 +216,14 @@ def _phases(value: Phase | Collection[Phase]) -> frozenset[Phase]:
 
 
 @attrs.frozen(repr=False)
-class On(_Wrapper):
+class On(_Tested):
     """``hook`` run in the given phases only; build it with ``on``."""
 
     phases: frozenset[Phase]
     hook: Hook
+
+    def schedule(self, phase: Phase) -> Schedule | None:
+        return scheduled(self.hook, phase) if phase in self.phases else None
 
     def __call__(self, state: TrainState, phase: Phase, /) -> TrainState:
         if phase not in self.phases:
@@ -218,11 +250,14 @@ def on(phase: Phase | Collection[Phase], hook: Hook) -> Hook:
 
 
 @attrs.frozen(repr=False)
-class Every(_Wrapper):
+class Every(_Tested):
     """``hook`` run after every ``n``-th step; build it with ``every``."""
 
     n: int = attrs.field(validator=positive_int)
     hook: Hook
+
+    def schedule(self, phase: Phase) -> Schedule | None:
+        return Schedule.every(self.n).both(scheduled(self.hook, phase))
 
     def __call__(self, state: TrainState, phase: Phase, /) -> TrainState:
         if (state.iteration + 1) % self.n and phase is not _BEFORE_TRAIN and phase is not _AFTER_TRAIN:
@@ -283,11 +318,14 @@ def when(pred: Callable[[TrainState], bool], hook: Hook) -> Hook:
 
 
 @attrs.frozen(repr=False)
-class Once(_Wrapper):
+class Once(_Tested):
     """``hook`` run in the step phases of one iteration; build it with ``once``."""
 
     iteration: int = attrs.field(validator=non_negative_int)
     hook: Hook
+
+    def schedule(self, phase: Phase) -> Schedule | None:
+        return Schedule.at(self.iteration).both(scheduled(self.hook, phase))
 
     def __call__(self, state: TrainState, phase: Phase, /) -> TrainState:
         if state.iteration != self.iteration or phase is _BEFORE_TRAIN or phase is _AFTER_TRAIN:
@@ -352,7 +390,7 @@ class Stateful:
         # str-keyed mapping, so the validators need not run again.
         hooks = hooks.copy() if type(hooks) is dict else dict(hooks)
         hooks[name] = new_memory
-        return with_field(new, "hooks", hooks)
+        return unchecked(new, hooks=hooks)
 
     @property
     def acts_in(self) -> frozenset[Phase] | None:

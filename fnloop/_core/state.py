@@ -11,7 +11,17 @@ import torch
 from fnloop._core.messages import got, non_negative_int
 from fnloop._core.metrics import Metrics, Scalar
 
-__all__ = ["Effect", "TrainState", "Unclaimed", "hook_state", "record", "request", "with_hook_state"]
+__all__ = [
+    "Clock",
+    "Effect",
+    "TrainState",
+    "Unclaimed",
+    "hook_state",
+    "record",
+    "request",
+    "unchecked",
+    "with_hook_state",
+]
 
 
 def _tensor_mapping(instance: object, attribute: attrs.Attribute, value: object) -> None:
@@ -41,6 +51,14 @@ def _str_mapping(instance: object, attribute: attrs.Attribute, value: object) ->
 def _number(instance: object, attribute: attrs.Attribute, value: object) -> None:
     if type(value) not in (int, float):
         raise TypeError(f"'{attribute.name}' must be a float ({got(value)}).")
+
+
+def _clock(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if type(value) is not Clock:
+        raise TypeError(
+            f"'{attribute.name}' must be a fnloop.Clock ({got(value)}); the fold sets it, "
+            "a state built by hand starts from Clock()."
+        )
 
 
 def _effects(instance: object, attribute: attrs.Attribute, value: object) -> None:
@@ -102,7 +120,29 @@ class Unclaimed:
         return self.decode(self.data, like, self.where)
 
 
-# Not slotted: the fold copies states by their __dict__ (see `replace`).
+@attrs.frozen(kw_only=True)
+class Clock:
+    """What the fold's clock read for the current phase: no part of the run, never saved.
+
+    Args:
+        time: the clock at the start of the current phase, in seconds.
+        data_time: the seconds the fold waited for the current batch, for the
+            ``AFTER_STEP`` hooks (a timer records it); 0 in other phases.
+        step_time: the seconds from the start of this iteration's
+            ``BEFORE_STEP`` to the start of its ``AFTER_STEP``: its
+            ``BEFORE_STEP`` hooks and effects, the wait for the batch and the
+            step. Set for ``AFTER_STEP``, 0 elsewhere.
+    """
+
+    time: float = attrs.field(default=0.0, validator=_number)
+    data_time: float = attrs.field(default=0.0, validator=_number)
+    step_time: float = attrs.field(default=0.0, validator=_number)
+
+
+_STOPPED = Clock()
+
+
+# Not slotted: `unchecked` copies a state by its __dict__, a tenth of the cost of attrs.evolve.
 @attrs.frozen(kw_only=True, slots=False)
 class TrainState:
     """The whole run as a value.
@@ -126,14 +166,10 @@ class TrainState:
         metrics: scalars recorded so far (``fnloop.Metrics``).
         hooks: hook name -> that hook's own state.
         extra: the user's own data (a frozen record or pytree).
-        time: the driver's clock at the start of the current phase, in seconds.
-        data_time: the seconds the fold waited for the current batch, for
-            the ``AFTER_STEP`` hooks (a timer records it); 0 in other phases.
-            Like ``effects``, not saved in checkpoints.
-        step_time: the seconds from the start of this iteration's
-            ``BEFORE_STEP`` to the start of its ``AFTER_STEP``: its
-            ``BEFORE_STEP`` hooks and effects, the wait for the batch and the
-            step. Set for ``AFTER_STEP``, 0 elsewhere, not saved.
+        clock: what the fold's clock read for the current phase (a ``Clock``:
+            ``time``, ``data_time``, ``step_time``, also readable as
+            ``state.time`` and so on). Like ``effects``, never saved: a
+            checkpoint holds the run, not the wall clock.
         effects: effects requested in the current phase (cleared by the fold).
 
     Examples:
@@ -154,10 +190,23 @@ class TrainState:
     metrics: Metrics = attrs.field(factory=Metrics, validator=_metrics)
     hooks: Mapping[str, Any] = attrs.field(factory=dict, validator=_str_mapping)
     extra: Any = None
-    time: float = attrs.field(default=0.0, validator=_number)
-    data_time: float = attrs.field(default=0.0, validator=_number)
-    step_time: float = attrs.field(default=0.0, validator=_number)
+    clock: Clock = attrs.field(default=_STOPPED, validator=_clock)
     effects: tuple[Effect, ...] = attrs.field(default=(), validator=_effects)
+
+    @property
+    def time(self) -> float:
+        """The fold's clock at the start of the current phase (``clock.time``)."""
+        return self.clock.time
+
+    @property
+    def data_time(self) -> float:
+        """The seconds the fold waited for this iteration's batch, in ``AFTER_STEP`` (``clock.data_time``)."""
+        return self.clock.data_time
+
+    @property
+    def step_time(self) -> float:
+        """The seconds of this iteration up to its ``AFTER_STEP`` (``clock.step_time``)."""
+        return self.clock.step_time
 
 
 def record(state: TrainState, **values: Scalar) -> TrainState:
@@ -214,65 +263,16 @@ def with_hook_state(state: TrainState, name: str, value: Any) -> TrainState:
     return attrs.evolve(state, hooks={**state.hooks, name: value})
 
 
-def replace(state: TrainState, **changes: Any) -> TrainState:
-    """``state`` with ``changes``, skipping validation: for values the caller knows are valid.
+def unchecked(state: TrainState, **changes: Any) -> TrainState:
+    """``state`` with ``changes``, skipping validation: for the library's own hot paths.
 
-    The fold advances ``iteration``, ``time``, ``data`` and ``effects`` to values
-    it computed itself from valid ones, several times per step. Rebuilding
-    through ``__init__`` (as ``attrs.evolve`` does) costs about 2 us here; a
-    copy of the instance dictionary costs a tenth of that.
+    Only for values the caller knows are valid (the fold's clock readings and
+    cursor, a step's recorded metrics, a stateful hook's memory). Everything
+    else changes a state with ``attrs.evolve``, which validates. A copy of the
+    instance dictionary costs a tenth of rebuilding through ``__init__``.
     """
     fields = state.__dict__.copy()
     fields.update(changes)
-    new = _new(TrainState)
-    _set(new, "__dict__", fields)
-    return new
-
-
-def with_field(state: TrainState, name: str, value: Any) -> TrainState:
-    """``replace(state, name=value)``, for one field, without building keyword arguments.
-
-    For the hot paths (a stateful hook keeping its memory, the fold timing a
-    phase): about a third cheaper than ``replace``. No validation.
-    """
-    fields = state.__dict__.copy()
-    fields[name] = value
-    new = _new(TrainState)
-    _set(new, "__dict__", fields)
-    return new
-
-
-def timed(
-    state: TrainState, time: float, data_time: float, step_time: float, owned: bool = False
-) -> TrainState:
-    """``state`` with the fold's clock readings for ``AFTER_STEP`` (as ``with_field``, no validation).
-
-    With ``owned`` (nobody but the caller holds ``state``), ``state`` itself
-    takes them and is returned: a copy saved.
-    """
-    fields = state.__dict__ if owned else state.__dict__.copy()
-    fields["time"] = time
-    fields["data_time"] = data_time
-    fields["step_time"] = step_time
-    return state if owned else _built(fields)
-
-
-def advanced(state: TrainState, iteration: int, data: Any, time: float, owned: bool = False) -> TrainState:
-    """The state an iteration ends with: the next index, the stream's cursor, no effects, nothing measured.
-
-    With ``owned``, ``state`` itself is changed and returned, as for ``timed``.
-    """
-    fields = state.__dict__ if owned else state.__dict__.copy()
-    fields["iteration"] = iteration
-    fields["data"] = data
-    fields["time"] = time
-    fields["data_time"] = 0.0
-    fields["step_time"] = 0.0
-    fields["effects"] = ()
-    return state if owned else _built(fields)
-
-
-def _built(fields: dict[str, Any]) -> TrainState:
     new = _new(TrainState)
     _set(new, "__dict__", fields)
     return new

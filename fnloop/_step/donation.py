@@ -1,15 +1,17 @@
-"""Whether a step may write into a state's tensors: nobody else may see them.
+"""Whether a step may write into the tensors of a state the fold owns: nothing else in it may hold them.
 
-The fold owns the states it threads, but a hook may have kept a parameter in
-its state, a metric may hold one, or a hook may keep a whole container. A pure
-hook can keep things only in the state, so reference counts (for tensors kept
-anywhere) and a scan of ``state.hooks`` and ``state.extra`` (for containers)
-find everything a donation would change under someone's feet.
+The fold tells the step which states nobody outside it can see (``owned``).
+Inside such a state, though, a hook may have kept a parameter in its hook
+state, a metric may hold one (a hook recorded the optimizer's step count),
+``extra`` may keep a whole container, or two fields may share a
+tensor. A pure hook can keep things only in the state, so a walk of
+``hooks``, ``extra`` and the metrics' values finds everything a donation
+would change under someone's feet. The walks are skipped for what was
+walked before: states are values, and the same object holds what it held.
 """
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,82 +20,51 @@ import torch
 
 from fnloop._core.state import TrainState
 
-__all__ = ["Clean", "exclusive", "holds_containers", "opt_containers"]
-
-
-def exclusive(tensors: list[torch.Tensor]) -> bool:
-    """Whether nothing but one container (and ``tensors`` itself) refers to each tensor."""
-    # The builtin on the loop's own name, never through a Python function of
-    # ours: dynamo's frame hook, once installed, adds a reference to the
-    # arguments of Python calls, which would change what a count means.
-    for tensor in tensors:  # noqa: SIM110 - no generator frame between the count and the loop
-        if sys.getrefcount(tensor) > _BASELINE:
-            return False
-    return True
-
-
-def _baseline() -> int:
-    held = {"probe": torch.zeros(())}
-    for tensor in list(held.values()):
-        return sys.getrefcount(tensor)
-    raise AssertionError("unreachable")
-
-
-_BASELINE = _baseline()
-
+__all__ = ["Targets", "opt_containers", "shared"]
 
 _ATOMS = frozenset({int, float, bool, str, bytes, type(None)})
 
 
-class Clean:
-    """Hook states found to hold none of the step's containers, kept to skip them next time.
+class Targets:
+    """What a step would write into for one layout of a state, worked out once per layout.
 
-    Hook states are values: one that is the very same object as at the last
-    check, against the same containers, still holds none of them. Most hook
-    states change only when their hook fires, so on most steps ``state.hooks``
-    is the very dict of the last check and nothing is walked. The objects are
-    held, so their ids stay theirs.
+    The layout is the very ``params``, ``buffers`` and ``opt_state`` objects:
+    a donating step returns the same containers, so from step to step this is
+    the same layout and nothing is recomputed. Holds the objects, so their
+    ids stay theirs.
     """
 
-    def __init__(self) -> None:
-        self.key: tuple[Any, ...] = ()
-        self.values: dict[int, Any] = {}
-        self.seen: tuple[Any, Any] = (None, None)
+    def __init__(self, state: TrainState, leaves: list[torch.Tensor], containers: set[int]) -> None:
+        self.key = (state.params, state.buffers, state.opt_state)
+        tensors = [*state.params.values(), *state.buffers.values(), *leaves]
+        ids = [id(t) for t in tensors]
+        self.distinct = len(set(ids)) == len(ids)
+        """No tensor appears twice among the fields (a tie, or a parameter kept in ``opt_state``)."""
+        self.ids = frozenset((id(state.params), id(state.buffers), *containers, *ids))
+        self.clean: tuple[Any, Any, Any] = (None, None, None)
+        """The ``hooks``, ``extra`` and ``metrics`` last found to hold none of them."""
+
+    def same(self, state: TrainState) -> bool:
+        key = self.key
+        return key[0] is state.params and key[1] is state.buffers and key[2] is state.opt_state
 
 
-def holds_containers(state: TrainState, containers: set[int], clean: Clean | None = None) -> bool:
-    """Whether ``state.hooks`` or ``state.extra`` keeps one of the containers the step updates.
-
-    A pure hook can keep things only in the state, so this and the tensors'
-    reference counts together find everything that would see a donation.
-    With ``clean``, hook states checked before (the same objects) are skipped.
-    """
-    if not state.hooks and state.extra is None:
-        return False
-    targets = None
-    roots = [*state.hooks.values(), state.extra]
-    if clean is None:
-        return _holds(roots, frozenset((id(state.params), id(state.buffers), *containers)))
-    # The same dicts and the same set of containers (the step caches it per optimizer state).
-    now = (state.params, state.buffers, containers)
-    last = clean.key
-    same = len(last) == 3 and last[0] is now[0] and last[1] is now[1] and last[2] is now[2]
-    seen = clean.seen
-    if same and seen[0] is state.hooks and seen[1] is state.extra:
-        return False  # the very hook states and extra of the last check
-    known = clean.values if same else {}
-    fresh: dict[int, Any] = {}
-    for root in roots:
-        if type(root) in _ATOMS:
-            continue
-        key = id(root)
-        if known.get(key) is not root:
-            if targets is None:
-                targets = frozenset((id(state.params), id(state.buffers), *containers))
-            if _holds([root], targets):
-                return True
-        fresh[key] = root
-    clean.key, clean.values, clean.seen = now, fresh, (state.hooks, state.extra)
+def shared(state: TrainState, targets: Targets) -> bool:
+    """Whether anything in ``state`` besides its own fields holds what the step writes into."""
+    if not targets.distinct:
+        return True
+    clean = targets.clean
+    hooks, extra, metrics = state.hooks, state.extra, state.metrics
+    walked = clean[0] is hooks and clean[1] is extra
+    if not walked and _holds([*hooks.values(), extra], targets.ids):
+        return True
+    if clean[2] is not metrics:
+        ids = targets.ids
+        for entries in metrics.series.values():
+            for _, value in entries:
+                if id(value) in ids:
+                    return True
+    targets.clean = (hooks, extra, metrics)
     return False
 
 
@@ -106,10 +77,12 @@ def _holds(stack: list[Any], targets: frozenset[int]) -> bool:
     while stack:
         node = stack.pop()
         kind = type(node)
-        if kind in _ATOMS or kind is torch.Tensor:  # the common leaves, at the cost of one lookup
+        if kind in _ATOMS:
             continue
         if id(node) in targets:
             return True
+        if kind is torch.Tensor:
+            continue
         if kind is dict:
             stack.extend(node.values())
             continue

@@ -9,11 +9,12 @@ import attrs
 import torch
 from torch.utils import _pytree as pytree
 
-from fnloop._core.loop import Step
+from fnloop._core.failure import StepFailed, unwrapped
 from fnloop._core.messages import got
 from fnloop._core.metrics import Scalar
-from fnloop._core.state import TrainState, replace, with_field
-from fnloop._step.donation import Clean, exclusive, holds_containers, opt_containers
+from fnloop._core.state import TrainState, unchecked
+from fnloop._core.steps import Applied, Step
+from fnloop._step.donation import Targets, opt_containers, shared
 from fnloop._step.errors import (
     _GRAPH_BREAK,
     _RECOMPILED,
@@ -115,12 +116,14 @@ def init(
 
 
 @attrs.frozen(eq=False, repr=False)
-class TrainStep:
+class TrainStep(Applied):
     """The pure step ``(state, batch) -> state``; build it with ``train_step``.
 
     Calling it never touches the tensors of the state it is given. The fold
-    calls ``donating`` instead for states it owns: the same computation, in
-    the same compiled graph, writing the results into the state's own storage.
+    passes it the states it owns with ``owned=True`` (``apply``): the same
+    computation, in the same compiled graph, writing the results into the
+    state's own storage, unless something else in that state holds one of
+    those tensors (see ``fnloop/_step/donation.py``).
     """
 
     model: torch.nn.Module
@@ -143,28 +146,66 @@ class TrainStep:
     """The kernel run ``steps_per_call`` times in one compiled graph, when compiled and ``steps_per_call > 1``."""
     _counters: dict[torch.device, torch.Tensor] = attrs.field(factory=dict)
     _seeds: dict[torch.device, torch.Tensor] = attrs.field(factory=dict)
-    _opt_cache: list[Any] = attrs.field(factory=list)
+    _layout: list[Any] = attrs.field(factory=list)
     # The recorded loss and metrics live in long-lived homes: see fnloop/_step/pool.py.
     _pool: ScalarPool = attrs.field(factory=ScalarPool)
-    _clean: Clean = attrs.field(factory=Clean)
+
+    donates = True
+
+    @property
+    def per_call(self) -> int:  # type: ignore[override]
+        return self.steps_per_call
 
     def __call__(self, state: TrainState, batch: Any, /) -> TrainState:
-        return self.donating(_copied(state), batch)
+        return unwrapped(self.apply, state, [batch], owned=False)
 
     def donating(self, state: TrainState, batch: Any, /) -> TrainState:
         """The step, reusing the storage of ``state``'s params, buffers and optimizer state.
 
-        Only for a state nobody else can see. If anything else still refers to
-        one of those tensors (a hook kept a parameter, a metric recorded one), or
-        ``state.hooks``/``extra`` keeps one of their containers, the step copies
-        instead, so what was kept never changes. Otherwise the returned state
-        keeps the same containers, whose structure is then known without a walk.
+        Only for a state nobody else can see. If something in the state itself
+        still holds one of those tensors (a hook kept a parameter, a metric
+        recorded one), or ``state.hooks``/``extra`` keeps one of their
+        containers, the step copies instead, so what was kept never changes.
+        Otherwise the returned state keeps the same containers.
         """
+        return unwrapped(self.apply, state, [batch], owned=True)
+
+    def steps(self, state: TrainState, batches: Sequence[Any], /) -> TrainState:
+        """``len(batches)`` steps in one call, from ``state.iteration``; never touches ``state``'s tensors.
+
+        The result is what as many single steps give, bit for bit, with each
+        step's loss and metrics recorded at its own iteration; its
+        ``iteration`` is the last step's index (the fold advances it).
+        """
+        return unwrapped(self._several, _copied(state), batches, mine=False)
+
+    def donating_steps(self, state: TrainState, batches: Sequence[Any], /) -> TrainState:
+        """``steps``, reusing the storage of ``state``'s tensors, on the terms of ``donating``."""
+        return unwrapped(self.apply, state, batches, owned=True)
+
+    def apply(self, state: TrainState, batches: Sequence[Any], *, owned: bool) -> TrainState:
+        """One step, or several in one call, writing into ``state``'s tensors if ``owned`` and nothing shares them.
+
+        Raises ``StepFailed`` (see ``fnloop._core.failure``): whether the
+        state given was torn, and, inside a call of several steps, the state
+        reached before the step that failed.
+        """
+        mine = False
+        if owned:
+            leaves, targets, ospec = self._targets(state)
+            mine = not shared(state, targets)
+        if not mine:
+            state = _copied(state)
+            leaves, ospec = pytree.tree_flatten(state.opt_state)
+        if len(batches) == 1:
+            return self._single(state, batches[0], leaves, ospec, mine)
+        return self._several(state, batches, mine=mine)
+
+    def _single(
+        self, state: TrainState, batch: Any, leaves: list[torch.Tensor], ospec: pytree.TreeSpec, mine: bool
+    ) -> TrainState:
+        """One step writing into ``state``'s tensors (the caller's own when ``mine``, else copies)."""
         params, buffers, opt_state = state.params, state.buffers, state.opt_state
-        leaves, containers, ospec = self._flat(opt_state)
-        owned = exclusive(list(params.values())) and exclusive(list(buffers.values())) and exclusive(leaves)
-        if not owned or holds_containers(state, containers, self._clean):
-            return self(state, batch)
         if not self.model.training:
             self.model.train()
         i = state.iteration
@@ -191,11 +232,10 @@ class TrainStep:
                 else:
                     outputs = entry.compiled(*flat)
                 loss, finite, metrics = outputs[0], outputs[1], dict(zip(entry.context, outputs[2:]))
-        except BaseException as exc:
+        except BaseException as exc:  # noqa: BLE001 - re-raised, wrapped for the fold
             # Stopped after writing into the state (an error or a forced Ctrl-C
-            # between two kernels)? Then that state is torn; the fold must know.
-            exc.torn = any(t._version != v for t, v in zip(donated, versions))  # type: ignore[attr-defined]
-            raise
+            # between two kernels)? Then the state given is torn; the fold must know.
+            raise StepFailed(exc, torn=mine and _wrote(donated, versions)) from None
         keep = self._pool.keep
         recorded: dict[str, Scalar] = {
             "loss": keep(loss),
@@ -206,8 +246,8 @@ class TrainStep:
             recorded["skipped"] = keep(self._skipped(state, finite))
         elif not finite.item():
             # One flag read per step: cheap on a CPU, a sync on a GPU (skip_nonfinite=True has none).
-            raise NonFiniteLoss(_nonfinite_message(i, loss), i)
-        return replace(state, metrics=state.metrics.record(i, recorded))
+            raise StepFailed(NonFiniteLoss(_nonfinite_message(i, loss), i))
+        return unchecked(state, metrics=state.metrics.record(i, recorded))
 
     def _skipped(self, state: TrainState, finite: torch.Tensor) -> torch.Tensor:
         # The running count lives in the metrics (saved with the state), so it survives a resume.
@@ -235,49 +275,38 @@ class TrainStep:
         except TraceError as trace:
             raise GraphBreakError(f"{_GRAPH_BREAK}\n\n{trace}") from trace.__cause__
 
-    def _flat(self, opt_state: Any) -> tuple[list[torch.Tensor], set[int], pytree.TreeSpec]:
-        # Donation keeps the same opt_state object from step to step, so its
-        # leaves, containers and structure are worked out once per object.
-        cached = self._opt_cache
-        if cached and cached[0] is opt_state:
-            return cached[1], cached[2], cached[3]
-        leaves, spec = pytree.tree_flatten(opt_state)
-        containers = {id(c) for c in opt_containers(opt_state)}
-        self._opt_cache[:] = [opt_state, leaves, containers, spec]
-        return leaves, containers, spec
+    def _targets(self, state: TrainState) -> tuple[list[torch.Tensor], Targets, pytree.TreeSpec]:
+        # Donation keeps the same containers from step to step, so the optimizer
+        # state's leaves, structure and what the step writes into are worked out
+        # once per layout.
+        cached = self._layout
+        if cached and cached[1].same(state):
+            return cached[0], cached[1], cached[2]
+        leaves, spec = pytree.tree_flatten(state.opt_state)
+        containers = {id(c) for c in opt_containers(state.opt_state)}
+        targets = Targets(state, leaves, containers)
+        self._layout[:] = [leaves, targets, spec]
+        return leaves, targets, spec
 
-    def steps(self, state: TrainState, batches: Sequence[Any], /) -> TrainState:
-        """``len(batches)`` steps in one call, from ``state.iteration``; never touches ``state``'s tensors.
-
-        The result is what as many single steps give, bit for bit, with each
-        step's loss and metrics recorded at its own iteration; its
-        ``iteration`` is the last step's index (the fold advances it). A
-        non-finite step (unless ``skip_nonfinite``) raises ``NonFiniteLoss``
-        with ``exc.reached``: the state before that step, as the single steps
-        would have left it.
-        """
-        return self.donating_steps(_copied(state), batches)
-
-    def donating_steps(self, state: TrainState, batches: Sequence[Any], /) -> TrainState:
-        """``steps``, reusing the storage of ``state``'s tensors, on the terms of ``donating``."""
+    def _several(self, state: TrainState, batches: Sequence[Any], *, mine: bool) -> TrainState:
+        """``len(batches)`` steps writing into ``state``'s tensors (the caller's own when ``mine``)."""
         params, buffers, opt_state = state.params, state.buffers, state.opt_state
-        leaves, containers, ospec = self._flat(opt_state)
-        owned = exclusive(list(params.values())) and exclusive(list(buffers.values())) and exclusive(leaves)
-        if not owned or holds_containers(state, containers, self._clean):
-            return self.steps(state, batches)
         i, n = state.iteration, len(batches)
         multi = self.multi
         if multi is None:  # eager: the steps one by one, each seeded as a single step is
+            leaves, spec = pytree.tree_flatten(opt_state)
             for j, batch in enumerate(batches):
-                at = with_field(state, "iteration", i + j) if j else state
+                at = unchecked(state, iteration=i + j) if j else state
                 try:
-                    state = self.donating(at, batch)
-                except NonFiniteLoss as exc:
-                    exc.reached = at  # type: ignore[attr-defined]
+                    state = self._single(at, batch, leaves, spec, mine)
+                except StepFailed as failed:
+                    if isinstance(failed.error, NonFiniteLoss):
+                        failed.reached = at
                     raise
             return state
         if not self.model.training:
             self.model.train()
+        leaves, ospec = pytree.tree_flatten(opt_state)
         device = leaves[0].device if leaves else _device(params)
         iteration = self._iteration(device)
         iteration.fill_(i)
@@ -292,14 +321,20 @@ class TrainStep:
             flat = [*donated, iteration, seeds, *tensors]
             entry = self._entry(multi, structure, flat, i)
             outputs = entry.compiled(*flat)
-        except BaseException as exc:
-            exc.torn = any(t._version != v for t, v in zip(donated, versions))  # type: ignore[attr-defined]
-            raise
+        except BaseException as exc:  # noqa: BLE001 - re-raised, wrapped for the fold
+            raise StepFailed(exc, torn=mine and _wrote(donated, versions)) from None
+        return self._recorded(state, outputs, entry.context, n)
+
+    def _recorded(
+        self, state: TrainState, outputs: Sequence[torch.Tensor], names: Sequence[str], n: int
+    ) -> TrainState:
+        """``state`` with each of the ``n`` steps' loss and metrics recorded at its own iteration."""
+        i = state.iteration
         losses = outputs[0].unbind(0)
         columns: dict[str, Sequence[Scalar]] = {
             "loss": losses,
             **{name: [value] * n for name, value in self.fixed.items()},
-            **{name: values.unbind(0) for name, values in zip(entry.context, outputs[2:])},
+            **{name: values.unbind(0) for name, values in zip(names, outputs[2:])},
         }
         metrics = state.metrics
         if self.skip_nonfinite:
@@ -310,10 +345,9 @@ class TrainStep:
             j = int((~outputs[1]).nonzero()[0])
             error = NonFiniteLoss(_nonfinite_message(i + j, losses[j]), i + j)
             done = {name: column[:j] for name, column in columns.items()}
-            reached = replace(state, metrics=metrics.record_steps(i, done), iteration=i + j)
-            error.reached = reached  # type: ignore[attr-defined]
-            raise error
-        return replace(state, iteration=i + n - 1, metrics=metrics.record_steps(i, columns))
+            reached = unchecked(state, metrics=metrics.record_steps(i, done), iteration=i + j)
+            raise StepFailed(error, reached=reached)
+        return unchecked(state, iteration=i + n - 1, metrics=metrics.record_steps(i, columns))
 
     @property
     def compiled(self) -> bool:
@@ -343,9 +377,14 @@ class TrainStep:
         return f"train_step({type(self.model).__name__}, {getattr(self.loss_fn, '__name__', self.loss_fn)!r}, {self.optimizer!r})"
 
 
+def _wrote(tensors: list[torch.Tensor], versions: list[int]) -> bool:
+    """Whether any of ``tensors`` was written since ``versions`` were read."""
+    return any(t._version != v for t, v in zip(tensors, versions))
+
+
 def _copied(state: TrainState) -> TrainState:
     """``state`` with copies of its params, buffers and optimizer state, for a step to write into."""
-    return replace(
+    return unchecked(
         state,
         params=_cloned(state.params),
         buffers=_cloned(state.buffers),
@@ -498,8 +537,17 @@ def train_step(
 
 
 @attrs.frozen(repr=False)
-class _Undonated:
+class _Undonated(Applied):
+    """A ``TrainStep`` that never writes into the state it is given (``train_step(..., donate=False)``)."""
+
     step: TrainStep
+
+    @property
+    def per_call(self) -> int:  # type: ignore[override]
+        return self.step.steps_per_call
+
+    def apply(self, state: TrainState, batches: Sequence[Any], *, owned: bool) -> TrainState:
+        return self.step.apply(state, batches, owned=False)
 
     def __call__(self, state: TrainState, batch: Any, /) -> TrainState:
         return self.step(state, batch)

@@ -1,7 +1,7 @@
 """What a checkpoint holds of a ``TrainState``, and how the state comes back.
 
 ``encode_state`` encodes every field but ``effects`` (they carry code) and
-``data_time``/``step_time`` (readings of the clock for the current step only).
+``clock`` (what the wall clock read in the current phase: no part of the run).
 ``fill_state`` rebuilds the state like a template: its fields strictly
 (``fnloop.checkpoint._fill.fill``), ``metrics`` as saved (they describe themselves), and
 hook states leniently: the ones the template knows strictly, the others as
@@ -22,11 +22,11 @@ from fnloop.checkpoint._fill import describe, fill, mismatch
 
 __all__ = ["STATE_FIELDS", "encode_state", "fill_state"]
 
-CLOCK_FIELDS = ("data_time", "step_time")
-"""Readings of the fold's clock for the current iteration only: no part of a checkpoint."""
+STATE_FIELDS = tuple(f.name for f in attrs.fields(TrainState) if f.name not in ("effects", "clock"))
+"""The fields of TrainState a checkpoint holds: all but ``effects``, which carry code, and ``clock``."""
 
-STATE_FIELDS = tuple(f.name for f in attrs.fields(TrainState) if f.name not in ("effects", *CLOCK_FIELDS))
-"""The fields of TrainState a checkpoint holds: all but ``effects``, which carry code, and the clock's."""
+_DROPPED = ("time",)
+"""Entries files of earlier versions hold and this one reads past: the clock's ``time`` was saved then."""
 
 
 def encode_state(state: TrainState) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -49,7 +49,7 @@ def fill_state(raw: Any, like: TrainState, where: str) -> TrainState:
     if type(raw) is not Record or raw.kind != "record":
         raise mismatch(where, f"expected a TrainState record, got {describe(raw)}")
     missing = [n for n in STATE_FIELDS if n not in raw]
-    unexpected = [n for n in raw if n not in STATE_FIELDS]
+    unexpected = [n for n in raw if n not in STATE_FIELDS and n not in _DROPPED]
     if missing or unexpected:
         first = (missing or unexpected)[0]
         raise mismatch(

@@ -27,11 +27,10 @@ __all__ = ["run"]
 
 _COLLAPSE = 4  # a series (list or tuple of plain data) with more differences is reported in one line
 
-# What the wall clock writes into a state (fnloop.testing.without_clock leaves the same out).
+# What the wall clock writes into a state (fnloop.testing.without_clock leaves the same out); files of
+# earlier versions also hold state.time.
 _CLOCK = (
     "state.time",
-    "state.data_time",
-    "state.step_time",
     "state.metrics.series['time']",
     "state.metrics.series['data_time']",
 )

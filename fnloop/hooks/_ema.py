@@ -10,7 +10,7 @@ import torch
 
 from fnloop._core.messages import got, non_empty_str
 from fnloop._core.phase import Phase
-from fnloop._core.state import TrainState, Unclaimed, replace
+from fnloop._core.state import TrainState, Unclaimed
 
 __all__ = ["EmaState", "ema", "ema_params"]
 
@@ -93,7 +93,7 @@ class Ema:
 
     def _keep(self, state: TrainState, value: EmaState) -> TrainState:
         # `hooks` stays a str-keyed mapping, so the validators need not run again.
-        return replace(state, hooks={**state.hooks, self.name: value})
+        return attrs.evolve(state, hooks={**state.hooks, self.name: value})
 
     @property
     def state_names(self) -> tuple[str, ...]:

@@ -15,7 +15,7 @@ from fnloop._core.combinators import Hook, stateful
 from fnloop._core.messages import got
 from fnloop._core.metrics import Scalar
 from fnloop._core.phase import Phase
-from fnloop._core.state import TrainState, replace
+from fnloop._core.state import TrainState
 from fnloop.data import Batches
 from fnloop.hooks._ema import ema_params
 
@@ -100,7 +100,7 @@ class _Evaluate:
         steps = due(state, phase, memory.steps)
         if steps is None:
             return state, memory
-        seen = state if self.ema is None else replace(state, params=ema_params(state, self.ema))
+        seen = state if self.ema is None else attrs.evolve(state, params=ema_params(state, self.ema))
         values = checked_results(_name(self.name, self.fn), self.fn(seen))
         recorded = attrs.evolve(state, metrics=state.metrics.record(state.iteration, values))
         return recorded, Evaluated(steps)

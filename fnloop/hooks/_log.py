@@ -8,7 +8,7 @@ import attrs
 
 from fnloop._core.messages import got, non_empty_str
 from fnloop._core.phase import Phase
-from fnloop._core.state import TrainState, Unclaimed, replace, request
+from fnloop._core.state import TrainState, Unclaimed, request
 from fnloop.writers import Line, Writer, since
 
 __all__ = ["Log", "LogState", "log"]
@@ -108,7 +108,7 @@ class Log:
             memory = self._memory(state)
             k = state.iteration + 1
             state = request(state, _Write(self.writers, memory.done, False), self._label(k))
-            return replace(state, hooks={**state.hooks, self.name: LogState(k, k, memory.done)})
+            return attrs.evolve(state, hooks={**state.hooks, self.name: LogState(k, k, memory.done)})
         if phase is _BEFORE_TRAIN:
             memory = self._memory(state)
             again = memory.start if memory.line == state.iteration else None
@@ -117,7 +117,7 @@ class Log:
             memory = self._memory(state)
             k = state.iteration
             state = request(state, _Write(self.writers, memory.done, True), self._label(k))
-            return replace(state, hooks={**state.hooks, self.name: LogState(k + 1, k, memory.done)})
+            return attrs.evolve(state, hooks={**state.hooks, self.name: LogState(k + 1, k, memory.done)})
         return state
 
     def _memory(self, state: TrainState) -> LogState:

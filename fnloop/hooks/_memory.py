@@ -9,7 +9,7 @@ import attrs
 import torch
 
 from fnloop._core.phase import Phase
-from fnloop._core.state import TrainState, replace
+from fnloop._core.state import TrainState
 
 __all__ = ["Memory", "memory", "peak_mib"]
 
@@ -49,7 +49,7 @@ class Memory:
         if phase is not Phase.AFTER_STEP:
             return state
         metrics = state.metrics.record(state.iteration, {"max_mem": peak_mib(state)})
-        return replace(state, metrics=metrics)
+        return attrs.evolve(state, metrics=metrics)
 
     def __repr__(self) -> str:
         return "memory()"

@@ -14,7 +14,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from fnloop._core.combinators import Hook, stateful
 from fnloop._core.messages import got
 from fnloop._core.phase import Phase
-from fnloop._core.state import TrainState, replace
+from fnloop._core.state import TrainState
 from fnloop._step.seeding import _seeded
 from fnloop.data import Batches
 from fnloop.hooks._evaluate import due
@@ -61,7 +61,7 @@ class _PreciseBN:
         steps = due(state, phase, memory.steps)
         if steps is None:
             return state, memory
-        return replace(state, buffers=self.recompute(state)), PreciseBNState(steps)
+        return attrs.evolve(state, buffers=self.recompute(state)), PreciseBNState(steps)
 
     def recompute(self, state: TrainState) -> dict[str, torch.Tensor]:
         """New buffers: BatchNorm statistics averaged over the batches, the others as they are."""

@@ -10,7 +10,7 @@ import attrs
 
 from fnloop._core.messages import got, non_empty_str
 from fnloop._core.phase import Phase
-from fnloop._core.state import Effect, TrainState, replace, request
+from fnloop._core.state import Effect, TrainState, request, unchecked
 
 __all__ = ["Progress", "progress"]
 
@@ -113,7 +113,7 @@ class Progress:
             every, now = self.mininterval, state.time
             if every and now // every == (now - state.step_time) // every:
                 return state
-            return replace(state, effects=(*state.effects, self.tick))
+            return unchecked(state, effects=(*state.effects, self.tick))
         if phase is _BEFORE_TRAIN:
             return request(state, _Open(self.name, self.mininterval), f"{self.name}: open the bar")
         if phase is _AFTER_TRAIN:

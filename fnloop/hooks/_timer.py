@@ -8,7 +8,7 @@ import attrs
 
 from fnloop._core.messages import non_empty_str, non_negative_int
 from fnloop._core.phase import Phase
-from fnloop._core.state import TrainState, Unclaimed, replace, with_field
+from fnloop._core.state import TrainState, Unclaimed, unchecked
 
 __all__ = ["Timer", "TimerState", "timer"]
 
@@ -45,10 +45,10 @@ class Timer:
             metrics = state.metrics.record_pair(
                 iteration, "time", state.step_time, "data_time", state.data_time
             )
-            return with_field(state, "metrics", metrics)
+            return unchecked(state, metrics=metrics)
         if phase is _BEFORE_TRAIN:
             # Each run (a resumed one too) counts its warm-up from its own first iteration.
-            return replace(state, hooks={**state.hooks, self.name: TimerState(state.iteration)})
+            return attrs.evolve(state, hooks={**state.hooks, self.name: TimerState(state.iteration)})
         return state
 
     def _claim(self, memory: object, state: TrainState) -> TimerState:

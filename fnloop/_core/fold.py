@@ -1,0 +1,257 @@
+"""The fold: one iteration body, driven from ``state.iteration`` to ``state.max_iter``.
+
+A run is ``BEFORE_TRAIN``, then units of iterations, then ``AFTER_TRAIN``. A
+unit is one iteration, or ``k`` for a step of ``k`` steps per call where a
+whole call fits: the ``BEFORE_STEP`` hooks of its first iteration, its
+batches, one call of the step, the ``AFTER_STEP`` hooks of its last, and the
+state advanced past it. The hooks called are those the plan says are due
+(``fnloop._core.plan``); the run is bit for bit the one that calls every
+hook in every phase (``plain_scan`` in ``property_tests/test_plan_laws.py``).
+
+The fold changes no state in place: each phase's result is a new record.
+It owns the states it builds, so it tells the step, through ``owned``, which
+ones nobody else can see (after the first iteration of ``run``; never in
+``scan``, whose states are yielded). Failures are handled in
+``fnloop._core.failure``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import attrs
+
+from fnloop._core.combinators import Hook, returned, state_names
+from fnloop._core.failure import Last, StepFailed, ended_by
+from fnloop._core.messages import a_type
+from fnloop._core.phase import Phase
+from fnloop._core.plan import Due, call, plan
+from fnloop._core.signals import _interruption, _Stop
+from fnloop._core.state import Clock, Effect, TrainState, Unclaimed, unchecked
+from fnloop._core.steps import Applied
+from fnloop._core.stream import stream as _stream
+
+__all__ = ["BatchesExhausted", "Driver", "UnclaimedHookState", "fold"]
+
+_BEFORE_TRAIN = Phase.BEFORE_TRAIN
+_BEFORE_STEP = Phase.BEFORE_STEP
+_AFTER_STEP = Phase.AFTER_STEP
+_AFTER_TRAIN = Phase.AFTER_TRAIN
+
+
+class BatchesExhausted(RuntimeError):
+    """The batch iterable ended before ``max_iter`` was reached."""
+
+
+class UnclaimedHookState(UserWarning):
+    """A hook state from a checkpoint that no hook of the run owns; it is dropped."""
+
+
+@attrs.frozen
+class Driver:
+    """Everything a fold needs besides the state and the batches, fixed when the run starts.
+
+    Args:
+        hook: the run's hooks, chained.
+        step: the step, adapted (``fnloop._core.steps.adapt``).
+        clock: read into ``state.clock`` where a hook is due, and once per unit.
+        perform: perform the effects phases request (this process performs effects).
+        donate: let the step write into the states the fold owns.
+        donate_input: the caller gave the input state up: the first step may write into it too.
+        stop: set by the signal handlers; the fold stops between two units when it is.
+        rank: this process's rank, for messages.
+        world: how many processes run together.
+    """
+
+    hook: Hook
+    step: Applied
+    clock: Callable[[], float]
+    perform: bool
+    donate: bool = False
+    donate_input: bool = False
+    stop: _Stop | None = None
+    rank: int = 0
+    world: int = 1
+
+
+def fold(state: TrainState, batches: Iterable[Any], driver: Driver) -> Iterator[TrainState]:
+    """Yield the state after each unit of iterations, then the final one, after ``AFTER_TRAIN``."""
+    hook, clock = driver.hook, driver.clock
+    last = Last(state)
+    try:
+        # The step phases call only the hooks that can act there (see fnloop/_core/plan.py).
+        due = (plan(hook, _BEFORE_STEP), plan(hook, _AFTER_STEP))
+        state = _drop_unclaimed(state, hook)
+        state = last.state = _phase(hook, _at(state, clock()), _BEFORE_TRAIN, driver.perform)
+        source = _Source(batches, state)
+        owned = driver.donate and driver.donate_input
+        k = driver.step.per_call
+        while state.iteration < state.max_iter:
+            i = state.iteration
+            # All k iterations of a call where a whole one fits, else one.
+            n = k if k > 1 and i % k == 0 and i + k <= state.max_iter else 1
+            state = last.state = _unit(driver, due, state, source, n, owned, last)
+            last.torn = False
+            owned = driver.donate  # from here on the fold threads states nobody else holds
+            yield state
+            _check_stop(driver.stop)
+        _check_stop(driver.stop)
+    except BaseException as exc:
+        ended_by(exc, last, lambda s, perform: _phase(hook, s, _AFTER_TRAIN, perform), driver, clock)
+        raise
+    try:
+        final = _phase(hook, _at(state, clock()), _AFTER_TRAIN, driver.perform)
+    except BaseException as exc:
+        exc.state = state  # type: ignore[attr-defined]
+        raise
+    yield final
+
+
+def _unit(
+    driver: Driver, due: tuple[Due, Due], state: TrainState, source: _Source, n: int, owned: bool, last: Last
+) -> TrainState:
+    """``n`` iterations from ``state``: hooks before, batches, one step call, hooks after, advanced."""
+    clock, perform, step = driver.clock, driver.perform, driver.step
+    i = state.iteration
+    end = i + n - 1
+    before, after = due[0](i), due[1](end)
+    # The clock is read where a hook can see what it measures: with no hook due
+    # before the step, the step gets the state the last unit ended with; with
+    # none due after it, nobody sees the unit's step_time and data_time.
+    start = clock() if before or after else 0.0
+    if before:
+        began = _at(state, start)
+        state = _settled(call(before, began, _BEFORE_STEP), began, perform)
+    fetching = clock() if after else 0.0
+    batches, cursors = source.take(n, state)
+    fetched = clock() if after else 0.0
+    new = _applied(step, state, batches, cursors, owned, last, clock)
+    last.torn = owned and step.donates  # the last state may share tensors the step overwrote
+    if type(new) is not TrainState:
+        raise TypeError(
+            f"step {step!r:.80} returned {new!r:.80} ({a_type(new)}) at iteration {i}; "
+            "a step must return a TrainState."
+        )
+    _check_moved(end, new.iteration)
+    now = clock()
+    if after:
+        # Per iteration: a call's times are shared out over its steps.
+        measured = Clock(time=now, data_time=(fetched - fetching) / n, step_time=(now - start) / n)
+        began = unchecked(new, clock=measured)
+        ended = call(after, began, _AFTER_STEP)
+        _check_moved(end, ended.iteration)
+    else:
+        # Nothing was measured: no hook was due to see it.
+        began = ended = unchecked(new, clock=Clock(time=now)) if new.effects else new
+    time = ended.time if after else now
+    advanced = unchecked(ended, iteration=end + 1, data=cursors[-1], clock=Clock(time=time), effects=())
+    if ended.effects and perform:
+        _perform(ended.effects, began, advanced)
+    return advanced
+
+
+def _applied(
+    step: Applied,
+    state: TrainState,
+    batches: Sequence[Any],
+    cursors: Sequence[Any],
+    owned: bool,
+    last: Last,
+    clock: Callable[[], float],
+) -> TrainState:
+    """The step's result; on failure, what it says of the state it leaves noted in ``last``."""
+    try:
+        return step.apply(state, batches, owned=owned)
+    except StepFailed as failed:
+        failure = failed
+    last.torn = failure.torn
+    reached = failure.reached
+    if reached is not None:
+        # Stopped at a step inside the call (NonFiniteLoss): the state before that step.
+        at, i = reached.iteration, state.iteration
+        cursor = cursors[at - i - 1] if at > i else state.data
+        last.state = unchecked(reached, data=cursor, clock=Clock(time=clock()), effects=())
+    raise failure.error
+
+
+class _Source:
+    """The batch stream: the next batches and the stream's cursor after each."""
+
+    def __init__(self, batches: Iterable[Any], state: TrainState) -> None:
+        self.stream, self.resumable = _stream(batches, state)
+
+    def take(self, n: int, state: TrainState) -> tuple[list[Any], list[Any]]:
+        """``n`` batches for the iterations from ``state.iteration``; cursors ``state.data`` if not resumable."""
+        batches, cursors = [], []
+        for j in range(n):
+            try:
+                batch = next(self.stream)
+            except StopIteration:
+                raise BatchesExhausted(
+                    f"the batches ran out at iteration {state.iteration + j} (max_iter={state.max_iter}). "
+                    "The fold takes one batch per iteration: give at least max_iter - "
+                    "iteration batches, or a stream that cycles, such as fnloop.data.batches(...)."
+                ) from None
+            batch, cursor = batch if self.resumable else (batch, state.data)
+            batches.append(batch)
+            cursors.append(cursor)
+        return batches, cursors
+
+
+def _check_moved(i: int, iteration: int) -> None:
+    if iteration != i:
+        raise RuntimeError(
+            f"state.iteration changed from {i} to {iteration} during iteration {i}; "
+            "only the fold advances it. To end a run early, lower max_iter instead."
+        )
+
+
+def _check_stop(stop: _Stop | None) -> None:
+    if stop is not None and stop.signum is not None:
+        raise _interruption(stop.signum)
+
+
+def _at(state: TrainState, time: float) -> TrainState:
+    """``state`` at the start of a phase: the clock's time, nothing measured."""
+    return unchecked(state, clock=Clock(time=time))
+
+
+def _phase(hook: Hook, state: TrainState, phase: Phase, perform: bool) -> TrainState:
+    """``hook`` in ``phase``, checked, its effects performed if ``perform``."""
+    new = hook(state, phase)
+    if type(new) is not TrainState:
+        raise returned(hook, phase, new)
+    return _settled(new, state, perform)
+
+
+def _settled(ended: TrainState, began: TrainState, perform: bool) -> TrainState:
+    """``ended``, a phase's result, with the effects it requested cleared and, if ``perform``, performed."""
+    effects = ended.effects
+    if not effects:
+        return ended
+    ended = unchecked(ended, effects=())
+    if perform:
+        _perform(effects, began, ended)
+    return ended
+
+
+def _perform(effects: tuple[Effect, ...], began: TrainState, ended: TrainState) -> None:
+    for effect in effects:
+        effect.perform(unchecked(began, effects=()) if effect.start else ended)
+
+
+def _drop_unclaimed(state: TrainState, hook: Hook) -> TrainState:
+    owned = set(state_names(hook))
+    stray = [n for n, v in state.hooks.items() if type(v) is Unclaimed and n not in owned]
+    if not stray:
+        return state
+    for name in stray:
+        warnings.warn(
+            f"the hook state {name!r} ({state.hooks[name].where}) belongs to no hook of this run; "
+            "it is dropped. If a hook was renamed, give it its old name= to keep its state.",
+            UnclaimedHookState,
+            stacklevel=4,
+        )
+    return attrs.evolve(state, hooks={n: v for n, v in state.hooks.items() if n not in stray})
