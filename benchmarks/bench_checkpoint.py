@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 import fnloop as fl
+import fnloop.checkpoint._transfer
 from fnloop import checkpoint
 
 
@@ -110,7 +111,8 @@ def main() -> None:
             for path in (fl_path, unsynced, raw, synced):
                 path.unlink()
         crc = statistics.median(
-            timed(lambda: [zlib.crc32(checkpoint._bytes(t)) for t in tensors.values()]) for _ in range(3)
+            timed(lambda: [zlib.crc32(checkpoint._transfer._bytes(t)) for t in tensors.values()])
+            for _ in range(3)
         )
 
     median = {name: statistics.median(ts) for name, ts in times.items()}

@@ -27,9 +27,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
+from fnloop._atomic import write_atomically
 from fnloop._core.messages import got
 from fnloop._core.metrics import Metrics, Scalar, to_floats
-from fnloop.checkpoint._atomic import write_atomically
 
 __all__ = ["Line", "Writer", "console", "jsonl", "tensorboard"]
 

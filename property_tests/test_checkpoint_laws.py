@@ -169,14 +169,14 @@ def write_crafted(path, skeleton: Any, tensors: dict[str, torch.Tensor]) -> None
         (
             key,
             {"dtype": DTYPES[t.dtype], "shape": list(t.shape)},
-            [zlib.crc32(checkpoint._bytes(t))] if t.numel() else [],
+            [zlib.crc32(checkpoint._transfer._bytes(t))] if t.numel() else [],
         )
         for key, t in tensors.items()
     ]
     metadata = {
         "fnloop.format": "1",
         "fnloop.skeleton": text,
-        "fnloop.checksum": checkpoint._digest(text, entries),
+        "fnloop.checksum": checkpoint._transfer._digest(text, entries),
     }
     safetensors.torch.save_file(tensors, path, metadata=metadata)
 

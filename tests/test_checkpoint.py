@@ -17,6 +17,7 @@ import safetensors.torch
 import torch
 
 import fnloop as fl
+import fnloop.checkpoint._transfer
 from fnloop import TrainState, checkpoint, testing
 from fnloop.checkpoint import CheckpointError, CheckpointMismatch, CheckpointWarning, DamagedCheckpoint
 
@@ -479,7 +480,7 @@ def test_a_missing_file_is_a_checkpoint_error(tmp_path):
 
 def file_with_version(path, version: str) -> None:
     skeleton = json.dumps({"kind": "record", "type": "fnloop.TrainState", "fields": []})
-    checksum = checkpoint._digest(skeleton, [], version)  # every format from 2 on checks this way
+    checksum = checkpoint._transfer._digest(skeleton, [], version)  # every format from 2 on checks this way
     metadata = {"fnloop.format": version, "fnloop.skeleton": skeleton, "fnloop.checksum": checksum}
     safetensors.torch.save_file({}, path, metadata=metadata)
 
@@ -569,15 +570,15 @@ def crash_after(n: int):
     return write
 
 
-real_pwrite = checkpoint._pwrite
+real_pwrite = checkpoint._transfer._pwrite
 
 
 @pytest.mark.parametrize(
     "crash",
     [
-        lambda mp: mp.setattr(checkpoint, "_pwrite", crash_after(1)),
-        lambda mp: mp.setattr(checkpoint.os, "fsync", lambda fd: (_ for _ in ()).throw(Crash("fsync"))),
-        lambda mp: mp.setattr(checkpoint.os, "replace", lambda a, b: (_ for _ in ()).throw(Crash("rename"))),
+        lambda mp: mp.setattr(checkpoint._files, "_pwrite", crash_after(1)),
+        lambda mp: mp.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(Crash("fsync"))),
+        lambda mp: mp.setattr(os, "replace", lambda a, b: (_ for _ in ()).throw(Crash("rename"))),
     ],
     ids=["mid-write", "fsync", "rename"],
 )
@@ -597,8 +598,8 @@ def test_leftovers_of_a_hard_crash_are_ignored_then_removed(tmp_path, monkeypatc
     old = full_state()
     path = checkpoint.save(old, checkpoint.path_for(tmp_path, 12))
     with monkeypatch.context() as mp:  # a kill -9: no cleanup runs
-        mp.setattr(checkpoint, "_pwrite", crash_after(1))
-        mp.setattr(checkpoint.os, "unlink", lambda p: None)
+        mp.setattr(checkpoint._files, "_pwrite", crash_after(1))
+        mp.setattr(os, "unlink", lambda p: None)
         with pytest.raises(Crash):
             checkpoint.save(attrs.evolve(old, iteration=13), checkpoint.path_for(tmp_path, 13))
     dead = subprocess.run(
@@ -621,13 +622,13 @@ def test_leftovers_of_a_hard_crash_are_ignored_then_removed(tmp_path, monkeypatc
 def test_many_pieces_on_threads_and_the_portable_path_write_the_same_file(tmp_path, monkeypatch):
     state = full_state()
     plain = checkpoint.save(state, tmp_path / "plain").read_bytes()
-    monkeypatch.setattr(checkpoint, "_THREADED", 0)
+    monkeypatch.setattr(checkpoint._transfer, "_THREADED", 0)
     threaded = checkpoint.save(state, tmp_path / "threaded")
     assert threaded.read_bytes() == plain
     testing.assert_identical(checkpoint.load(threaded, like=state), state)
-    monkeypatch.setattr(checkpoint, "_PIECE", 8)  # a format constant: both sides change together
-    monkeypatch.setattr(checkpoint, "_POSITIONAL", False)
+    monkeypatch.setattr(checkpoint._transfer, "_PIECE", 8)  # a format constant: both sides change together
+    monkeypatch.setattr(checkpoint._transfer, "_POSITIONAL", False)
     portable = checkpoint.save(state, tmp_path / "portable")
     testing.assert_identical(checkpoint.load(portable, like=state), state)
-    monkeypatch.setattr(checkpoint, "_POSITIONAL", True)
+    monkeypatch.setattr(checkpoint._transfer, "_POSITIONAL", True)
     testing.assert_identical(checkpoint.load(portable, like=state), state)

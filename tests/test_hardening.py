@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import fnloop as fl
+import fnloop.checkpoint._transfer
 from fnloop import TrainState, checkpoint, cli, testing
 from fnloop.checkpoint import CheckpointError, CheckpointWarning, DamagedCheckpoint
 from fnloop.checkpoint._state_codec import encode_state
@@ -37,7 +38,7 @@ def raw_file(path, head: dict, data: bytes = b"") -> None:
 
 def metadata(skeleton: str, entries=(), version: str = str(checkpoint.FORMAT_VERSION)) -> dict:
     """fnloop metadata whose checksum is right for ``skeleton`` and ``entries`` (key, spec, crcs)."""
-    digest = checkpoint._digest(skeleton, entries, int(version)) if version.isdigit() else "crc32:0"
+    digest = checkpoint._transfer._digest(skeleton, entries, int(version)) if version.isdigit() else "crc32:0"
     return {"fnloop.format": version, "fnloop.skeleton": skeleton, "fnloop.checksum": digest}
 
 
@@ -382,7 +383,7 @@ def test_non_scalar_metrics_from_the_loss_are_named():
 
 
 def test_digest_is_deterministic():
-    assert checkpoint._digest("null", [], 1) == f"crc32:{zlib.crc32(b'null'):08x}"
+    assert checkpoint._transfer._digest("null", [], 1) == f"crc32:{zlib.crc32(b'null'):08x}"
 
 
 @pytest.mark.parametrize("make", [fl.hooks.checkpoint, lambda d: fl.hooks.best_checkpoint(d, "x")])

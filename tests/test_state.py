@@ -58,9 +58,9 @@ def test_other_validators(field, bad, match):
         attrs.evolve(TrainState(max_iter=1), **{field: bad})
 
 
-def test_the_clock_validates_its_readings():
-    with pytest.raises(TypeError, match=r"'time' must be a float"):
-        fl.Clock(time="now")
+def test_the_state_validates_its_clocks_readings():
+    with pytest.raises(TypeError, match=r"'clock.time' must be a float \(got 'now' that is a str\)"):
+        TrainState(max_iter=1, clock=fl.Clock(time="now"))
 
 
 def test_the_clock_fields_read_through_the_state():

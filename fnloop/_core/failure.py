@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from fnloop._core.state import Clock, TrainState, unchecked
+from fnloop._core.state import TrainState, reading, unchecked
 
 if TYPE_CHECKING:
     from fnloop._core.fold import Driver
@@ -104,7 +104,7 @@ def ended_by(
         exc.add_note(TORN)
     exc.state = None if torn else last.state  # type: ignore[attr-defined]
     try:
-        after_train(unchecked(last.state, clock=Clock(time=clock())), driver.perform and not torn)
+        after_train(unchecked(last.state, clock=reading(clock())), driver.perform and not torn)
     except BaseException as also:  # noqa: BLE001 - the original exception must win
         if also is not exc:
             exc.add_note(f"AFTER_TRAIN hooks then also failed: {type(also).__name__}: {also}")

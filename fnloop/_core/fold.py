@@ -27,9 +27,9 @@ from fnloop._core.combinators import Hook, returned, state_names
 from fnloop._core.failure import Last, StepFailed, ended_by
 from fnloop._core.messages import a_type
 from fnloop._core.phase import Phase
-from fnloop._core.plan import Due, call, plan
+from fnloop._core.plan import Plan, call
 from fnloop._core.signals import _interruption, _Stop
-from fnloop._core.state import Clock, Effect, TrainState, Unclaimed, unchecked
+from fnloop._core.state import Effect, TrainState, Unclaimed, reading, unchecked
 from fnloop._core.steps import Applied
 from fnloop._core.stream import stream as _stream
 
@@ -74,6 +74,12 @@ class Driver:
     stop: _Stop | None = None
     rank: int = 0
     world: int = 1
+    donates: bool = attrs.field(init=False)
+    """Whether the step may write into an owned state (read once: ``step.donates``)."""
+
+    @donates.default
+    def _donates(self) -> bool:
+        return self.step.donates
 
 
 def fold(state: TrainState, batches: Iterable[Any], driver: Driver) -> Iterator[TrainState]:
@@ -82,12 +88,12 @@ def fold(state: TrainState, batches: Iterable[Any], driver: Driver) -> Iterator[
     last = Last(state)
     try:
         # The step phases call only the hooks that can act there (see fnloop/_core/plan.py).
-        due = (plan(hook, _BEFORE_STEP), plan(hook, _AFTER_STEP))
+        due = Plan(hook)
         state = _drop_unclaimed(state, hook)
         state = last.state = _phase(hook, _at(state, clock()), _BEFORE_TRAIN, driver.perform)
         source = _Source(batches, state)
         owned = driver.donate and driver.donate_input
-        k = driver.step.per_call
+        k, stop = driver.step.per_call, driver.stop
         while state.iteration < state.max_iter:
             i = state.iteration
             # All k iterations of a call where a whole one fits, else one.
@@ -96,8 +102,9 @@ def fold(state: TrainState, batches: Iterable[Any], driver: Driver) -> Iterator[
             last.torn = False
             owned = driver.donate  # from here on the fold threads states nobody else holds
             yield state
-            _check_stop(driver.stop)
-        _check_stop(driver.stop)
+            if stop is not None:
+                _check_stop(stop)
+        _check_stop(stop)
     except BaseException as exc:
         ended_by(exc, last, lambda s, perform: _phase(hook, s, _AFTER_TRAIN, perform), driver, clock)
         raise
@@ -110,13 +117,13 @@ def fold(state: TrainState, batches: Iterable[Any], driver: Driver) -> Iterator[
 
 
 def _unit(
-    driver: Driver, due: tuple[Due, Due], state: TrainState, source: _Source, n: int, owned: bool, last: Last
+    driver: Driver, due: Plan, state: TrainState, source: _Source, n: int, owned: bool, last: Last
 ) -> TrainState:
     """``n`` iterations from ``state``: hooks before, batches, one step call, hooks after, advanced."""
     clock, perform, step = driver.clock, driver.perform, driver.step
     i = state.iteration
     end = i + n - 1
-    before, after = due[0](i), due[1](end)
+    before, after = due(i, end)
     # The clock is read where a hook can see what it measures: with no hook due
     # before the step, the step gets the state the last unit ended with; with
     # none due after it, nobody sees the unit's step_time and data_time.
@@ -127,53 +134,52 @@ def _unit(
     fetching = clock() if after else 0.0
     batches, cursors = source.take(n, state)
     fetched = clock() if after else 0.0
-    new = _applied(step, state, batches, cursors, owned, last, clock)
-    last.torn = owned and step.donates  # the last state may share tensors the step overwrote
+    try:
+        new = step.apply(state, batches, owned=owned)
+    except StepFailed as failed:
+        failure = failed
+    else:
+        failure = None
+    if failure is not None:
+        raise _failed_in_step(failure, state, cursors, last, clock)
+    last.torn = owned and driver.donates  # the last state may share tensors the step overwrote
     if type(new) is not TrainState:
         raise TypeError(
             f"step {step!r:.80} returned {new!r:.80} ({a_type(new)}) at iteration {i}; "
             "a step must return a TrainState."
         )
-    _check_moved(end, new.iteration)
+    if new.iteration != end:
+        raise _moved(end, new.iteration)
     now = clock()
     if after:
         # Per iteration: a call's times are shared out over its steps.
-        measured = Clock(time=now, data_time=(fetched - fetching) / n, step_time=(now - start) / n)
+        measured = reading(now, (fetched - fetching) / n, (now - start) / n)
         began = unchecked(new, clock=measured)
         ended = call(after, began, _AFTER_STEP)
-        _check_moved(end, ended.iteration)
+        if ended.iteration != end:
+            raise _moved(end, ended.iteration)
     else:
         # Nothing was measured: no hook was due to see it.
-        began = ended = unchecked(new, clock=Clock(time=now)) if new.effects else new
+        began = ended = unchecked(new, clock=reading(now)) if new.effects else new
     time = ended.time if after else now
-    advanced = unchecked(ended, iteration=end + 1, data=cursors[-1], clock=Clock(time=time), effects=())
+    advanced = unchecked(ended, iteration=end + 1, data=cursors[-1], clock=reading(time), effects=())
     if ended.effects and perform:
         _perform(ended.effects, began, advanced)
     return advanced
 
 
-def _applied(
-    step: Applied,
-    state: TrainState,
-    batches: Sequence[Any],
-    cursors: Sequence[Any],
-    owned: bool,
-    last: Last,
-    clock: Callable[[], float],
-) -> TrainState:
-    """The step's result; on failure, what it says of the state it leaves noted in ``last``."""
-    try:
-        return step.apply(state, batches, owned=owned)
-    except StepFailed as failed:
-        failure = failed
+def _failed_in_step(
+    failure: StepFailed, state: TrainState, cursors: Sequence[Any], last: Last, clock: Callable[[], float]
+) -> BaseException:
+    """The step's own exception, with what it says of the state it leaves noted in ``last``."""
     last.torn = failure.torn
     reached = failure.reached
     if reached is not None:
         # Stopped at a step inside the call (NonFiniteLoss): the state before that step.
         at, i = reached.iteration, state.iteration
         cursor = cursors[at - i - 1] if at > i else state.data
-        last.state = unchecked(reached, data=cursor, clock=Clock(time=clock()), effects=())
-    raise failure.error
+        last.state = unchecked(reached, data=cursor, clock=reading(clock()), effects=())
+    return failure.error
 
 
 class _Source:
@@ -194,18 +200,20 @@ class _Source:
                     "The fold takes one batch per iteration: give at least max_iter - "
                     "iteration batches, or a stream that cycles, such as fnloop.data.batches(...)."
                 ) from None
-            batch, cursor = batch if self.resumable else (batch, state.data)
+            if self.resumable:
+                batch, cursor = batch
+            else:
+                cursor = state.data
             batches.append(batch)
             cursors.append(cursor)
         return batches, cursors
 
 
-def _check_moved(i: int, iteration: int) -> None:
-    if iteration != i:
-        raise RuntimeError(
-            f"state.iteration changed from {i} to {iteration} during iteration {i}; "
-            "only the fold advances it. To end a run early, lower max_iter instead."
-        )
+def _moved(i: int, iteration: int) -> RuntimeError:
+    return RuntimeError(
+        f"state.iteration changed from {i} to {iteration} during iteration {i}; "
+        "only the fold advances it. To end a run early, lower max_iter instead."
+    )
 
 
 def _check_stop(stop: _Stop | None) -> None:
@@ -215,7 +223,7 @@ def _check_stop(stop: _Stop | None) -> None:
 
 def _at(state: TrainState, time: float) -> TrainState:
     """``state`` at the start of a phase: the clock's time, nothing measured."""
-    return unchecked(state, clock=Clock(time=time))
+    return unchecked(state, clock=reading(time))
 
 
 def _phase(hook: Hook, state: TrainState, phase: Phase, perform: bool) -> TrainState:

@@ -28,7 +28,7 @@ from fnloop._core.phase import Phase
 from fnloop._core.schedule import Schedule, scheduled
 from fnloop._core.state import TrainState
 
-__all__ = ["Due", "call", "off_boundaries", "plan"]
+__all__ = ["Due", "Plan", "call", "off_boundaries", "plan"]
 
 _STEP_PHASES = (Phase.BEFORE_STEP, Phase.AFTER_STEP)
 _ALWAYS = Schedule.always()
@@ -75,6 +75,23 @@ class Due:
     def hooks(self, iteration: int) -> tuple[Hook, ...]:
         """The hooks, as registered, that the fold calls at ``iteration``."""
         return tuple(hook for _, hook in self(iteration))
+
+
+class Plan:
+    """The hooks due in the two step phases of a unit of iterations: ``BEFORE_STEP`` of its first, ``AFTER_STEP`` of its last."""
+
+    def __init__(self, hook: Hook) -> None:
+        self.before, self.after = plan(hook, Phase.BEFORE_STEP), plan(hook, Phase.AFTER_STEP)
+        self.quiet = (self.before.quiet, self.after.quiet)
+
+    def __call__(
+        self, first: int, last: int
+    ) -> tuple[tuple[tuple[Hook, Hook], ...], tuple[tuple[Hook, Hook], ...]]:
+        """The entries due before iteration ``first`` and after iteration ``last`` (in increasing order)."""
+        before, after = self.before, self.after
+        if first < before.next and last < after.next:
+            return self.quiet
+        return before(first), after(last)
 
 
 def _due(hook: Any) -> Hook:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import attrs
 import torch
@@ -11,12 +11,16 @@ import torch
 from fnloop._core.messages import got, non_negative_int
 from fnloop._core.metrics import Metrics, Scalar
 
+_new = object.__new__
+_set = object.__setattr__
+
 __all__ = [
     "Clock",
     "Effect",
     "TrainState",
     "Unclaimed",
     "hook_state",
+    "reading",
     "record",
     "request",
     "unchecked",
@@ -48,10 +52,6 @@ def _str_mapping(instance: object, attribute: attrs.Attribute, value: object) ->
         raise TypeError(f"'{attribute.name}' must be a mapping keyed by hook name (str) ({got(value)}).")
 
 
-def _number(instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if type(value) not in (int, float):
-        raise TypeError(f"'{attribute.name}' must be a float ({got(value)}).")
-
 
 def _clock(instance: object, attribute: attrs.Attribute, value: object) -> None:
     if type(value) is not Clock:
@@ -59,6 +59,9 @@ def _clock(instance: object, attribute: attrs.Attribute, value: object) -> None:
             f"'{attribute.name}' must be a fnloop.Clock ({got(value)}); the fold sets it, "
             "a state built by hand starts from Clock()."
         )
+    for name, reading in zip(Clock._fields, value):
+        if type(reading) not in (int, float):
+            raise TypeError(f"'clock.{name}' must be a float ({got(reading)}).")
 
 
 def _effects(instance: object, attribute: attrs.Attribute, value: object) -> None:
@@ -120,9 +123,11 @@ class Unclaimed:
         return self.decode(self.data, like, self.where)
 
 
-@attrs.frozen(kw_only=True)
-class Clock:
+class Clock(NamedTuple):
     """What the fold's clock read for the current phase: no part of the run, never saved.
+
+    A state checks its clock's readings when it is built (``TrainState(...)``,
+    ``attrs.evolve``).
 
     Args:
         time: the clock at the start of the current phase, in seconds.
@@ -132,14 +137,24 @@ class Clock:
             ``BEFORE_STEP`` to the start of its ``AFTER_STEP``: its
             ``BEFORE_STEP`` hooks and effects, the wait for the batch and the
             step. Set for ``AFTER_STEP``, 0 elsewhere.
+
+    Examples:
+        >>> Clock(time=2.0).time, Clock().step_time
+        (2.0, 0.0)
     """
 
-    time: float = attrs.field(default=0.0, validator=_number)
-    data_time: float = attrs.field(default=0.0, validator=_number)
-    step_time: float = attrs.field(default=0.0, validator=_number)
+    time: float = 0.0
+    data_time: float = 0.0
+    step_time: float = 0.0
 
 
 _STOPPED = Clock()
+_tuple = tuple.__new__
+
+
+def reading(time: float, data_time: float = 0.0, step_time: float = 0.0) -> Clock:
+    """A ``Clock`` of the fold's own readings (floats from its clock), built without the keyword parsing."""
+    return _tuple(Clock, (time, data_time, step_time))
 
 
 # Not slotted: `unchecked` copies a state by its __dict__, a tenth of the cost of attrs.evolve.
@@ -271,12 +286,6 @@ def unchecked(state: TrainState, **changes: Any) -> TrainState:
     else changes a state with ``attrs.evolve``, which validates. A copy of the
     instance dictionary costs a tenth of rebuilding through ``__init__``.
     """
-    fields = state.__dict__.copy()
-    fields.update(changes)
     new = _new(TrainState)
-    _set(new, "__dict__", fields)
+    _set(new, "__dict__", state.__dict__ | changes)
     return new
-
-
-_new = object.__new__
-_set = object.__setattr__

@@ -65,7 +65,7 @@ class Applied(abc.ABC):
         """``len(batches)`` iterations from ``state.iteration``; the state at the last one's index."""
 
 
-@attrs.frozen
+@attrs.frozen(repr=False)
 class _Function(Applied):
     """A user's step, with the variants it offers."""
 
@@ -78,6 +78,9 @@ class _Function(Applied):
     @property
     def donates(self) -> bool:  # type: ignore[override]
         return self.donating is not None or self.donating_steps is not None
+
+    def __repr__(self) -> str:
+        return repr(self.step)
 
     def apply(self, state: TrainState, batches: Sequence[Any], *, owned: bool) -> TrainState:
         if len(batches) == 1:

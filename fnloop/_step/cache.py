@@ -48,8 +48,8 @@ from typing import Any
 
 import torch
 
+from fnloop._atomic import write_atomically
 from fnloop._core.messages import got
-from fnloop.checkpoint._atomic import write_atomically
 
 __all__ = ["CompileCache", "default_cache", "graph_key"]
 

@@ -41,8 +41,10 @@ class Targets:
         self.distinct = len(set(ids)) == len(ids)
         """No tensor appears twice among the fields (a tie, or a parameter kept in ``opt_state``)."""
         self.ids = frozenset((id(state.params), id(state.buffers), *containers, *ids))
-        self.clean: tuple[Any, Any, Any] = (None, None, None)
-        """The ``hooks``, ``extra`` and ``metrics`` last found to hold none of them."""
+        self.clean: tuple[Any, Any] = (None, None)
+        """The ``hooks`` and ``extra`` last found to hold none of them."""
+        self.newest: dict[str, Any] = {}
+        """Per metric, its newest entry last found clean: the entries up to it were checked."""
 
     def same(self, state: TrainState) -> bool:
         key = self.key
@@ -53,18 +55,33 @@ def shared(state: TrainState, targets: Targets) -> bool:
     """Whether anything in ``state`` besides its own fields holds what the step writes into."""
     if not targets.distinct:
         return True
-    clean = targets.clean
-    hooks, extra, metrics = state.hooks, state.extra, state.metrics
-    walked = clean[0] is hooks and clean[1] is extra
+    hooks, extra = state.hooks, state.extra
+    walked = targets.clean[0] is hooks and targets.clean[1] is extra
     if not walked and _holds([*hooks.values(), extra], targets.ids):
         return True
-    if clean[2] is not metrics:
-        ids = targets.ids
-        for entries in metrics.series.values():
-            for _, value in entries:
-                if id(value) in ids:
-                    return True
-    targets.clean = (hooks, extra, metrics)
+    targets.clean = (hooks, extra)
+    return _recorded(state.metrics.series, targets)
+
+
+def _recorded(series: Any, targets: Targets) -> bool:
+    """Whether a metric holds one of the tensors; only the entries newer than the last check are read.
+
+    A metric's entries only ever grow at the end (``record``, ``merge``), and
+    entries are values: the ones up to the newest entry found clean last time
+    hold what they held then.
+    """
+    ids, newest = targets.ids, targets.newest
+    found: dict[str, Any] = {}
+    for name, entries in series.items():
+        known = newest.get(name)
+        for entry in reversed(entries):
+            if entry is known:
+                break
+            if id(entry[1]) in ids:
+                return True
+        if entries:
+            found[name] = entries[-1]
+    targets.newest = found
     return False
 
 

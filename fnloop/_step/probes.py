@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from fnloop.checkpoint._atomic import write_atomically
+from fnloop._atomic import write_atomically
 
 __all__ = ["remembered_probes"]
 

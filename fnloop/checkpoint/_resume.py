@@ -7,8 +7,8 @@ import warnings
 import attrs
 
 from fnloop._core.state import TrainState
-from fnloop.checkpoint import StrPath, latest
 from fnloop.checkpoint._codec import CheckpointMismatch
+from fnloop.checkpoint._files import StrPath, latest
 
 __all__ = ["RunChanged", "resume"]
 

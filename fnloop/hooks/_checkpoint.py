@@ -12,12 +12,12 @@ from typing import ClassVar
 
 import attrs
 
+from fnloop._atomic import DirectoryInUse, claim, holding, holds, release
 from fnloop._core.combinators import Hook, stateful
 from fnloop._core.messages import got
 from fnloop._core.phase import Phase
 from fnloop._core.state import TrainState, request
 from fnloop.checkpoint import CheckpointWarning, checkpoints, path_for, save
-from fnloop.checkpoint._atomic import DirectoryInUse, claim, holding, holds, release
 from fnloop.hooks._unrecorded import MetricNeverRecorded, never_recorded
 
 __all__ = ["Best", "DirectoryInUse", "MetricNeverRecorded", "best_checkpoint", "checkpoint"]

@@ -1,0 +1,351 @@
+"""Checkpoint files: save, load and find them, moving the bytes and checking the checksum.
+
+The file's header is ``fnloop.checkpoint._safetensors``, the skeleton
+``fnloop.checkpoint._codec``, the state's policy ``fnloop.checkpoint._state_codec``
+and the atomic write ``fnloop._atomic``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import stat
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fnloop._atomic import remove_leftovers, write_atomically
+from fnloop._core.state import TrainState
+from fnloop.checkpoint._codec import (
+    DTYPES,
+    CheckpointError,
+    DamagedCheckpoint,
+    decode,
+)
+from fnloop.checkpoint._safetensors import (
+    FORMAT_VERSION,
+    PLACEHOLDER,
+    check_format,
+    damaged,
+    header,
+    layout,
+    read_header,
+)
+from fnloop.checkpoint._state_codec import encode_state, fill_state
+from fnloop.checkpoint._transfer import _bytes, _digest, _pread, _pwrite, _transfer
+
+__all__ = ["CheckpointWarning", "checkpoints", "latest", "load", "path_for", "read_raw", "save"]
+
+StrPath = str | os.PathLike[str]
+
+_NAME = re.compile(r"ckpt-(\d{8,})\.safetensors")
+try:
+    _MEMORY = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")  # no file bigger loads
+except (AttributeError, ValueError, OSError):
+    _MEMORY = 1 << 62
+
+
+class CheckpointWarning(UserWarning):
+    """``latest`` skipped a damaged checkpoint file; the message names it and says why."""
+
+
+def path_for(directory: StrPath, iteration: int) -> Path:
+    """The file a checkpoint of ``iteration`` has in ``directory``: ``ckpt-{iteration:08d}.safetensors``.
+
+    Raises:
+        ValueError: ``iteration`` is not a non-negative int.
+
+    Examples:
+        >>> path_for("run/ckpt", 12).name
+        'ckpt-00000012.safetensors'
+    """
+    if type(iteration) is not int or iteration < 0:
+        raise ValueError(f"'iteration' must be a non-negative int (got {iteration!r}).")
+    return Path(directory) / f"ckpt-{iteration:08d}.safetensors"
+
+
+def checkpoints(directory: StrPath) -> list[Path]:
+    """The checkpoint files in ``directory`` (named as ``path_for`` names them), newest first.
+
+    Temporary files of saves in progress (or interrupted) are not listed.
+    A missing directory has none.
+
+    Examples:
+        >>> checkpoints("no/such/directory")
+        []
+    """
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    except ValueError as exc:  # a NUL byte
+        raise CheckpointError(f"{directory!r:.200}: not a usable directory name ({exc})") from None
+    found = [(int(m[1]), name) for name in names if (m := _NAME.fullmatch(name))]
+    return [Path(directory) / name for _, name in sorted(found, reverse=True)]
+
+
+def save(state: TrainState, path: StrPath) -> Path:
+    """Write ``state`` to ``path`` atomically, creating the directory if needed.
+
+    The file is written under a temporary name in the same directory, flushed
+    to disk, and renamed onto ``path``: a crash at any moment leaves either
+    the old file or the new one, never a mix. Leftovers of interrupted saves
+    in that directory are removed. Tensors are saved from CPU memory; a tensor
+    reached twice is stored once.
+
+    Args:
+        state: the state to save; it must have no pending ``effects``.
+        path: the file to write (usually ``path_for(directory, state.iteration)``).
+
+    Returns:
+        ``path``, as a ``pathlib.Path``.
+
+    Raises:
+        TypeError: ``state`` is not a TrainState, or holds something a
+            checkpoint cannot hold (a function, an arbitrary object); the
+            message names its path.
+        ValueError: ``state`` has pending effects.
+        OSError: the file cannot be written; an existing file at ``path`` is untouched.
+
+    Examples:
+        >>> import tempfile
+        >>> state = TrainState(max_iter=10, params={"w": torch.ones(2)})
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     path = save(state, path_for(d, state.iteration))
+        ...     load(path, like=state).params
+        {'w': tensor([1., 1.])}
+    """
+    if type(state) is not TrainState:
+        raise TypeError(f"save() expected a fnloop.TrainState, got {state!r:.80} (a {type(state).__name__}).")
+    if state.effects:
+        labels = [e.label or repr(e.perform) for e in state.effects]
+        raise ValueError(
+            f"cannot save a state with {len(state.effects)} pending effect(s) {labels}: effects carry "
+            "code, which a checkpoint does not hold. Save from an effect (the fold performs effects on "
+            "the state with its effects cleared), or drop them: attrs.evolve(state, effects=())."
+        )
+    skeleton, tensors = encode_state(state)
+    text = json.dumps(skeleton, separators=(",", ":"), allow_nan=False)
+    entries = layout(tensors)
+    views = [_bytes(tensors[key]) for key in entries]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(path.parent)
+
+    def write(fd: int) -> None:
+        # The tensors first, so their checksum is known when the header is written in front of them.
+        start = len(header(text, entries, PLACEHOLDER))
+        crcs = _transfer(fd, views, start, _pwrite)
+        checksum = _digest(text, zip(entries, entries.values(), crcs), FORMAT_VERSION)
+        _pwrite(fd, memoryview(header(text, entries, checksum)), 0)
+
+    write_atomically(path, write)
+    return path
+
+
+def load(path: StrPath, *, like: TrainState) -> TrainState:
+    """The state saved in ``path``, checked against and built like the template ``like``.
+
+    Strict for the record's fields: a missing, unexpected or mismatched entry
+    (kind, dtype, shape, record fields, dict keys, tuple length) is an error
+    naming the file and the entry's path. Records are rebuilt with the
+    template's classes, tensors placed on the template tensor's device.
+    ``metrics`` come from the file as saved. Hook states are lenient, as the
+    seed trainer is: one the template knows (``like.hooks[name]``) is checked
+    against it; one it does not know becomes an ``fnloop.Unclaimed`` that the
+    run's hook of that name claims (or the fold drops, with a warning); a hook
+    of the template with no saved state keeps its template value.
+
+    Args:
+        path: a file written by ``save``.
+        like: a state built by the same code as the saved one (its values are not used).
+
+    Returns:
+        The saved state.
+
+    Raises:
+        DamagedCheckpoint: the file is missing, unreadable, truncated, corrupted
+            (checksum) or not an fnloop checkpoint.
+        CheckpointMismatch: the file is intact but does not fit ``like``.
+        CheckpointError: the file was written in another format version. All
+            three are ``CheckpointError``s and name the file.
+
+    Examples:
+        >>> import tempfile
+        >>> state = TrainState(max_iter=10, iteration=4, hooks={"steps": 4})
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     path = save(state, path_for(d, 4))
+        ...     loaded = load(path, like=TrainState(max_iter=10))
+        >>> loaded.iteration, loaded.hooks["steps"].claim(0)
+        (4, 4)
+    """
+    if type(like) is not TrainState:
+        raise TypeError(
+            f"load() expected like= a fnloop.TrainState, got {like!r:.80} (a {type(like).__name__})."
+        )
+    _, raw = _read(path)
+    return fill_state(raw, like, f"{path}: state")
+
+
+def latest(directory: StrPath, *, like: TrainState) -> TrainState | None:
+    """The newest checkpoint in ``directory`` that loads, skipping damaged files; ``None`` if none.
+
+    A damaged file (truncated, corrupted, unreadable) is skipped with a
+    ``CheckpointWarning`` naming it and why. A file that is intact but does
+    not fit ``like``, or is of another format version, raises: resuming from
+    an older checkpoint, or from scratch, would hide that the code changed.
+
+    To continue a run, ``resume(directory, like=template)`` does this and
+    checks the run's settings against the template.
+
+    Raises:
+        CheckpointMismatch: the newest intact checkpoint does not fit ``like``.
+        CheckpointError: the newest intact checkpoint is of another format version.
+
+    Examples:
+        >>> latest("no/such/directory", like=TrainState(max_iter=1)) is None
+        True
+    """
+    if type(like) is not TrainState:
+        raise TypeError(f"latest() expected like= a fnloop.TrainState, got {like!r:.80}.")
+    from fnloop.distributed import broadcast_object, rank, world_size
+
+    if world_size() == 1:
+        return _newest(directory, like)[1]
+    # Data parallel: rank 0 chooses (a save may be in flight), and every rank loads that file.
+    found: TrainState | None = None
+    chosen: tuple[str, Any] = ("none", None)
+    if rank() == 0:
+        try:
+            path, found = _newest(directory, like)
+            if path is not None:
+                chosen = ("path", os.fspath(path))
+        except BaseException as exc:
+            chosen = ("error", exc)
+            broadcast_object(chosen)
+            raise
+    kind, value = broadcast_object(chosen)
+    if rank() == 0:
+        return found
+    if kind == "error":
+        raise value
+    if kind == "none":
+        return None
+    try:
+        return load(value, like=like)
+    except CheckpointError as exc:
+        exc.add_note(
+            f"rank 0 chose {value}; every rank loads the file rank 0 chose, so a run on several "
+            "machines needs its checkpoint directory on a filesystem they share."
+        )
+        raise
+
+
+def _newest(directory: StrPath, like: TrainState) -> tuple[Path | None, TrainState | None]:
+    """The newest checkpoint of ``directory`` that loads, and its path; damaged ones skipped."""
+    for path in checkpoints(directory):
+        try:
+            return path, load(path, like=like)
+        except DamagedCheckpoint as exc:
+            warnings.warn(f"skipping a damaged checkpoint: {exc}", CheckpointWarning, stacklevel=3)
+    return None, None
+
+
+def read_raw(path: StrPath) -> tuple[dict[str, str], Any]:
+    """A checkpoint's metadata and its state as plain data, without a template.
+
+    For tools that inspect checkpoints without the training code (``fnloop
+    inspect`` / ``diff``). The tree is made of dicts, lists, tuples, numbers,
+    strings and CPU tensors; records come back as dicts of their fields
+    (``Record``, with ``.type`` the saved class's name).
+
+    Returns:
+        ``(metadata, tree)``: the file's ``fnloop.*`` metadata other than the
+        skeleton (format, version, checksum), and the state's fields.
+
+    Raises:
+        CheckpointError: as ``load``, for everything but the template.
+
+    Examples:
+        >>> import tempfile
+        >>> with tempfile.TemporaryDirectory() as d:
+        ...     meta, tree = read_raw(save(TrainState(max_iter=3, extra=(1, 2.5)), path_for(d, 0)))
+        >>> meta["fnloop.format"], tree["max_iter"], tree["extra"]
+        ('2', 3, (1, 2.5))
+    """
+    metadata, raw = _read(path)
+    return {k: v for k, v in metadata.items() if k != "fnloop.skeleton"}, raw
+
+
+def _read(path: StrPath) -> tuple[dict[str, str], Any]:
+    try:
+        # Not blocking: a FIFO named like a checkpoint would wait for a writer forever.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
+        what = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise DamagedCheckpoint(f"{path}: cannot read the file: {what}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise damaged(
+                str(path), f"not a regular file (a {_KINDS.get(stat.S_IFMT(mode), 'special file')})"
+            )
+        os.set_blocking(fd, True)
+        with open(fd, "rb", closefd=False) as file:
+            metadata, tensors = _read_file(file, str(path))
+    except OSError as exc:
+        raise DamagedCheckpoint(f"{path}: cannot read the file: {exc.strerror or exc}") from exc
+    finally:
+        os.close(fd)
+    where = f"{path}: state"
+    try:
+        return metadata, decode(json.loads(metadata["fnloop.skeleton"]), tensors, where)
+    except (ValueError, RecursionError) as exc:
+        raise DamagedCheckpoint(
+            f"{path}: the skeleton cannot be read ({type(exc).__name__}: {exc})"
+        ) from None
+
+
+_KINDS = {stat.S_IFDIR: "directory", stat.S_IFIFO: "FIFO", stat.S_IFSOCK: "socket", stat.S_IFCHR: "device"}
+
+
+def _read_file(file: io.BufferedReader, name: str) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    metadata, start, entries = read_header(file, name)
+    # Nothing is shaped before the checksum holds, and only tensors with bytes get memory before
+    # then: the header is checked, but what it claims is not yet known to be what was written.
+    buffers, views, specs = {}, [], {}
+    total = sum(end - begin for *_, begin, end in entries)
+    try:
+        if total > _MEMORY:  # not left to the allocator: with overcommit, it would say yes
+            raise MemoryError
+        for key, dtype, shape, begin, end in entries:
+            specs[key] = {"dtype": DTYPES[dtype], "shape": shape}
+            if end > begin:
+                buffers[key] = torch.empty(end - begin, dtype=torch.uint8)
+                views.append(_bytes(buffers[key]))
+    except (RuntimeError, MemoryError):
+        raise CheckpointError(
+            f"{name}: its tensors take {total:,} bytes, more memory than this process can get. "
+            "Load it on a machine with more memory; if the file is not that large on disk, it is sparse "
+            "and damaged."
+        ) from None
+    try:
+        crcs = iter(_transfer(file.fileno(), views, start, _pread))
+    except EOFError:
+        raise damaged(name, "truncated while its tensors were read") from None
+    found = [(key, spec, next(crcs) if key in buffers else []) for key, spec in specs.items()]
+    stored = metadata.get("fnloop.checksum")
+    if _digest(metadata["fnloop.skeleton"], found, metadata["fnloop.format"]) != stored:
+        raise damaged(
+            name,
+            f"checksum mismatch (stored {stored!r:.40}): its bytes changed after it "
+            "was written, by a disk, transfer or copy error",
+        )
+    check_format(metadata, name)
+    empty = torch.empty(0, dtype=torch.uint8)
+    tensors = {key: buffers.get(key, empty).view(dtype).reshape(shape) for key, dtype, shape, _, _ in entries}
+    return metadata, tensors
