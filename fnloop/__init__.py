@@ -1,16 +1,15 @@
 """fnloop: a training loop for PyTorch in which the whole run is a value."""
 
 from fnloop import checkpoint, data, distributed, hooks, optim, replay, writers
+from fnloop._core.checked import checked
 from fnloop._core.combinators import (
     Hook,
     chain,
-    checked,
     every,
     identity,
     on,
     once,
     state_names,
-    stateful,
     when,
 )
 from fnloop._core.metrics import Metrics
@@ -26,6 +25,7 @@ from fnloop._core.state import (
     request,
     with_hook_state,
 )
+from fnloop._core.stateful import stateful
 from fnloop._run import BatchesExhausted, Preempted, Step, UnclaimedHookState, run, scan
 from fnloop._step.eval import EvalStep, eval_step
 from fnloop._step.export import load_state_dict, state_dict

@@ -16,7 +16,8 @@ from typing import Any
 import attrs
 
 from fnloop import distributed
-from fnloop._core.combinators import Hook, chain, checked
+from fnloop._core.checked import checked
+from fnloop._core.combinators import Hook, chain
 from fnloop._core.fold import BatchesExhausted, Driver, UnclaimedHookState, fold
 from fnloop._core.plan import off_boundaries
 from fnloop._core.signals import Preempted, _signals

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import os
 import sys
 from typing import Any
@@ -79,6 +80,9 @@ def _leave() -> None:
     """
     if hasattr(sys, "last_value") or not dist.is_initialized():
         return
+    # Garbage first: a step (often in a reference cycle) holds the group in its compiled graph's
+    # collectives, and a group freed only by the interpreter's final collection aborts the same way.
+    gc.collect()
     dist.destroy_process_group()
 
 

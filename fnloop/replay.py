@@ -24,6 +24,7 @@ import attrs
 import torch
 
 from fnloop._core.combinators import Hook
+from fnloop._core.messages import a_path
 from fnloop._core.phase import Phase
 from fnloop._core.state import TrainState, request
 from fnloop._core.tree import leaves
@@ -60,15 +61,11 @@ def _append(path: Path, state: TrainState) -> None:
         log.write(json.dumps(line) + "\n")
 
 
-def _path(path: str | os.PathLike[str]) -> str:
-    return os.fspath(path)
-
-
 @attrs.frozen(repr=False)
 class Fingerprints:
     """Append each step's fingerprint to a JSON-lines log; build it with ``fingerprints``."""
 
-    path: str = attrs.field(converter=_path)
+    path: str = attrs.field(converter=a_path)
 
     def __call__(self, state: TrainState, phase: Phase, /) -> TrainState:
         if phase is not Phase.AFTER_STEP:

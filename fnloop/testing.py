@@ -20,10 +20,11 @@ import attrs
 import torch
 from hypothesis import strategies as st
 
-from fnloop._core.combinators import Hook, every, on, once, stateful, when
+from fnloop._core.combinators import Hook, every, on, once, when
 from fnloop._core.metrics import Metrics
 from fnloop._core.phase import Phase
 from fnloop._core.state import Clock, TrainState, Unclaimed
+from fnloop._core.stateful import stateful
 from fnloop._core.tree import first_difference, leaves
 from fnloop._run import run
 

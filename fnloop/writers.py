@@ -28,7 +28,7 @@ from typing import Any, Protocol, runtime_checkable
 import attrs
 
 from fnloop._atomic import write_atomically
-from fnloop._core.messages import got
+from fnloop._core.messages import a_path
 from fnloop._core.metrics import Metrics, Scalar, to_floats
 
 __all__ = ["Line", "Writer", "console", "jsonl", "tensorboard"]
@@ -221,12 +221,6 @@ def console() -> Console:
 # -- JSON lines ----------------------------------------------------------------------------------------
 
 
-def _path(value: str | os.PathLike[str]) -> str:
-    if not isinstance(value, (str, os.PathLike)):
-        raise TypeError(f"'path' must be a str or os.PathLike ({got(value)}).")
-    return os.fspath(value)
-
-
 def _iteration(text: str) -> int | None:
     try:
         entry = json.loads(text)
@@ -244,7 +238,7 @@ _FILES: dict[tuple[int, str], Any] = {}
 class Jsonl:
     """Appends one JSON object per line to ``path``; build it with ``jsonl``."""
 
-    path: str = attrs.field(converter=_path)
+    path: str = attrs.field(converter=a_path)
 
     def start(self, iteration: int) -> None:
         """Cut the file back to the lines of iterations before ``iteration``, atomically."""
@@ -337,7 +331,7 @@ def _summary_writer(logdir: str, purge_step: int | None) -> Any:
 class Tensorboard:
     """Writes scalars to TensorBoard event files in ``logdir``; build it with ``tensorboard``."""
 
-    logdir: str = attrs.field(converter=_path)
+    logdir: str = attrs.field(converter=a_path)
 
     def start(self, iteration: int) -> None:
         """Open the event file with ``purge_step=iteration``: TensorBoard hides older events from there on."""

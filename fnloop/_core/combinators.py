@@ -3,26 +3,25 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import attrs
 
-from fnloop._core.messages import non_empty_str, non_negative_int, positive_int
+from fnloop._core.messages import describe, non_negative_int, positive_int
 from fnloop._core.phase import Phase
 from fnloop._core.schedule import Schedule, scheduled
-from fnloop._core.state import TrainState, Unclaimed, unchecked
+from fnloop._core.state import TrainState
 
 __all__ = [
     "Hook",
-    "checked",
-    "Stateful",
     "chain",
+    "check_hook",
     "every",
     "identity",
     "on",
     "once",
+    "returned",
     "state_names",
-    "stateful",
     "when",
 ]
 
@@ -64,18 +63,11 @@ def identity(state: TrainState, phase: Phase, /) -> TrainState:
     return state
 
 
-def _describe(hook: object) -> str:
-    name = getattr(hook, "__qualname__", None)
-    if name is not None and callable(hook) and not isinstance(hook, type):
-        return name
-    return repr(hook)
-
-
 def returned(hook: object, phase: Phase, got: object) -> TypeError:
     """The error for a hook that returned something other than a ``TrainState``."""
     hint = " (did it forget to `return state`?)" if got is None else ""
     return TypeError(
-        f"hook {_describe(hook)} returned {got!r:.80} (a {type(got).__name__}) in {phase!r}; "
+        f"hook {describe(hook)} returned {got!r:.80} (a {type(got).__name__}) in {phase!r}; "
         f"a hook must return a TrainState{hint}. Return the state it was given for phases "
         "it ignores, and a new one (attrs.evolve) where it changes something."
     )
@@ -85,6 +77,7 @@ def state_names(hook: object) -> tuple[str, ...]:
     """The names of the hook states that ``hook`` (and any hook inside it) keeps.
 
     Examples:
+        >>> from fnloop import stateful
         >>> state_names(chain(stateful("a", 0, lambda s, p, m: (s, m)), identity))
         ('a',)
     """
@@ -104,7 +97,7 @@ def _check_unique(hooks: tuple[object, ...]) -> None:
             seen[name] = hook
 
 
-def _check_hook(hook: object, where: str) -> None:
+def check_hook(hook: object, where: str) -> None:
     if not callable(hook):
         raise TypeError(
             f"{where} expected a hook, a callable (state, phase) -> state, "
@@ -166,7 +159,7 @@ class Chain:
         return found.pop() if len(found) == 1 else Schedule.always()
 
     def __repr__(self) -> str:
-        return f"chain({', '.join(_describe(h) for h in self.hooks)})"
+        return f"chain({', '.join(describe(h) for h in self.hooks)})"
 
 
 def chain(*hooks: Hook | None) -> Hook:
@@ -192,7 +185,7 @@ def chain(*hooks: Hook | None) -> Hook:
     for hook in hooks:
         if hook is None or hook is identity:
             continue
-        _check_hook(hook, "chain()")
+        check_hook(hook, "chain()")
         if isinstance(hook, Chain):
             flat.extend(hook.hooks)
         else:
@@ -233,7 +226,7 @@ class On(_Tested):
     def __repr__(self) -> str:
         phases = sorted(self.phases, key=lambda p: p.value)
         shown = repr(phases[0]) if len(phases) == 1 else "{" + ", ".join(map(repr, phases)) + "}"
-        return f"on({shown}, {_describe(self.hook)})"
+        return f"on({shown}, {describe(self.hook)})"
 
 
 def on(phase: Phase | Collection[Phase], hook: Hook) -> Hook:
@@ -245,7 +238,7 @@ def on(phase: Phase | Collection[Phase], hook: Hook) -> Hook:
         >>> [(p.name, i) for p, i in trace]
         [('AFTER_STEP', 0), ('AFTER_STEP', 1)]
     """
-    _check_hook(hook, "on()")
+    check_hook(hook, "on()")
     return On(_phases(phase), hook)
 
 
@@ -265,7 +258,7 @@ class Every(_Tested):
         return self.hook(state, phase)
 
     def __repr__(self) -> str:
-        return f"every({self.n}, {_describe(self.hook)})"
+        return f"every({self.n}, {describe(self.hook)})"
 
 
 def every(n: int, hook: Hook) -> Hook:
@@ -282,7 +275,7 @@ def every(n: int, hook: Hook) -> Hook:
         >>> [i for _, i in trace]
         [2, 5]
     """
-    _check_hook(hook, "every()")
+    check_hook(hook, "every()")
     periodic = Every(n, hook)
     return hook if n == 1 else periodic
 
@@ -300,7 +293,7 @@ class When(_Wrapper):
         return self.hook(state, phase)
 
     def __repr__(self) -> str:
-        return f"when({_describe(self.pred)}, {_describe(self.hook)})"
+        return f"when({describe(self.pred)}, {describe(self.hook)})"
 
 
 def when(pred: Callable[[TrainState], bool], hook: Hook) -> Hook:
@@ -312,8 +305,8 @@ def when(pred: Callable[[TrainState], bool], hook: Hook) -> Hook:
         >>> [i for _, i in testing.phase_trace(odd, max_iter=4)]
         [1, 3]
     """
-    _check_hook(pred, "when() predicate:")
-    _check_hook(hook, "when()")
+    check_hook(pred, "when() predicate:")
+    check_hook(hook, "when()")
     return When(pred, hook)
 
 
@@ -333,7 +326,7 @@ class Once(_Tested):
         return self.hook(state, phase)
 
     def __repr__(self) -> str:
-        return f"once({self.iteration}, {_describe(self.hook)})"
+        return f"once({self.iteration}, {describe(self.hook)})"
 
 
 def once(iteration: int, hook: Hook) -> Hook:
@@ -347,135 +340,5 @@ def once(iteration: int, hook: Hook) -> Hook:
         >>> [(p.name, i) for p, i in testing.phase_trace(lambda h: once(1, h), max_iter=3)]
         [('BEFORE_STEP', 1), ('AFTER_STEP', 1)]
     """
-    _check_hook(hook, "once()")
+    check_hook(hook, "once()")
     return Once(iteration, hook)
-
-
-@attrs.frozen(repr=False)
-class Stateful:
-    """A hook with memory kept in ``state.hooks[name]``; build it with ``stateful``."""
-
-    name: str = attrs.field(validator=non_empty_str)
-    init: Any
-    update: Callable[[TrainState, Phase, Any], tuple[TrainState, Any]]
-    # The update's own acts_in, read once: this hook runs every step of many runs.
-    _acts: frozenset[Phase] | None = attrs.field(init=False, eq=False, repr=False)
-
-    @_acts.default
-    def _declared(self) -> frozenset[Phase] | None:
-        declared = getattr(self.update, "acts_in", None)
-        return declared if type(declared) is frozenset else None
-
-    def __call__(self, state: TrainState, phase: Phase, /) -> TrainState:
-        acts_in = self._acts
-        if acts_in is not None and phase not in acts_in:
-            return state  # the update says it changes nothing here: its memory is not even stored
-        name = self.name
-        memory = state.hooks.get(name, self)
-        if memory is self:
-            memory = self.init
-        elif type(memory) is Unclaimed:
-            memory = memory.claim(self.init)
-        result = self.update(state, phase, memory)
-        if type(result) is not tuple or len(result) != 2 or type(result[0]) is not TrainState:
-            raise TypeError(
-                f"stateful hook {self.name!r} ({_describe(self.update)}) returned {result!r:.80} in "
-                f"{phase!r}; its update must return a pair (state, memory), state a TrainState."
-            )
-        new, new_memory = result
-        hooks = new.hooks
-        if new_memory is memory and hooks.get(name) is memory:
-            return new
-        # A dict's copy() is a few times faster than {**hooks}; `hooks` stays a
-        # str-keyed mapping, so the validators need not run again.
-        hooks = hooks.copy() if type(hooks) is dict else dict(hooks)
-        hooks[name] = new_memory
-        return unchecked(new, hooks=hooks)
-
-    @property
-    def acts_in(self) -> frozenset[Phase] | None:
-        """The phases the update declares it acts in (its own ``acts_in``), or ``None``: every phase."""
-        return self._acts
-
-    @property
-    def state_names(self) -> tuple[str, ...]:
-        return (self.name,)
-
-    def __repr__(self) -> str:
-        return f"stateful({self.name!r}, {_describe(self.update)})"
-
-
-def stateful(
-    name: str, init: Any, update: Callable[[TrainState, Phase, Any], tuple[TrainState, Any]]
-) -> Hook:
-    """A hook whose memory is kept in ``state.hooks[name]``, so checkpoints hold it.
-
-    ``update(state, phase, memory) -> (state, memory)`` sees ``init`` the first
-    time (and after a resume from a checkpoint that holds no state for
-    ``name``). The name must be unique among the hooks of a run; ``chain`` and
-    ``run`` refuse a clash rather than lose a state. An ``update`` with an
-    ``acts_in`` attribute (a frozenset of phases) declares that it changes
-    nothing in the other phases: the hook returns its input there without
-    calling it, and the fold's plan knows it, as for a hook's own ``acts_in``.
-
-    Raises:
-        ValueError: ``name`` is empty or not a str.
-
-    Examples:
-        >>> def count(state, phase, n):
-        ...     return state, n + (phase is Phase.AFTER_STEP)
-        >>> from fnloop import run
-        >>> run(TrainState(max_iter=3), lambda s, b: s, [None] * 3, [stateful("steps", 0, count)]).hooks
-        {'steps': 3}
-    """
-    _check_hook(update, "stateful()")
-    return Stateful(name, init, update)
-
-
-def _versions(state: TrainState) -> list[tuple[str, Any, int]]:
-    from fnloop._core.tree import leaves
-
-    return [(p, t, t._version) for p, t in leaves(state) if hasattr(t, "_version")]
-
-
-@attrs.frozen(repr=False)
-class Checked(_Wrapper):
-    """``hook``, failing loudly if it writes into a tensor of the state it is given."""
-
-    hook: Hook
-
-    def __call__(self, state: TrainState, phase: Phase, /) -> TrainState:
-        before = _versions(state)
-        out = self.hook(state, phase)
-        for path, tensor, version in before:
-            if tensor._version != version:
-                raise RuntimeError(
-                    f"hook {_describe(self.hook)} wrote into {path} in place in {phase!r}. Hooks must "
-                    "not mutate the state they are given: the tensor may be shared with a saved or "
-                    "yielded state. Build a new tensor (x = x + 1, not x += 1) and return a new state."
-                )
-        return out
-
-    def __repr__(self) -> str:
-        return f"checked({_describe(self.hook)})"
-
-
-def checked(hook: Hook) -> Hook:
-    """``hook`` (each hook of a chain) guarded against writing into the state's tensors in place.
-
-    A debugging aid: it compares every tensor's version counter before and
-    after each call, and names the hook and the tensor's path. ``run(...,
-    debug=True)`` applies it to every hook.
-
-    Examples:
-        >>> def bad(state, phase):
-        ...     for p in state.params.values():
-        ...         p.add_(1)
-        ...     return state
-        >>> import torch
-        >>> checked(bad)(TrainState(max_iter=1, params={"w": torch.zeros(1)}), Phase.BEFORE_STEP)
-        Traceback (most recent call last):
-        RuntimeError: hook bad wrote into state.params['w'] in place in Phase.BEFORE_STEP. ...
-    """
-    hooks = hook.hooks if isinstance(hook, Chain) else (hook,)
-    return chain(*[Checked(h) for h in hooks])

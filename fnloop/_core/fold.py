@@ -84,6 +84,15 @@ class Driver:
 
 def fold(state: TrainState, batches: Iterable[Any], driver: Driver) -> Iterator[TrainState]:
     """Yield the state after each unit of iterations, then the final one, after ``AFTER_TRAIN``."""
+    try:
+        yield from _fold(state, batches, driver)
+    finally:
+        # What the step kept of this run's states goes with the run: a step is often held in a
+        # reference cycle, and what it keeps would otherwise live until the interpreter's teardown.
+        driver.step.finish()
+
+
+def _fold(state: TrainState, batches: Iterable[Any], driver: Driver) -> Iterator[TrainState]:
     hook, clock = driver.hook, driver.clock
     last = Last(state)
     try:

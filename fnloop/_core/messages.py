@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import attrs
 
 
@@ -24,6 +26,31 @@ def a_type(value: object) -> str:
     """
     name = type(value).__name__
     return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
+def describe(obj: object) -> str:
+    """A short name for ``obj`` in reprs and messages: a function's (or callable's) name, else its repr.
+
+    Examples:
+        >>> describe(len), describe(3)
+        ('len', '3')
+    """
+    name = getattr(obj, "__qualname__", None)
+    if callable(obj) and isinstance(name, str) and not isinstance(obj, type):
+        return name
+    return repr(obj)
+
+
+def a_path(value: object, name: str = "path") -> str:
+    """``value`` as a path string (``os.fspath``), refused unless it is a str or an ``os.PathLike``.
+
+    Examples:
+        >>> a_path("runs/a")
+        'runs/a'
+    """
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"'{name}' must be a str or os.PathLike ({got(value)}).")
+    return os.fspath(value)
 
 
 # The attrs validators most records share; a record-specific one lives beside its record.

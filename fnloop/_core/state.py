@@ -52,7 +52,6 @@ def _str_mapping(instance: object, attribute: attrs.Attribute, value: object) ->
         raise TypeError(f"'{attribute.name}' must be a mapping keyed by hook name (str) ({got(value)}).")
 
 
-
 def _clock(instance: object, attribute: attrs.Attribute, value: object) -> None:
     if type(value) is not Clock:
         raise TypeError(

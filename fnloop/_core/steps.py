@@ -64,6 +64,9 @@ class Applied(abc.ABC):
     def apply(self, state: TrainState, batches: Sequence[Any], *, owned: bool) -> TrainState:
         """``len(batches)`` iterations from ``state.iteration``; the state at the last one's index."""
 
+    def finish(self) -> None:  # noqa: B027 - a step with nothing to drop needs no override
+        """The run is over: drop whatever the step kept of its states (the fold calls it once, at the end)."""
+
 
 @attrs.frozen(repr=False)
 class _Function(Applied):

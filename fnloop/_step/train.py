@@ -159,6 +159,10 @@ class TrainStep(Applied):
     def __call__(self, state: TrainState, batch: Any, /) -> TrainState:
         return unwrapped(self.apply, state, [batch], owned=False)
 
+    def finish(self) -> None:
+        """Drop the layout of the run's states kept between steps (see ``_targets``)."""
+        self._layout.clear()
+
     def donating(self, state: TrainState, batch: Any, /) -> TrainState:
         """The step, reusing the storage of ``state``'s params, buffers and optimizer state.
 
@@ -548,6 +552,9 @@ class _Undonated(Applied):
 
     def apply(self, state: TrainState, batches: Sequence[Any], *, owned: bool) -> TrainState:
         return self.step.apply(state, batches, owned=False)
+
+    def finish(self) -> None:
+        self.step.finish()
 
     def __call__(self, state: TrainState, batch: Any, /) -> TrainState:
         return self.step(state, batch)

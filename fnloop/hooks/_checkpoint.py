@@ -13,10 +13,11 @@ from typing import ClassVar
 import attrs
 
 from fnloop._atomic import DirectoryInUse, claim, holding, holds, release
-from fnloop._core.combinators import Hook, stateful
-from fnloop._core.messages import got
+from fnloop._core.combinators import Hook
+from fnloop._core.messages import a_path, got
 from fnloop._core.phase import Phase
 from fnloop._core.state import TrainState, request
+from fnloop._core.stateful import stateful
 from fnloop.checkpoint import CheckpointWarning, checkpoints, path_for, save
 from fnloop.hooks._unrecorded import MetricNeverRecorded, never_recorded
 
@@ -25,15 +26,15 @@ __all__ = ["Best", "DirectoryInUse", "MetricNeverRecorded", "best_checkpoint", "
 _ABANDONED = re.compile(r"ckpt-(\d{8,})\.safetensors\.abandoned")
 
 
+def _a_directory(value: object) -> str:
+    return a_path(value, "directory")
+
+
 def _keep(instance: object, attribute: attrs.Attribute, value: object) -> None:
     if value is not None and (type(value) is not int or value < 1):
         raise ValueError(
             f"'{attribute.name}' must be a positive int or None to keep every checkpoint ({got(value)})."
         )
-
-
-def _path(path: str | os.PathLike[str]) -> str:
-    return os.fspath(path)
 
 
 def _directory(caller: str, directory: str | os.PathLike[str]) -> Path:
@@ -54,7 +55,7 @@ class Checkpoint:
     acts_in: ClassVar[frozenset[Phase]] = frozenset({Phase.BEFORE_TRAIN, Phase.AFTER_STEP, Phase.AFTER_TRAIN})
     """The phases it may change the state in; the fold does not call it in the others."""
 
-    directory: str = attrs.field(converter=_path)
+    directory: str = attrs.field(converter=_a_directory)
     keep: int | None = attrs.field(validator=_keep)
 
     def __call__(self, state: TrainState, phase: Phase, /) -> TrainState:

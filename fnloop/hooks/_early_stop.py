@@ -8,11 +8,12 @@ from typing import ClassVar
 
 import attrs
 
-from fnloop._core.combinators import Hook, stateful
+from fnloop._core.combinators import Hook
 from fnloop._core.messages import got
 from fnloop._core.metrics import to_floats
 from fnloop._core.phase import Phase
 from fnloop._core.state import TrainState, request
+from fnloop._core.stateful import stateful
 from fnloop.hooks._unrecorded import MetricNeverRecorded, never_recorded
 
 __all__ = ["EarlyStopState", "early_stop"]

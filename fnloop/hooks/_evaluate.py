@@ -11,11 +11,12 @@ import attrs
 import torch
 from torch.utils import _pytree as pytree
 
-from fnloop._core.combinators import Hook, stateful
+from fnloop._core.combinators import Hook
 from fnloop._core.messages import got
 from fnloop._core.metrics import Scalar
 from fnloop._core.phase import Phase
 from fnloop._core.state import TrainState
+from fnloop._core.stateful import stateful
 from fnloop.data import Batches
 from fnloop.hooks._ema import ema_params
 

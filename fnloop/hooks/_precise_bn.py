@@ -11,10 +11,11 @@ import torch
 from torch.func import functional_call
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from fnloop._core.combinators import Hook, stateful
+from fnloop._core.combinators import Hook
 from fnloop._core.messages import got
 from fnloop._core.phase import Phase
 from fnloop._core.state import TrainState
+from fnloop._core.stateful import stateful
 from fnloop._step.seeding import _seeded
 from fnloop.data import Batches
 from fnloop.hooks._evaluate import due

@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import attrs
 import torch
 
-from fnloop._core.messages import got, non_negative_int, positive_int
+from fnloop._core.messages import a_path, non_negative_int, positive_int
 from fnloop._core.phase import Phase
 from fnloop._core.state import TrainState, request
 
@@ -19,6 +19,10 @@ __all__ = ["Profile", "profile"]
 
 _PROFILERS: dict[tuple[int, str, int], Any] = {}
 """(process id, directory, first iteration) -> the running profiler."""
+
+
+def _a_directory(value: object) -> str:
+    return a_path(value, "directory")
 
 
 @attrs.frozen
@@ -65,12 +69,6 @@ def trace_path(directory: str | os.PathLike[str], start: int) -> Path:
     return Path(directory) / f"trace-{start}.json"
 
 
-def _path(value: str | os.PathLike[str]) -> str:
-    if not isinstance(value, (str, os.PathLike)):
-        raise TypeError(f"'directory' must be a str or os.PathLike ({got(value)}).")
-    return os.fspath(value)
-
-
 @attrs.frozen(repr=False)
 class Profile:
     """Profile iterations ``[start, start + steps)``; build it with ``profile``."""
@@ -78,7 +76,7 @@ class Profile:
     acts_in: ClassVar[frozenset[Phase]] = frozenset({Phase.BEFORE_STEP, Phase.AFTER_STEP, Phase.AFTER_TRAIN})
     """The phases it may change the state in; the fold does not call it in the others."""
 
-    directory: str = attrs.field(converter=_path)
+    directory: str = attrs.field(converter=_a_directory)
     start: int = attrs.field(validator=non_negative_int)
     steps: int = attrs.field(validator=positive_int)
 

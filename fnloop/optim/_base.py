@@ -18,7 +18,7 @@ import attrs
 import torch
 from torch.utils import _pytree as pytree
 
-from fnloop._core.messages import got
+from fnloop._core.messages import describe, got
 
 __all__ = [
     "EmptyState",
@@ -150,14 +150,6 @@ def update_in_place(
         torch._foreach_copy_(old, new)
     # What a transformation of one's own returns may share storage with its state: a copy is safe to write into.
     return {k: u.clone() for k, u in new_updates.items()}
-
-
-def describe(obj: object) -> str:
-    """A short name for ``obj`` in reprs and messages: a function's name, else its repr."""
-    name = getattr(obj, "__qualname__", None)
-    if callable(obj) and isinstance(name, str) and not isinstance(obj, type):
-        return name
-    return repr(obj)
 
 
 def check_keys(what: str, got: Mapping[str, Any], params: Mapping[str, Any], fix: str) -> None:
