@@ -27,9 +27,7 @@ from fnloop._core.state import (
 )
 from fnloop._core.stateful import stateful
 from fnloop._run import BatchesExhausted, Preempted, Step, UnclaimedHookState, run, scan
-from fnloop._step.eval import EvalStep, eval_step
-from fnloop._step.export import load_state_dict, state_dict
-from fnloop._step.train import (
+from fnloop._step.build import (
     CompileError,
     GraphBreakError,
     NonFiniteLoss,
@@ -38,6 +36,8 @@ from fnloop._step.train import (
     init,
     train_step,
 )
+from fnloop._step.eval import EvalStep, eval_step
+from fnloop._step.export import load_state_dict, state_dict
 from fnloop.checkpoint import load, save
 
 __version__ = "0.1.0"

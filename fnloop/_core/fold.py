@@ -143,13 +143,12 @@ def _unit(
     fetching = clock() if after else 0.0
     batches, cursors = source.take(n, state)
     fetched = clock() if after else 0.0
+    failure: StepFailed | None = None
     try:
         new = step.apply(state, batches, owned=owned)
     except StepFailed as failed:
         failure = failed
-    else:
-        failure = None
-    if failure is not None:
+    if failure is not None:  # raised outside the handler: the step's error keeps its own context
         raise _failed_in_step(failure, state, cursors, last, clock)
     last.torn = owned and driver.donates  # the last state may share tensors the step overwrote
     if type(new) is not TrainState:

@@ -1,0 +1,246 @@
+"""``init`` and ``train_step``: a state and a step built from a model, a loss and an optimizer."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from fnloop._core.messages import got
+from fnloop._core.state import TrainState
+from fnloop._core.steps import Applied, Step
+from fnloop._step.compiler import compile_step, compile_steps
+from fnloop._step.errors import (
+    CompileError,
+    GraphBreakError,
+    NonFiniteLoss,
+    RecompileError,
+)
+from fnloop._step.eval import plain_module
+from fnloop._step.kernel import (
+    LossFn,
+    _kernel,
+    _trained,
+    frozen,
+)
+from fnloop._step.train import TrainStep
+from fnloop.distributed import broadcast_tensors, rank
+from fnloop.optim import Optimizer
+from fnloop.optim._base import fixed_learning_rates
+
+__all__ = [
+    "CompileError",
+    "GraphBreakError",
+    "NonFiniteLoss",
+    "RecompileError",
+    "TrainStep",
+    "init",
+    "train_step",
+]
+
+
+def init(
+    model: torch.nn.Module, optimizer: Optimizer, *, seed: int, max_iter: int, extra: Any = None
+) -> TrainState:
+    """A state for training ``model`` with ``optimizer`` from iteration 0.
+
+    ``params`` and ``buffers`` are detached copies keyed like
+    ``model.named_parameters()`` and ``model.named_buffers()``; the model itself
+    is never changed by fnloop. ``opt_state`` is the optimizer's for the
+    parameters to train: those the model marks ``requires_grad=False`` are
+    kept in ``params`` and never trained (see ``train_step``).
+
+    Args:
+        model: the module whose parameters and buffers are trained (one
+            wrapped by ``torch.compile`` is unwrapped: the names stay plain).
+        optimizer: a pure optimizer (``fnloop.optim``); its ``init`` builds ``opt_state``.
+        seed: the run's seed (``state.rng``); the step's randomness is a function
+            of ``(seed, iteration)``.
+        max_iter: how many steps the run takes.
+        extra: your own data, kept in ``state.extra``.
+
+    Examples:
+        >>> import fnloop as fl
+        >>> s = fl.init(torch.nn.Linear(3, 2), fl.optim.sgd(0.1), seed=0, max_iter=10)
+        >>> sorted(s.params), s.params["weight"].requires_grad
+        (['bias', 'weight'], False)
+    """
+    model = plain_module(model, "init")
+    if not isinstance(optimizer, Optimizer):
+        kind = type(optimizer)
+        where = "torch.optim" if isinstance(optimizer, torch.optim.Optimizer) else kind.__module__
+        raise TypeError(
+            f"init() expected a fnloop.optim.Optimizer, got a {where}.{kind.__qualname__}; "
+            "fnloop's optimizers are pure functions of the state: build one with "
+            "fnloop.optim.sgd/adam/adamw (the same numbers as torch.optim's)."
+        )
+    if type(seed) is not int or seed < 0:
+        raise ValueError(f"'seed' must be a non-negative int ({got(seed)}).")
+    fixed = frozen(model, "init")
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    # Data parallel: every rank starts from rank 0's initialization, as DistributedDataParallel does.
+    broadcast_tensors([*params.values(), *buffers.values()])
+    return TrainState(
+        max_iter=max_iter,
+        params=params,
+        buffers=buffers,
+        opt_state=optimizer.init(_trained(params, fixed)),
+        rng=seed,
+        extra=extra,
+    )
+
+
+def _check_positive(name: str, value: object) -> int:
+    if type(value) is not int or value < 1:
+        raise ValueError(f"'{name}' must be a positive int ({got(value)}).")
+    return value
+
+
+def train_step(
+    model: torch.nn.Module,
+    loss_fn: LossFn,
+    optimizer: Optimizer,
+    *,
+    compile: bool = True,
+    donate: bool = True,
+    accumulate: int = 1,
+    autocast: torch.dtype | None = None,
+    recompiles: int = 0,
+    options: Mapping[str, Any] | None = None,
+    skip_nonfinite: bool = False,
+    steps_per_call: int = 1,
+) -> Step:
+    """The pure step ``(state, batch) -> state`` for ``model``, ``loss_fn`` and ``optimizer``.
+
+    Forward, backward and the optimizer update run as one function on the
+    state's tensors (``torch.func.functional_call`` + ``torch.autograd.grad``),
+    traced once, like ``jax.jit``, into one graph that inductor compiles; each
+    call then checks only the inputs' structure, shapes, strides, dtypes and
+    devices. Python in ``loss_fn`` runs once, at trace time. The iteration
+    enters as a 0-d tensor, so schedules never recompile. The loss and the
+    metrics ``loss_fn`` returns are recorded in ``state.metrics`` as tensors,
+    at the step's index, and so is the learning rate the optimizer applied
+    (``lr``, or ``lr/<group>`` for a ``partition``): a schedule's value as a
+    tensor from the graph, a fixed learning rate as its float. Randomness
+    (dropout) is seeded from ``(state.rng, iteration)`` for each step, so a
+    step replays identically after a resume.
+
+    Args:
+        model: the module; only its structure, its forward and which parameters
+            have ``requires_grad=False`` (frozen: no gradient, no update, as under
+            torch.optim) are used, never its tensors. One wrapped by
+            ``torch.compile`` is unwrapped: fnloop compiles the whole step itself.
+        loss_fn: ``loss_fn(forward, batch)``, where ``forward(*args)`` runs the
+            model on the state's params and buffers; returns a scalar loss, or
+            ``(loss, metrics)`` with ``metrics`` a dict of scalar tensors.
+        optimizer: a pure optimizer from ``fnloop.optim``.
+        compile: trace the step once into one graph and compile it with
+            inductor (see ``docs/step.md``); ``False`` runs it eagerly.
+        donate: offer the fold an in-place variant for the states it owns
+            (bit-identical results, no second copy of params and optimizer state).
+        accumulate: split each batch into this many micro-batches and average
+            their gradients (one optimizer update per batch).
+        autocast: run the forward under ``torch.autocast`` with this dtype
+            (for example ``torch.bfloat16``).
+        recompiles: how many graphs beyond the first the step may compile before
+            ``RecompileError`` (a signature seen before reuses its graph).
+        options: inductor settings, as ``torch.compile(options=...)`` takes
+            them, over fnloop's defaults (``fnloop._step.jit.default_options``:
+            the C++ wrapper for a single step's graph, and on the CPU no
+            layout optimization).
+        skip_nonfinite: what to do after a step whose loss or any gradient is
+            not finite. Either way that step leaves params, buffers and
+            optimizer state unchanged (decided inside the graph). ``False``:
+            raise ``NonFiniteLoss`` (reading one flag per step). ``True``: go on,
+            counting such steps in the metric ``skipped`` (no host sync).
+        steps_per_call: run this many iterations in one compiled call (Keras's
+            ``steps_per_execution``): ``fnloop.run`` then calls hooks only at
+            call boundaries, and checks before the run that every hook's
+            iterations fall on them (``every(n, ...)`` with ``n`` a multiple of
+            it). Each iteration's loss and metrics are still recorded, and the
+            results are bit for bit those of single steps, dropout included
+            (each step draws from its own seed inside the graph). See ``docs/step.md``.
+
+    Returns:
+        The step. With ``donate=False`` it has no ``donating`` variant.
+
+    Examples:
+        >>> import fnloop as fl
+        >>> model = torch.nn.Linear(2, 1)
+        >>> def loss_fn(forward, batch):
+        ...     x, y = batch
+        ...     return ((forward(x) - y) ** 2).mean()
+        >>> step = fl.train_step(model, loss_fn, fl.optim.sgd(0.1), compile=False)
+        >>> state = fl.init(model, fl.optim.sgd(0.1), seed=0, max_iter=1)
+        >>> new = step(state, (torch.ones(4, 2), torch.zeros(4, 1)))
+        >>> new.metrics.names, torch.equal(state.params["weight"], model.weight.detach())
+        (('loss', 'lr'), True)
+    """
+    model = plain_module(model, "train_step")
+    if not isinstance(optimizer, Optimizer):
+        kind = optimizer if isinstance(optimizer, type) else type(optimizer)
+        where = "torch.optim" if issubclass(kind, torch.optim.Optimizer) else kind.__module__
+        article = "the class" if kind is optimizer else "a"
+        raise TypeError(
+            f"train_step() expected a fnloop.optim.Optimizer, got {article} {where}.{kind.__qualname__}; "
+            "build one with fnloop.optim.sgd/adam/adamw (the same numbers as torch.optim's)."
+        )
+    accumulate = _check_positive("accumulate", accumulate)
+    update, in_place = _kernel(model, loss_fn, optimizer, accumulate, autocast, eager=not compile)
+    if type(recompiles) is not int or recompiles < 0:
+        raise ValueError(f"'recompiles' must be an int >= 0 ({got(recompiles)}).")
+    jit = compile_step(update, 1 + recompiles, options) if compile else None
+    if type(skip_nonfinite) is not bool:
+        raise TypeError(f"'skip_nonfinite' must be a bool ({got(skip_nonfinite)}).")
+    steps_per_call = _check_positive("steps_per_call", steps_per_call)
+    multi = None
+    if compile and steps_per_call > 1:
+        multi = compile_steps(update, steps_per_call, 1 + recompiles, options)
+    fixed = fixed_learning_rates(optimizer)
+    step = TrainStep(
+        model,
+        loss_fn,
+        optimizer,
+        recompiles,
+        in_place,
+        jit,
+        skip_nonfinite,
+        fixed,
+        rank(),
+        steps_per_call,
+        multi,
+    )
+    return step if donate else _Undonated(step)
+
+
+@attrs.frozen(repr=False)
+class _Undonated(Applied):
+    """A ``TrainStep`` that never writes into the state it is given (``train_step(..., donate=False)``)."""
+
+    step: TrainStep
+
+    @property
+    def per_call(self) -> int:  # type: ignore[override]
+        return self.step.steps_per_call
+
+    def apply(self, state: TrainState, batches: Sequence[Any], *, owned: bool) -> TrainState:
+        return self.step.apply(state, batches, owned=False)
+
+    def finish(self) -> None:
+        self.step.finish()
+
+    def __call__(self, state: TrainState, batch: Any, /) -> TrainState:
+        return self.step(state, batch)
+
+    def steps(self, state: TrainState, batches: Sequence[Any], /) -> TrainState:
+        return self.step.steps(state, batches)
+
+    @property
+    def steps_per_call(self) -> int:
+        return self.step.steps_per_call
+
+    def __repr__(self) -> str:
+        return f"{self.step!r} (no donation)"
