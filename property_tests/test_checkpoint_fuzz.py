@@ -97,7 +97,10 @@ def forge_checksum(head: dict[str, Any], data: bytes) -> None:
         offsets = spec.get("data_offsets")
         ok = type(offsets) is list and len(offsets) == 2 and all(type(o) is int for o in offsets)
         chunk = data[offsets[0] : offsets[1]] if ok else b""
-        crcs = [zlib.crc32(chunk[i : i + checkpoint._transfer._PIECE]) for i in range(0, len(chunk), checkpoint._transfer._PIECE)]
+        crcs = [
+            zlib.crc32(chunk[i : i + checkpoint._transfer._PIECE])
+            for i in range(0, len(chunk), checkpoint._transfer._PIECE)
+        ]
         entries.append((key, spec, crcs))
     with contextlib.suppress(Exception):  # a spec without the fields the digest reads: leave it
         metadata["fnloop.checksum"] = checkpoint._transfer._digest(

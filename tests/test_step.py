@@ -669,3 +669,19 @@ def test_a_compile_failure_names_the_op_and_the_models_lines_that_made_it():
     assert failed.op == "aten.sin.default"
     assert failed.where is not None and "test_step.py" in failed.where, failed.where
     assert "torch.sin(x) * 3.0" in failed.where
+
+
+def test_the_step_keeps_nothing_of_a_runs_states_once_it_is_over():
+    # A step is often held in a reference cycle, so what it kept would live on (an extra copy of the
+    # model, or tensors of a process group freed only by the interpreter's teardown).
+    import gc
+    import weakref
+
+    model, mse, data = linear_problem()
+    opt = fl.optim.sgd(0.1)
+    step = fl.train_step(model, mse, opt, compile=False)
+    final = fl.run(fl.init(model, opt, seed=0, max_iter=5), step, data)
+    weight = weakref.ref(final.params["weight"])
+    del final
+    gc.collect()
+    assert weight() is None

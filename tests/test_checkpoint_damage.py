@@ -1,0 +1,162 @@
+"""Any bytes named like a checkpoint give the state or a CheckpointError: damage is found, never loaded.
+
+Each test reproduces a defect an adversarial probe found; each failed before its fix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+import zlib
+
+import pytest
+
+from fnloop import TrainState, checkpoint, cli, testing
+from fnloop.checkpoint import CheckpointError, CheckpointWarning, DamagedCheckpoint
+from fnloop.checkpoint._state_codec import encode_state
+
+LIKE = TrainState(max_iter=1)
+
+
+def raw_file(path, head: dict, data: bytes = b"") -> None:
+    """A safetensors-shaped file with exactly this header: what a hostile or broken writer produces."""
+    text = json.dumps(head).encode()
+    path.write_bytes(len(text).to_bytes(8, "little") + text + data)
+
+
+def metadata(skeleton: str, entries=(), version: str = str(checkpoint.FORMAT_VERSION)) -> dict:
+    """fnloop metadata whose checksum is right for ``skeleton`` and ``entries`` (key, spec, crcs)."""
+    digest = checkpoint._transfer._digest(skeleton, entries, int(version)) if version.isdigit() else "crc32:0"
+    return {"fnloop.format": version, "fnloop.skeleton": skeleton, "fnloop.checksum": digest}
+
+
+def state_skeleton(**fields) -> str:
+    """The skeleton of TrainState(max_iter=1), with some fields' nodes replaced."""
+    skeleton, _ = encode_state(LIKE)
+    skeleton["fields"] = [[k, fields.get(k, v)] for k, v in skeleton["fields"]]
+    return json.dumps(skeleton)
+
+
+def test_a_zero_element_entry_with_a_huge_dimension_is_damaged(tmp_path):
+    path = checkpoint.path_for(tmp_path, 1)
+    entry = {"dtype": "F32", "shape": [0, 2**63], "data_offsets": [0, 0]}
+    node = {"kind": "tensor", "key": "t", "dtype": "float32", "shape": [0, 2**63]}
+    raw_file(path, {"__metadata__": metadata(state_skeleton(extra=node)), "t": entry})
+    with pytest.raises(DamagedCheckpoint, match=r"tensor 't' has a malformed header entry"):
+        checkpoint.load(path, like=LIKE)
+    with pytest.raises(DamagedCheckpoint):
+        checkpoint.read_raw(path)
+    with pytest.warns(CheckpointWarning, match="malformed header entry"):
+        assert checkpoint.latest(tmp_path, like=LIKE) is None
+    assert cli.main(["inspect", str(path)]) == 2
+
+
+def test_a_huge_tensor_in_a_sparse_file_is_a_checkpoint_error_at_once(tmp_path):
+    path = tmp_path / "sparse.safetensors"
+    size = 10**12
+    node = {"kind": "tensor", "key": "t", "dtype": "uint8", "shape": [size]}
+    entry = {"dtype": "U8", "shape": [size], "data_offsets": [0, size]}
+    head = {"__metadata__": metadata(state_skeleton(extra=node)), "t": entry}
+    raw_file(path, head)
+    with open(path, "r+b") as file:
+        file.truncate(path.stat().st_size + size)
+    began = time.perf_counter()
+    with pytest.raises(
+        CheckpointError, match=r"sparse\.safetensors: its tensors take 1,000,000,000,000 bytes, more memory"
+    ):
+        checkpoint.load(path, like=LIKE)
+    assert time.perf_counter() - began < 5
+
+
+def test_a_phase_whose_name_is_a_list_is_damaged(tmp_path):
+    path = tmp_path / "c"
+    skeleton = state_skeleton(extra={"kind": "phase", "name": ["AFTER_STEP"]})
+    raw_file(path, {"__metadata__": metadata(skeleton)})
+    with pytest.raises(DamagedCheckpoint, match=r"unknown phase \['AFTER_STEP'\]"):
+        checkpoint.read_raw(path)
+
+
+def test_a_path_with_a_nul_byte_is_a_checkpoint_error(tmp_path):
+    with pytest.raises(DamagedCheckpoint, match="cannot read the file"):
+        checkpoint.load(f"{tmp_path}/a\0b", like=LIKE)
+    with pytest.raises(CheckpointError, match="not a usable directory name"):
+        checkpoint.latest(f"{tmp_path}/a\0b", like=LIKE)
+
+
+def test_every_single_bit_flip_of_the_format_digit_is_skipped_as_damage(tmp_path):
+    older = checkpoint.save(TrainState(max_iter=9, iteration=1), checkpoint.path_for(tmp_path, 1))
+    newest = checkpoint.save(TrainState(max_iter=9, iteration=2), checkpoint.path_for(tmp_path, 2))
+    data = newest.read_bytes()
+    at = data.index(b'"fnloop.format":"') + len(b'"fnloop.format":"')
+    for bit in range(8):
+        flipped = bytearray(data)
+        flipped[at] ^= 1 << bit
+        newest.write_bytes(flipped)
+        with pytest.raises(DamagedCheckpoint):
+            checkpoint.load(newest, like=LIKE)
+        with pytest.warns(CheckpointWarning, match="skipping a damaged checkpoint"):
+            assert checkpoint.latest(tmp_path, like=LIKE).iteration == 1
+    assert older.exists()
+
+
+def test_only_an_intact_file_of_a_newer_format_asks_for_an_upgrade(tmp_path):
+    path = checkpoint.path_for(tmp_path, 3)
+    skeleton = state_skeleton()
+    version = str(checkpoint.FORMAT_VERSION + 1)
+    raw_file(path, {"__metadata__": metadata(skeleton, version=version)})
+    with pytest.raises(CheckpointError, match=rf"written in checkpoint format {version}.*Upgrade fnloop"):
+        checkpoint.latest(tmp_path, like=LIKE)
+
+
+def test_a_fifo_named_like_a_checkpoint_is_skipped_not_waited_for(tmp_path):
+    fifo = checkpoint.path_for(tmp_path, 5)
+    os.mkfifo(fifo)
+    checkpoint.save(TrainState(max_iter=9, iteration=2), checkpoint.path_for(tmp_path, 2))
+
+    def unblock() -> None:  # a reader stuck on the FIFO then fails this test instead of hanging it
+        while not done.wait(1):
+            with contextlib.suppress(OSError):
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+    done = threading.Event()
+    threading.Thread(target=unblock, daemon=True).start()
+    began = time.perf_counter()
+    try:
+        with pytest.raises(DamagedCheckpoint, match="not a regular file"):
+            checkpoint.load(fifo, like=LIKE)
+        with pytest.warns(CheckpointWarning, match="not a regular file"):
+            assert checkpoint.latest(tmp_path, like=LIKE).iteration == 2
+        assert cli.main(["inspect", str(fifo)]) == 2
+    finally:
+        done.set()
+    assert time.perf_counter() - began < 0.9
+
+
+def test_inspect_prints_a_hook_state_nested_400_deep(tmp_path, capsys):
+    deep: object = 1
+    for _ in range(400):
+        deep = [deep]
+    state = TrainState(max_iter=1, hooks={"deep": deep})
+    path = checkpoint.save(state, tmp_path / "c")
+    testing.assert_identical(checkpoint.load(path, like=state), state)
+    assert cli.main(["inspect", str(path)]) == 0
+    assert "deep" in capsys.readouterr().out
+    assert cli.main(["inspect", "--json", str(path)]) == 0
+    assert cli.main(["diff", str(path), str(path)]) == 0
+
+
+def test_a_header_of_many_empty_entries_is_refused_quickly(tmp_path):
+    path = tmp_path / "many.safetensors"
+    entries = {f"t{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for i in range(200_000)}
+    raw_file(path, {"__metadata__": metadata("null"), **entries})
+    began = time.perf_counter()
+    with pytest.raises(DamagedCheckpoint):
+        checkpoint.load(path, like=LIKE)
+    assert time.perf_counter() - began < 2.5
+
+
+def test_digest_is_deterministic():
+    assert checkpoint._transfer._digest("null", [], 1) == f"crc32:{zlib.crc32(b'null'):08x}"

@@ -1,0 +1,154 @@
+"""One live run per checkpoint directory, and pruning that survives files vanishing under it."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+
+import attrs
+import pytest
+import torch
+
+import fnloop as fl
+import fnloop.checkpoint._transfer
+from fnloop import TrainState, checkpoint, testing
+from fnloop.checkpoint import CheckpointWarning
+
+
+def counting(state, batch):
+    return attrs.evolve(state, extra=(state.extra or 0) + 1)
+
+
+def hold(directory):
+    """Hold ``directory``'s lock as another process would (another open file description)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory / ".fnloop.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.ftruncate(fd, 0)
+    os.write(fd, b"424242\n")
+    return fd
+
+
+def test_a_run_on_a_held_directory_is_refused_before_its_first_step_and_writes_nothing(tmp_path):
+    fd = hold(tmp_path)
+    steps = []
+
+    def step(state, batch):
+        steps.append(state.iteration)
+        return state
+
+    try:
+        with pytest.raises(fl.hooks.DirectoryInUse, match=rf"{tmp_path}.*process 424242"):
+            fl.run(TrainState(max_iter=3), step, [None] * 3, [fl.hooks.checkpoint(tmp_path)])
+        with pytest.raises(fl.hooks.DirectoryInUse):
+            fl.run(TrainState(max_iter=3), step, [None] * 3, [fl.hooks.best_checkpoint(tmp_path, "x")])
+    finally:
+        os.close(fd)
+    assert steps == []
+    assert sorted(os.listdir(tmp_path)) == [".fnloop.lock"]
+
+
+def test_the_lock_is_released_when_the_run_ends_and_shared_by_the_hooks_of_one_run(tmp_path):
+    hooks = [fl.hooks.checkpoint(tmp_path), fl.hooks.best_checkpoint(tmp_path, "x")]
+    step = lambda s, b: fl.record(s, x=float(-s.iteration))  # noqa: E731
+    fl.run(TrainState(max_iter=2), step, [None] * 2, hooks)
+    os.close(hold(tmp_path))  # free again
+    assert {p.name for p in checkpoint.checkpoints(tmp_path)} == {
+        "ckpt-00000001.safetensors",
+        "ckpt-00000002.safetensors",
+    }
+    assert (tmp_path / "best.safetensors").exists()
+
+
+WORKER = textwrap.dedent(
+    """
+    import sys, attrs, fnloop as fl
+    directory, tag, pause = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "pause"
+    def step(state, batch):
+        if pause and state.iteration == 2:
+            print("paused", flush=True)
+            sys.stdin.readline()
+        return attrs.evolve(state, extra=tag)
+    try:
+        fl.run(fl.TrainState(max_iter=4), step, [None] * 4, [fl.hooks.checkpoint(directory)])
+    except fl.hooks.DirectoryInUse as exc:
+        print("refused:", exc, flush=True)
+        sys.exit(3)
+    print("done", flush=True)
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_second_process_is_refused_at_once_and_the_first_keeps_its_directory(tmp_path):
+    run = [sys.executable, "-c", WORKER, str(tmp_path)]
+    with subprocess.Popen(
+        [*run, "1", "pause"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as first:
+        try:
+            assert first.stdout.readline().strip() == "paused"
+            before = sorted(os.listdir(tmp_path))
+            began = time.perf_counter()
+            second = subprocess.run([*run, "2", "go"], capture_output=True, text=True, timeout=60)
+            assert second.returncode == 3, second.stderr
+            assert str(tmp_path) in second.stdout and f"process {first.pid}" in second.stdout
+            assert time.perf_counter() - began < 30  # importing torch; no waiting for the first run
+            assert sorted(os.listdir(tmp_path)) == before
+            first.stdin.write("\n")
+            first.stdin.flush()
+            assert first.wait(timeout=60) == 0
+        finally:
+            first.kill()
+    newest = checkpoint.latest(tmp_path, like=TrainState(max_iter=4, extra=0))
+    assert (newest.iteration, newest.extra) == (4, 1)
+
+
+def test_abandoned_files_obey_keep(tmp_path):
+    ckpt = fl.hooks.checkpoint(tmp_path, keep=2)
+    for restart in range(4):
+        fl.run(TrainState(max_iter=6 + restart), counting, [None] * 9, [ckpt])
+        with pytest.warns(CheckpointWarning, match="abandoned"):
+            fl.run(TrainState(max_iter=1), counting, [None], [ckpt])
+    assert len(list(tmp_path.glob("*.abandoned"))) <= 2
+
+
+def test_renames_and_pruning_tolerate_files_vanishing(tmp_path, monkeypatch):
+    from fnloop.hooks import _checkpoint as module
+
+    for i in (1, 2, 5, 6):
+        checkpoint.save(TrainState(max_iter=9, iteration=i), checkpoint.path_for(tmp_path, i))
+    listed = module.checkpoints
+
+    def listing_then_vanishing(directory):
+        found = listed(directory)
+        for path in found:
+            if path.name != "ckpt-00000003.safetensors":
+                path.unlink()  # another process (or a user) removes them right after the listing
+        return found
+
+    monkeypatch.setattr(module, "checkpoints", listing_then_vanishing)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CheckpointWarning)
+        fl.run(TrainState(max_iter=3, iteration=2), counting, [None], [fl.hooks.checkpoint(tmp_path, keep=1)])
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["ckpt-00000003.safetensors"]
+
+
+def test_a_checkpoint_directory_that_is_a_file_is_refused_at_once(tmp_path):
+    existing = tmp_path / "run.txt"
+    existing.write_text("not a directory")
+    with pytest.raises(ValueError, match=r"run\.txt.*is an existing file"):
+        fl.hooks.checkpoint(existing)
+    with pytest.raises(ValueError, match=r"run\.txt.*is an existing file"):
+        fl.hooks.best_checkpoint(existing, "loss")
+
+
+@pytest.mark.parametrize("make", [fl.hooks.checkpoint, lambda d: fl.hooks.best_checkpoint(d, "x")])
+def test_the_locking_hooks_are_good_hooks(tmp_path, make):
+    state = fl.record(TrainState(max_iter=3, iteration=1, params={"w": torch.ones(2)}), x=1.0)
+    testing.check_hook(make(tmp_path), state)
+    assert os.listdir(tmp_path) == []  # a hook only asks; the fold holds and writes

@@ -1,0 +1,41 @@
+"""Pages whose claims are checked beyond running their code: the concepts page, the extras."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _page_blocks(page: str, heading: str) -> list[str]:
+    text = (ROOT / "docs" / page).read_text()
+    section = text.split(heading, 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
+
+
+@pytest.mark.parametrize("heading", ["## Catching in-place writes", "## The metrics window"])
+def test_the_concepts_page_sections_run(heading, tmp_path):
+    blocks = _page_blocks("concepts.md", heading)
+    assert blocks
+    for block in blocks:  # as a script, so that its functions pickle as a user's would
+        done = subprocess.run(
+            [sys.executable, "-c", block], cwd=tmp_path, capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr
+
+
+def test_the_examples_extra_installs_what_the_docs_say():
+    # Python 3.10 has no tomllib: the extra is one line, read as such.
+    found = re.search(r"^examples = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), flags=re.MULTILINE)
+    assert found is not None
+    installed = {re.split(r"[<>=\[]", spec.strip().strip('"'))[0] for spec in found[1].split(",")}
+    line = next(
+        line for line in (ROOT / "docs" / "example.md").read_text().splitlines() if '".[examples]"' in line
+    )
+    said = {name.strip() for name in line.split("#", 1)[1].split(",")}
+    assert said - {"torch", "attrs", "toolz"} == installed

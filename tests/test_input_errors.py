@@ -1,0 +1,173 @@
+"""Bad input, explained: what was expected, what was got, and the fix (a new user's mistakes among them)."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+import torch
+
+import fnloop as fl
+import fnloop.checkpoint._transfer
+from fnloop import TrainState, testing
+
+
+def _torch_optimizer() -> torch.optim.Optimizer:
+    return torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize(
+    ("make", "named"),
+    [
+        (lambda: torch.optim.lr_scheduler.CosineAnnealingLR(_torch_optimizer(), T_max=100), "cosine"),
+        (lambda: torch.optim.lr_scheduler.StepLR(_torch_optimizer(), step_size=10), "multistep"),
+        (lambda: torch.optim.lr_scheduler.LinearLR(_torch_optimizer()), "linear_warmup"),
+        (lambda: torch.optim.lr_scheduler.LambdaLR(_torch_optimizer(), lambda i: 1.0), "cosine"),
+    ],
+)
+def test_a_torch_scheduler_as_lr_names_fnloop_schedules(make, named):
+    scheduler = make()
+    with pytest.raises(TypeError, match=r"fnloop\.optim\.cosine") as info:
+        fl.optim.adamw(lr=scheduler)
+    message = str(info.value)
+    assert f"torch.optim.lr_scheduler.{type(scheduler).__name__}" in message
+    assert f"fnloop.optim.{named}(" in message
+    assert "warmup(" in message
+    with pytest.raises(TypeError, match=r"not a torch\.optim\.lr_scheduler"):
+        fl.optim.sgd(scheduler)
+
+
+def test_a_torch_optimizer_as_lr_is_refused_with_the_fix():
+    with pytest.raises(
+        TypeError, match=r"'lr' must be a float or a fnloop schedule, not a torch\.optim\.SGD"
+    ):
+        fl.optim.adamw(lr=_torch_optimizer())
+
+
+def test_fnloop_schedules_and_plain_functions_still_pass_as_lr():
+    fl.optim.adamw(lr=fl.optim.cosine(1e-3, 100))
+    fl.optim.sgd(lambda i: 0.1 * torch.ones(()))
+
+
+def _loss(forward, batch):
+    x, y = batch
+    return torch.nn.functional.mse_loss(forward(x), y)
+
+
+def _train(model: torch.nn.Module, compiled_wrapper: torch.nn.Module) -> fl.TrainState:
+    optimizer = fl.optim.adamw(1e-2)
+    state = fl.init(compiled_wrapper, optimizer, seed=0, max_iter=5)
+    step = fl.train_step(compiled_wrapper, _loss, optimizer, compile=False)
+    torch.manual_seed(1)
+    batches = [(torch.randn(8, 3), torch.randn(8, 1)) for _ in range(5)]
+    return fl.run(state, step, batches)
+
+
+def test_a_torch_compiled_module_is_unwrapped_and_trains_like_the_plain_one():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 1))
+    wrapped = torch.compile(model)
+    assert isinstance(wrapped, torch._dynamo.eval_frame.OptimizedModule)
+    plain_state = _train(model, model)
+    wrapped_state = _train(model, wrapped)
+    assert sorted(wrapped_state.params) == sorted(dict(model.named_parameters()))  # no "_orig_mod." prefix
+    testing.assert_identical(testing.without_clock(plain_state), testing.without_clock(wrapped_state))
+    evaluate = fl.eval_step(wrapped, lambda f, b: {"out": f(b).sum()}, compile=False)
+    plain = fl.eval_step(model, lambda f, b: {"out": f(b).sum()}, compile=False)
+    x = torch.randn(4, 3)
+    assert torch.equal(evaluate(wrapped_state, x)["out"], plain(plain_state, x)["out"])
+
+
+@pytest.mark.parametrize(
+    ("call", "name"),
+    [
+        (lambda: fl.init("model", fl.optim.sgd(0.1), seed=0, max_iter=1), "init"),
+        (lambda: fl.train_step("model", _loss, fl.optim.sgd(0.1)), "train_step"),
+        (lambda: fl.eval_step("model", _loss), "eval_step"),
+    ],
+)
+def test_a_model_that_is_no_module_is_refused(call, name):
+    with pytest.raises(TypeError, match=rf"{name}\(\) expected a torch\.nn\.Module, got 'model' \(a str\)"):
+        call()
+
+
+def test_a_metrics_window_of_1000_keeps_1000():
+    state = attrs.evolve(fl.TrainState(max_iter=2000), metrics=fl.Metrics(window=1000))
+    metrics = state.metrics
+    for i in range(1500):
+        metrics = metrics.record(i, {"loss": float(i)})
+    assert len(metrics.series["loss"]) == 1000
+    assert metrics.series["loss"][0] == (500, 500.0)
+
+
+def test_train_step_names_a_torch_optimizer_whole():
+    with pytest.raises(
+        TypeError, match=r"train_step\(\) expected a fnloop\.optim\.Optimizer, got a torch\.optim\.SGD; build"
+    ):
+        fl.train_step(torch.nn.Linear(2, 1), _loss, _torch_optimizer())
+
+
+def test_a_metric_never_recorded_is_named_at_the_end_of_the_run(tmp_path):
+    step = lambda s, b: fl.record(s, loss=1.0)  # noqa: E731
+    with pytest.warns(fl.hooks.MetricNeverRecorded, match=r"'losss' was never recorded.*\['loss'\]"):
+        fl.run(TrainState(max_iter=2), step, [None] * 2, [fl.hooks.best_checkpoint(tmp_path, "losss")])
+    assert issubclass(fl.hooks.MetricNeverRecorded, UserWarning)
+
+
+def test_init_explains_a_torch_optimizer():
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(
+        TypeError, match=r"init\(\) expected a fnloop\.optim\.Optimizer.*torch\.optim\.SGD"
+    ) as exc:
+        fl.init(model, torch.optim.SGD(model.parameters(), lr=0.1), seed=0, max_iter=1)
+    assert "fnloop.optim.sgd" in str(exc.value)
+
+
+def test_init_names_a_bad_seed():
+    with pytest.raises(ValueError, match=r"'seed' must be a non-negative int \(got -1 that is an int\)"):
+        fl.init(torch.nn.Linear(2, 1), fl.optim.sgd(0.1), seed=-1, max_iter=1)
+
+
+@pytest.mark.parametrize("make", [lambda: fl.optim.cosine(-1e-3, 100), lambda: fl.optim.constant(-0.1)])
+def test_a_negative_schedule_is_refused_as_sgd_refuses_a_negative_lr(make):
+    with pytest.raises(ValueError, match=r"must be at least 0"):
+        make()
+
+
+def test_a_schedule_of_the_wrong_shape_is_named():
+    model = torch.nn.Linear(2, 1)
+    opt = fl.optim.sgd(lambda t: torch.ones(3))
+    # train_step reads the optimizer's learning rates once when it is built: the error comes at once.
+    with pytest.raises(TypeError, match=r"schedule .* must return a 0-d tensor.*shape \(3,\)"):
+        fl.train_step(model, lambda f, b: f(b).pow(2).mean(), opt, compile=False)
+    with pytest.raises(TypeError, match=r"schedule .* must return a 0-d tensor.*shape \(3,\)"):
+        opt.update(
+            {"w": torch.ones(1)}, opt.init({"w": torch.ones(1)}), {"w": torch.ones(1)}, torch.tensor(0)
+        )
+
+
+def test_run_explains_a_missing_step():
+    with pytest.raises(TypeError, match=r"step must be a callable \(state, batch\) -> state.*None"):
+        fl.run(TrainState(max_iter=1), None, [None])
+
+
+def test_train_state_names_a_param_that_is_not_a_tensor():
+    with pytest.raises(TypeError, match=r"'params'\['w'\] must be a tensor \(got 3 that is an int\)"):
+        TrainState(max_iter=1, params={"w": 3})
+
+
+def test_train_state_explains_bad_metrics():
+    with pytest.raises(TypeError, match=r"'metrics' must be a fnloop\.Metrics \(got \{\} that is a dict\)"):
+        TrainState(max_iter=1, metrics={})
+
+
+def test_non_scalar_metrics_from_the_loss_are_named():
+    model = torch.nn.Linear(2, 1)
+    opt = fl.optim.sgd(0.1)
+
+    def loss_fn(forward, batch):
+        out = forward(batch)
+        return out.pow(2).mean(), {"acc": out.squeeze(1)}
+
+    step = fl.train_step(model, loss_fn, opt, compile=False)
+    with pytest.raises(TypeError, match=r"metric 'acc'.*shape \(4,\)"):
+        fl.run(fl.init(model, opt, seed=0, max_iter=1), step, [torch.ones(4, 2)])
