@@ -12,7 +12,36 @@ from fnloop._core.messages import describe, non_empty_str
 from fnloop._core.phase import Phase
 from fnloop._core.state import TrainState, Unclaimed, unchecked
 
-__all__ = ["Stateful", "stateful"]
+__all__ = ["Stateful", "recall", "remember", "stateful"]
+
+_ABSENT: Any = object()
+
+
+def recall(state: TrainState, name: str, init: Any, like: Any = _ABSENT) -> Any:
+    """The memory a hook keeps under ``name``: ``init`` when there is none.
+
+    A memory read from a checkpoint before its hook was known (``Unclaimed``)
+    is built like ``like`` (by default ``init``) and checked against it. Every
+    memoryful hook of the library reads its memory through here.
+    """
+    memory = state.hooks.get(name, _ABSENT)
+    if memory is _ABSENT:
+        return init
+    if type(memory) is Unclaimed:
+        return memory.claim(init if like is _ABSENT else like)
+    return memory
+
+
+def remember(state: TrainState, name: str, memory: Any) -> TrainState:
+    """``state`` with ``memory`` kept under ``name``; ``state`` itself when it keeps that already."""
+    hooks = state.hooks
+    if hooks.get(name, _ABSENT) is memory:
+        return state
+    # A dict's copy() is a few times faster than {**hooks}; `hooks` stays a
+    # str-keyed mapping, so the validators need not run again.
+    hooks = hooks.copy() if type(hooks) is dict else dict(hooks)
+    hooks[name] = memory
+    return unchecked(state, hooks=hooks)
 
 
 @attrs.frozen(repr=False)
@@ -34,12 +63,7 @@ class Stateful:
         acts_in = self._acts
         if acts_in is not None and phase not in acts_in:
             return state  # the update says it changes nothing here: its memory is not even stored
-        name = self.name
-        memory = state.hooks.get(name, self)
-        if memory is self:
-            memory = self.init
-        elif type(memory) is Unclaimed:
-            memory = memory.claim(self.init)
+        memory = recall(state, self.name, self.init)
         result = self.update(state, phase, memory)
         if type(result) is not tuple or len(result) != 2 or type(result[0]) is not TrainState:
             raise TypeError(
@@ -47,14 +71,7 @@ class Stateful:
                 f"{phase!r}; its update must return a pair (state, memory), state a TrainState."
             )
         new, new_memory = result
-        hooks = new.hooks
-        if new_memory is memory and hooks.get(name) is memory:
-            return new
-        # A dict's copy() is a few times faster than {**hooks}; `hooks` stays a
-        # str-keyed mapping, so the validators need not run again.
-        hooks = hooks.copy() if type(hooks) is dict else dict(hooks)
-        hooks[name] = new_memory
-        return unchecked(new, hooks=hooks)
+        return remember(new, self.name, new_memory)
 
     @property
     def acts_in(self) -> frozenset[Phase] | None:

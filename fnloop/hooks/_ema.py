@@ -10,7 +10,8 @@ import torch
 
 from fnloop._core.messages import got, non_empty_str
 from fnloop._core.phase import Phase
-from fnloop._core.state import TrainState, Unclaimed
+from fnloop._core.state import TrainState
+from fnloop._core.stateful import recall, remember
 
 __all__ = ["EmaState", "ema", "ema_params"]
 
@@ -43,10 +44,10 @@ def _template(params: Mapping[str, torch.Tensor]) -> EmaState:
 def _current(state: TrainState, name: str) -> EmaState | None:
     """The EMA kept under ``name`` (claiming one read from a checkpoint), or ``None``."""
     value = state.hooks.get(name)
+    if value is not None and type(value) is not EmaState:  # read from a checkpoint: built like the params
+        value = recall(state, name, None, like=_template(state.params))
     if value is None:
         return None
-    if type(value) is Unclaimed:
-        return value.claim(_template(state.params))
     if type(value) is not EmaState:
         raise TypeError(
             f"state.hooks[{name!r}] holds {type(value).__name__}, not an EMA (fnloop.hooks.EmaState); "
@@ -92,8 +93,7 @@ class Ema:
         return self._keep(state, EmaState(dict(zip(names, new)), old.updates + 1))
 
     def _keep(self, state: TrainState, value: EmaState) -> TrainState:
-        # `hooks` stays a str-keyed mapping, so the validators need not run again.
-        return attrs.evolve(state, hooks={**state.hooks, self.name: value})
+        return remember(state, self.name, value)
 
     @property
     def state_names(self) -> tuple[str, ...]:

@@ -8,7 +8,8 @@ import attrs
 
 from fnloop._core.messages import got, non_empty_str
 from fnloop._core.phase import Phase
-from fnloop._core.state import TrainState, Unclaimed, request
+from fnloop._core.state import TrainState, request
+from fnloop._core.stateful import recall, remember
 from fnloop.writers import Line, Writer, since
 
 __all__ = ["Log", "LogState", "log"]
@@ -108,7 +109,7 @@ class Log:
             memory = self._memory(state)
             k = state.iteration + 1
             state = request(state, _Write(self.writers, memory.done, False), self._label(k))
-            return attrs.evolve(state, hooks={**state.hooks, self.name: LogState(k, k, memory.done)})
+            return remember(state, self.name, LogState(k, k, memory.done))
         if phase is _BEFORE_TRAIN:
             memory = self._memory(state)
             again = memory.start if memory.line == state.iteration else None
@@ -117,16 +118,12 @@ class Log:
             memory = self._memory(state)
             k = state.iteration
             state = request(state, _Write(self.writers, memory.done, True), self._label(k))
-            return attrs.evolve(state, hooks={**state.hooks, self.name: LogState(k + 1, k, memory.done)})
+            return remember(state, self.name, LogState(k + 1, k, memory.done))
         return state
 
     def _memory(self, state: TrainState) -> LogState:
-        memory = state.hooks.get(self.name)
-        if type(memory) is LogState:
-            return memory
-        if type(memory) is Unclaimed:
-            return memory.claim(LogState())  # type: ignore[no-any-return]
-        return LogState()
+        memory = recall(state, self.name, LogState())
+        return memory if type(memory) is LogState else LogState()
 
     def _label(self, iteration: int) -> str:
         return f"{self.name}: write iteration {iteration}"

@@ -8,7 +8,8 @@ import attrs
 
 from fnloop._core.messages import non_empty_str, non_negative_int
 from fnloop._core.phase import Phase
-from fnloop._core.state import TrainState, Unclaimed, unchecked
+from fnloop._core.state import TrainState, unchecked
+from fnloop._core.stateful import recall, remember
 
 __all__ = ["Timer", "TimerState", "timer"]
 
@@ -37,7 +38,8 @@ class Timer:
         if phase is _AFTER_STEP:
             memory = state.hooks.get(self.name)
             if type(memory) is not TimerState:
-                memory = self._claim(memory, state)
+                # No BEFORE_TRAIN reached this timer (a hook called by hand): this step is a run's first.
+                memory = recall(state, self.name, TimerState(state.iteration))
             iteration = state.iteration
             if iteration < memory.start + self.warmup:
                 return state
@@ -48,15 +50,8 @@ class Timer:
             return unchecked(state, metrics=metrics)
         if phase is _BEFORE_TRAIN:
             # Each run (a resumed one too) counts its warm-up from its own first iteration.
-            return attrs.evolve(state, hooks={**state.hooks, self.name: TimerState(state.iteration)})
+            return remember(state, self.name, TimerState(state.iteration))
         return state
-
-    def _claim(self, memory: object, state: TrainState) -> TimerState:
-        fresh = TimerState(state.iteration)
-        if type(memory) is Unclaimed:
-            return memory.claim(fresh)  # type: ignore[no-any-return]
-        # No BEFORE_TRAIN reached this timer (a hook called by hand): time this step as a run's first.
-        return fresh
 
     @property
     def state_names(self) -> tuple[str, ...]:
