@@ -34,8 +34,9 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from fnloop._step.batching import unflatten_batch
 from fnloop._step.errors import _RANDOM_STEPS
-from fnloop._step.jit import Flat, Jit, _decompositions, unflatten_batch
+from fnloop._step.jit import Flat, Jit, _decompositions
 from fnloop._step.kernel import Update, _kept, _state
 from fnloop._step.seeding import drawing_from
 

@@ -11,7 +11,8 @@ import torch
 from torch.func import functional_call
 
 from fnloop._core.state import TrainState
-from fnloop._step.jit import Flat, Jit, flatten_batch, unflatten_batch
+from fnloop._step.batching import flatten_batch, unflatten_batch
+from fnloop._step.jit import Flat, Jit
 
 __all__ = ["EvalStep", "eval_step", "plain_module"]
 

@@ -26,9 +26,10 @@ from typing import Any
 
 import attrs
 import torch
-from torch.utils import _pytree as pytree
 
 from fnloop._step.cache import CompileCache, default_cache, graph_key
+from fnloop._step.errors import CompileFailed, _user_frames
+from fnloop._step.options import default_options, inductor_options
 from fnloop._step.probes import remembered_probes
 from fnloop._step.seeding import drawn_decompositions
 
@@ -39,10 +40,8 @@ __all__ = [
     "OverBudget",
     "RandomInGraph",
     "TraceError",
-    "flatten_batch",
     "generator_draws",
     "trace",
-    "unflatten_batch",
 ]
 
 Flat = Callable[..., Sequence[torch.Tensor]]
@@ -84,53 +83,6 @@ _TO_NUMBER = (
     "symbol such as zuf0), and at run time it would force a host sync. To watch a value, return it "
     "as a metric (a tensor) and write it with a hook; to debug with print, run eagerly."
 )
-
-
-SMALL_LOOP = 400
-"""The most ops a graph with a loop may have for fnloop to build it with the C++ wrapper."""
-
-
-def default_options(leaves: Sequence[torch.Tensor], loops: bool, ops: int) -> dict[str, Any]:
-    """fnloop's inductor settings for a graph of ``ops`` ops on ``leaves``, with a loop or not; options given win.
-
-    - ``cpp_wrapper``: a C++ wrapper calls the kernels, not Python. On the
-      tiny benchmark it takes about 8 us off each step (44 -> 36 us) for
-      about 6 s more at the first compile. For a graph with a loop (several
-      steps per call) only when it is small (``SMALL_LOOP`` ops): the wrapper
-      then runs the loop in C++ (the tiny MLP's 128 steps a call: 20.0 us a
-      step against 38.1 with Python's), but it writes the loop's body into its
-      own source, whose build grows faster than the body: a 2-layer GPT-2's
-      loop took 106 s against 18 s, a ResNet-18's twelve minutes.
-    - ``layout_optimization`` off on the CPU: inductor turns convolution
-      weights channels-last inside the graph, so their gradients come out
-      channels-last beside parameters that are not, and the fused optimizer
-      update walked them with strided loads. On a ResNet-18 (batch 64,
-      AdamW, one thread) the update took 32.8 ms of the step with it and
-      5.0 ms without, and the whole step 150 ms against 109.
-
-    Examples:
-        >>> default_options([torch.zeros(2)], loops=True, ops=1_000)
-        {'cpp_wrapper': False, 'layout_optimization': False}
-    """
-    defaults: dict[str, Any] = {"cpp_wrapper": not loops or ops <= SMALL_LOOP}
-    if all(leaf.device.type == "cpu" for leaf in leaves):
-        defaults["layout_optimization"] = False
-    return defaults
-
-
-def inductor_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
-    """``options`` as a dict, each name checked against inductor's config."""
-    import torch._inductor.config as config
-
-    given = dict(options or {})
-    known = config.get_config_copy()
-    for name in given:
-        if name not in known:
-            raise ValueError(
-                f"options: {name!r} is not a setting of torch._inductor.config; use the names "
-                "torch.compile(options=...) takes, for example {'cpp_wrapper': False}."
-            )
-    return given
 
 
 def _signature(leaves: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
@@ -222,15 +174,6 @@ def generator_draws(nodes: Sequence[torch.fx.Node]) -> list[str]:
     return found
 
 
-class CompileFailed(RuntimeError):
-    """Inductor failed to compile a traced graph: ``op`` and ``where`` (source lines) if known."""
-
-    def __init__(self, op: str | None, where: str | None) -> None:
-        super().__init__(op, where)
-        self.op = op
-        self.where = where
-
-
 def _located(
     function: Flat, leaves: Sequence[torch.Tensor], drawn: bool, error: BaseException
 ) -> CompileFailed:
@@ -247,26 +190,6 @@ def _located(
         if names and node.name == names[-1]:
             return CompileFailed(str(node.target), _user_frames(node.meta.get("stack_trace")))
     return CompileFailed(target[0] if target else None, None)
-
-
-def _user_frames(stack: str | None) -> str | None:
-    """The innermost frames of ``stack`` outside fnloop and torch's machinery: the module's forward that made the op.
-
-    The trace records, for an op made inside a module's ``forward``, where in
-    that ``forward`` it was made (torch's own modules, such as ``linear.py``,
-    count: they say which kind of layer it was).
-    """
-    if not stack:
-        return None
-    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)', stack)
-    kept = [
-        f
-        for f in frames
-        if "/fnloop/_" not in f[0] and ("/torch/" not in f[0] or "/torch/nn/modules/" in f[0])
-    ]
-    if not kept:
-        return None
-    return "; ".join(f"{path}:{line} in {fn}: {code.strip()}" for path, line, fn, code in kept[-2:])
 
 
 def _compile(
@@ -371,49 +294,6 @@ def _has_constants(graph: torch.fx.GraphModule) -> bool:
         node.op == "get_attr" and isinstance(getattr(graph, str(node.target), None), torch.Tensor)
         for node in graph.graph.nodes
     )
-
-
-_TENSOR = "tensor"
-
-
-def flatten_batch(batch: Any) -> tuple[list[torch.Tensor], Hashable]:
-    """The batch's tensors, and a hashable structure with its other (static) values."""
-    kind = type(batch)
-    if kind is torch.Tensor:
-        return [batch], _TENSOR
-    if (kind is tuple or kind is list) and all(type(x) is torch.Tensor for x in batch):
-        return list(batch), (kind, len(batch))
-    leaves, spec = pytree.tree_flatten(batch)
-    tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-    static = tuple(_TENSOR if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves)
-    try:
-        hash(static)
-    except TypeError:
-        odd = next(leaf for leaf in static if leaf is not _TENSOR and not _hashable(leaf))
-        raise TypeError(
-            f"a compiled step takes batches of tensors and of hashable static values (ints, strings...); "
-            f"this batch holds {odd!r:.80} (a {type(odd).__name__}), which is neither. Convert it to a "
-            "tensor or a tuple, or use compile=False."
-        ) from None
-    return tensors, (spec, static)
-
-
-def _hashable(value: object) -> bool:
-    try:
-        hash(value)
-    except TypeError:
-        return False
-    return True
-
-
-def unflatten_batch(tensors: Sequence[torch.Tensor], structure: Any) -> Any:
-    if structure is _TENSOR:
-        return tensors[0]
-    first, second = structure
-    if first is tuple or first is list:
-        return first(tensors)
-    it = iter(tensors)
-    return pytree.tree_unflatten([next(it) if leaf is _TENSOR else leaf for leaf in second], first)
 
 
 class _Default:

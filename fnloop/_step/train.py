@@ -13,11 +13,13 @@ from fnloop._core.failure import StepFailed, unwrapped
 from fnloop._core.metrics import Scalar
 from fnloop._core.state import TrainState, unchecked
 from fnloop._core.steps import Applied
+from fnloop._step.batching import flatten_batch
 from fnloop._step.donation import Targets, opt_containers, shared
 from fnloop._step.errors import (
     _GRAPH_BREAK,
     _RECOMPILED,
     CompileError,
+    CompileFailed,
     GraphBreakError,
     NonFiniteLoss,
     RecompileError,
@@ -25,13 +27,11 @@ from fnloop._step.errors import (
     _nonfinite_message,
 )
 from fnloop._step.jit import (
-    CompileFailed,
     Entry,
     Jit,
     OverBudget,
     RandomInGraph,
     TraceError,
-    flatten_batch,
 )
 from fnloop._step.kernel import (
     LossFn,
