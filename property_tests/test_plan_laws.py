@@ -120,7 +120,7 @@ class EveryFrom:
             return state
         return self.hook(state, phase)
 
-    def schedule(self, phase):
+    def acts_at(self, phase):
         return S(self.n, self.start).both(S.of(self.hook, phase))
 
     @property
@@ -258,17 +258,27 @@ def test_a_users_combinator_is_scheduled_from_what_it_declares():
     assert [i for _, i in trace] == [4, 7, 10]
 
 
+def test_a_hook_holding_a_learning_rate_schedule_is_not_taken_for_a_declaration():
+    @attrs.frozen
+    class LogsTheRate:
+        schedule: object = fl.optim.cosine(0.1, 10)
+
+        def __call__(self, state, phase):
+            return state
+
+    assert schedule(LogsTheRate(), Phase.AFTER_STEP) == S(1, 0)
+    fl.run(TrainState(max_iter=2), lambda s, b: s, [None] * 2, [LogsTheRate()])
+
+
 def test_a_schedule_of_another_type_is_refused():
     class Wrong:
         def __call__(self, state, phase):
             return state
 
-        def schedule(self, phase):
+        def acts_at(self, phase):
             return (1, 0)
 
-    with pytest.raises(
-        TypeError, match=r"schedule\(Phase.BEFORE_STEP\) returned \(1, 0\); a hook's schedule"
-    ):
+    with pytest.raises(TypeError, match=r"acts_at\(Phase.BEFORE_STEP\) returned \(1, 0\); a hook's schedule"):
         fl.run(TrainState(max_iter=1), lambda s, b: s, [None], [Wrong()])
 
 

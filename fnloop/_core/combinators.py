@@ -41,11 +41,11 @@ class Hook(Protocol):
     ``stateful``), so it is checkpointed with the rest of the run.
 
     A hook object may declare ``acts_in``, a ``frozenset`` of the phases it
-    may change the state in, or ``schedule(phase)``, a ``fnloop.Schedule`` of
+    may change the state in, or ``acts_at(phase)``, a ``fnloop.Schedule`` of
     the iterations it may act in (``None``: none) for each step phase; the
     fold then does not call it elsewhere (a saving for hooks run every step).
     A combinator whose schedule already tests what its own call would may
-    also offer ``due()``: what the fold calls in its place where it is due.
+    also offer ``when_due()``: what the fold calls in its place where it is due.
     ``fnloop.testing.check_hook`` checks that an ``acts_in`` holds.
     """
 
@@ -119,7 +119,7 @@ class _Wrapper:
     def state_names(self) -> tuple[str, ...]:
         return state_names(self.hook)
 
-    def schedule(self, phase: Phase) -> Schedule | None:
+    def acts_at(self, phase: Phase) -> Schedule | None:
         """Where this may act in step phase ``phase``: at most where the hook it wraps may."""
         return scheduled(self.hook, phase)
 
@@ -127,9 +127,9 @@ class _Wrapper:
 class _Tested(_Wrapper):
     """A combinator whose own test reads only the phase and ``state.iteration``, as its schedule does."""
 
-    def due(self) -> Hook:
+    def when_due(self) -> Hook:
         """Where the schedule says this fires, its test passes: the fold calls the hook inside."""
-        inner = getattr(self.hook, "due", None)
+        inner = getattr(self.hook, "when_due", None)
         return inner() if callable(inner) else self.hook  # type: ignore[no-any-return]
 
 
@@ -151,7 +151,7 @@ class Chain:
     def state_names(self) -> tuple[str, ...]:
         return tuple(n for h in self.hooks for n in state_names(h))
 
-    def schedule(self, phase: Phase) -> Schedule | None:
+    def acts_at(self, phase: Phase) -> Schedule | None:
         """Where any of the hooks may act (every iteration where theirs differ, none if none may)."""
         found = {scheduled(h, phase) for h in self.hooks} - {None}
         if not found:
@@ -215,7 +215,7 @@ class On(_Tested):
     phases: frozenset[Phase]
     hook: Hook
 
-    def schedule(self, phase: Phase) -> Schedule | None:
+    def acts_at(self, phase: Phase) -> Schedule | None:
         return scheduled(self.hook, phase) if phase in self.phases else None
 
     def __call__(self, state: TrainState, phase: Phase, /) -> TrainState:
@@ -249,7 +249,7 @@ class Every(_Tested):
     n: int = attrs.field(validator=positive_int)
     hook: Hook
 
-    def schedule(self, phase: Phase) -> Schedule | None:
+    def acts_at(self, phase: Phase) -> Schedule | None:
         return Schedule.every(self.n).both(scheduled(self.hook, phase))
 
     def __call__(self, state: TrainState, phase: Phase, /) -> TrainState:
@@ -317,7 +317,7 @@ class Once(_Tested):
     iteration: int = attrs.field(validator=non_negative_int)
     hook: Hook
 
-    def schedule(self, phase: Phase) -> Schedule | None:
+    def acts_at(self, phase: Phase) -> Schedule | None:
         return Schedule.at(self.iteration).both(scheduled(self.hook, phase))
 
     def __call__(self, state: TrainState, phase: Phase, /) -> TrainState:

@@ -5,14 +5,14 @@ Each hook of a run declares when it may change the state in a step phase
 completed steps and ``h`` may act, ``on(phases, h)`` in the phases it lists,
 ``once(k, h)`` at iteration ``k``, ``when(pred, h)`` at most where ``h`` may,
 a hook with ``acts_in`` in those phases, a user's combinator where its own
-``schedule(phase)`` says; any other hook everywhere. So the fold can tell in
+``acts_at(phase)`` says; any other hook everywhere. So the fold can tell in
 advance which hooks cannot act at an iteration and not call them: with
 twenty ``every(10, ...)`` hooks, nine iterations in ten call none of them.
 The hooks that are called are called in registration order, so the run is
 the same, bit for bit, as calling the whole chain
 (``property_tests/test_plan_laws.py`` checks it).
 
-A due hook is called as its ``due()`` says: ``on``/``every``/``once`` give the
+A due hook is called as its ``when_due()`` says: ``on``/``every``/``once`` give the
 hook they wrap, since the schedule already passed their tests, which read
 only the phase and ``state.iteration`` (and a hook that moves
 ``state.iteration`` fails the run).
@@ -41,7 +41,7 @@ class Due:
     """The hooks to call in one step phase, by iteration; build them with ``plan``.
 
     Each entry is a pair ``(callable, hook)``: what to call (the hook's
-    ``due()`` form), and ``hook`` as registered, which errors name. ``quiet``
+    ``when_due()`` form), and ``hook`` as registered, which errors name. ``quiet``
     are the entries called at an iteration where no periodic hook fires, and
     ``next`` the first iteration, from the last one asked about, where one
     may: before it, the fold takes ``quiet`` with one comparison. So a ``Due``
@@ -95,8 +95,8 @@ class Plan:
 
 
 def _due(hook: Any) -> Hook:
-    """What to call for ``hook`` where its schedule says it may act (its ``due()``, or itself)."""
-    due = getattr(hook, "due", None)
+    """What to call for ``hook`` where its schedule says it may act (its ``when_due()``, or itself)."""
+    due = getattr(hook, "when_due", None)
     return due() if callable(due) else hook  # type: ignore[no-any-return]
 
 

@@ -1,7 +1,7 @@
 """When a hook can act in the step phases, as a value the fold plans with.
 
 A ``Schedule`` is a set of iterations: every ``period``-th from ``offset``
-on, or one iteration alone. A hook may declare ``schedule(phase)``, the
+on, or one iteration alone. A hook may declare ``acts_at(phase)``, the
 iterations outside which it returns its input unchanged in step phase
 ``phase`` (``None``: none at all). The library's combinators declare
 theirs from the hook they wrap (``every(10, h)`` acts at most where ``h``
@@ -65,7 +65,7 @@ class Schedule:
     def of(hook: Any, phase: Phase) -> Schedule | None:
         """When ``hook`` may act in step phase ``phase``: what it declares, or every iteration.
 
-        A combinator's own ``schedule`` builds on the schedule of the hook it wraps with this.
+        A combinator's own ``acts_at`` builds on the schedule of the hook it wraps with this.
         """
         return scheduled(hook, phase)
 
@@ -110,15 +110,15 @@ _ALWAYS = Schedule(1, 0)
 def scheduled(hook: Any, phase: Phase) -> Schedule | None:
     """When ``hook`` may change the state in step phase ``phase``, as it declares (always, if it does not).
 
-    A hook declares it with a ``schedule(phase)`` method, or with ``acts_in``,
+    A hook declares it with a ``acts_at(phase)`` method, or with ``acts_in``,
     the frozenset of phases it may act in at all.
     """
-    declare = getattr(hook, "schedule", None)
+    declare = getattr(hook, "acts_at", None)
     if callable(declare):
         declared = declare(phase)
         if declared is not None and type(declared) is not Schedule:
             raise TypeError(
-                f"{hook!r:.80}.schedule({phase!r}) returned {declared!r:.80}; a hook's schedule is a "
+                f"{hook!r:.80}.acts_at({phase!r}) returned {declared!r:.80}; a hook's schedule is a "
                 "fnloop.Schedule, or None for a phase it never acts in."
             )
         return declared
