@@ -19,12 +19,9 @@ it: the caller only ever sees the step's own exception.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fnloop._core.state import TrainState, reading, unchecked
-
-if TYPE_CHECKING:
-    from fnloop._core.fold import Driver
 
 __all__ = ["Last", "StepFailed", "TORN", "ended_by", "unwrapped"]
 
@@ -87,8 +84,11 @@ def ended_by(
     exc: BaseException,
     last: Last,
     after_train: Callable[[TrainState, bool], object],
-    driver: Driver,
+    *,
+    perform: bool,
     clock: Callable[[], float],
+    rank: int = 0,
+    world: int = 1,
 ) -> None:
     """A run ended by ``exc``: note what is left on it, run ``after_train(state, perform)``; the caller re-raises.
 
@@ -97,14 +97,14 @@ def ended_by(
     checkpoint of a half-updated state). A failure of ``AFTER_TRAIN`` itself
     becomes a note: the original exception wins.
     """
-    if driver.world > 1 and not isinstance(exc, (SystemExit, KeyboardInterrupt)):
-        exc.add_note(f"fnloop: raised on rank {driver.rank} of {driver.world}.")
+    if world > 1 and not isinstance(exc, (SystemExit, KeyboardInterrupt)):
+        exc.add_note(f"fnloop: raised on rank {rank} of {world}.")
     torn = last.torn
     if torn:
         exc.add_note(TORN)
     exc.state = None if torn else last.state  # type: ignore[attr-defined]
     try:
-        after_train(unchecked(last.state, clock=reading(clock())), driver.perform and not torn)
+        after_train(unchecked(last.state, clock=reading(clock())), perform and not torn)
     except BaseException as also:  # noqa: BLE001 - the original exception must win
         if also is not exc:
             exc.add_note(f"AFTER_TRAIN hooks then also failed: {type(also).__name__}: {also}")

@@ -115,7 +115,8 @@ def _fold(state: TrainState, batches: Iterable[Any], driver: Driver) -> Iterator
                 _check_stop(stop)
         _check_stop(stop)
     except BaseException as exc:
-        ended_by(exc, last, lambda s, perform: _phase(hook, s, _AFTER_TRAIN, perform), driver, clock)
+        end = lambda s, perform: _phase(hook, s, _AFTER_TRAIN, perform)  # noqa: E731
+        ended_by(exc, last, end, perform=driver.perform, clock=clock, rank=driver.rank, world=driver.world)
         raise
     try:
         final = _phase(hook, _at(state, clock()), _AFTER_TRAIN, driver.perform)
