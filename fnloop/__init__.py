@@ -38,9 +38,8 @@ from fnloop._step.build import (
 )
 from fnloop._step.eval import EvalStep, eval_step
 from fnloop._step.export import load_state_dict, state_dict
+from fnloop._version import __version__ as __version__
 from fnloop.checkpoint import load, save
-
-__version__ = "0.1.0"
 
 __all__ = [
     "BatchesExhausted",

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from fnloop._version import __version__
 from fnloop.checkpoint._codec import DTYPES, CheckpointError, DamagedCheckpoint
 
 __all__ = [
@@ -101,9 +102,7 @@ def header(skeleton: str, entries: dict[str, dict[str, Any]], checksum: str) -> 
 
 
 def _version() -> str:
-    import fnloop  # imported here: fnloop imports this module
-
-    return fnloop.__version__
+    return __version__
 
 
 def damaged(name: str, what: str) -> DamagedCheckpoint:
