@@ -61,14 +61,14 @@ def assert_identical(a: Any, b: Any) -> None:
         raise AssertionError(f"states differ at {found}")
 
 
-CLOCK_METRICS = ("time", "data_time")
-"""Metrics read off the fold's clock (``fnloop.hooks.timer``)."""
+CLOCK_METRICS = ("time", "data_time", "max_mem")
+"""Metrics the machine measured: off the fold's clock (``fnloop.hooks.timer``) and its memory (``fnloop.hooks.memory``)."""
 
 
 def without_clock(state: TrainState) -> TrainState:
-    """``state`` without what the wall clock put in it: for comparing two runs, not two clocks.
+    """``state`` without what the machine measured into it (clock, memory): for comparing two runs, not two machines.
 
-    ``state.clock`` becomes ``Clock()``, the metrics ``time`` and ``data_time`` and the
+    ``state.clock`` becomes ``Clock()``, the metrics ``time``, ``data_time`` and ``max_mem`` and the
     timer's hook states are left out. Everything else, the run itself, stays;
     a resumed run equals an uninterrupted one under this view.
 

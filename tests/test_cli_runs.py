@@ -48,7 +48,7 @@ def test_diff_of_two_identical_runs_compares_runs_not_clocks(runs, capsys):
     code, lines, _ = _cli(capsys, "diff", runs / "a" / "ckpt", runs / "b" / "ckpt")
     assert code == 0, lines
     assert lines[-2] == (
-        "not compared: the clock (state.metrics.series['time'], "
+        "not compared: what the machine measured (state.metrics.series['time'], "
         "state.metrics.series['data_time'] differ); --clock compares it"
     )
     assert lines[-1].startswith("identical: ") and lines[-1].endswith(" leaves, bit for bit")
@@ -66,6 +66,22 @@ def test_diff_ignores_a_timer_state_unless_asked(tmp_path, capsys):
     code, lines, _ = _cli(capsys, "diff", a, b, "--clock")
     assert code == 1
     assert "state.hooks['timer'].start 0 != 2" in lines
+
+
+def test_diff_leaves_the_memory_the_machine_measured_out_unless_asked(tmp_path, capsys):
+    # Two bit-exact runs differ in their processes' peak memory (memory()'s max_mem), as in their clocks.
+    state = fl.TrainState(max_iter=3, metrics=fl.Metrics().record(2, {"loss": 0.5, "max_mem": 100.0}))
+    other = attrs.evolve(state, metrics=fl.Metrics().record(2, {"loss": 0.5, "max_mem": 120.0}))
+    a, b = checkpoint.save(state, tmp_path / "a"), checkpoint.save(other, tmp_path / "b")
+    code, lines, _ = _cli(capsys, "diff", a, b)
+    assert code == 0, lines
+    assert (
+        lines[-2]
+        == "not compared: what the machine measured (state.metrics.series['max_mem'] differ); --clock compares it"
+    )
+    code, lines, _ = _cli(capsys, "diff", a, b, "--clock")
+    assert code == 1
+    assert any(line.startswith("state.metrics.series['max_mem']") for line in lines)
 
 
 def test_diff_groups_optimizer_state_in_one_line(runs, capsys):

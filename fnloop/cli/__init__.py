@@ -108,9 +108,9 @@ def parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     diff.add_argument(
         "--clock", action="store_true",
-        help="also compare what the clock wrote (the metrics time and data_time, a timer's state, and "
-        "state.time in files of earlier versions), which two runs of the same job never share; left out "
-        "by default",
+        help="also compare what the machine measured (the metrics time, data_time and max_mem, a timer's "
+        "state, and state.time in files of earlier versions), which two runs of the same job never "
+        "share; left out by default",
     )  # fmt: skip
     diff.set_defaults(run=_diff.run)
 

@@ -27,19 +27,20 @@ __all__ = ["run"]
 
 _COLLAPSE = 4  # a series (list or tuple of plain data) with more differences is reported in one line
 
-# What the wall clock writes into a state (fnloop.testing.without_clock leaves the same out); files of
-# earlier versions also hold state.time.
+# What the machine measured into a state, its clock and its memory, which no two runs share
+# (fnloop.testing.without_clock leaves the same out); files of earlier versions also hold state.time.
 _CLOCK = (
     "state.time",
     "state.metrics.series['time']",
     "state.metrics.series['data_time']",
+    "state.metrics.series['max_mem']",
 )
 _TIMER_STATE = ".TimerState"
 _LAST_KEY = re.compile(r"\[[^\[\]]*\]$")
 
 
 def clock_paths(*trees: Any) -> tuple[str, ...]:
-    """The paths of ``trees`` (raw states) that the clock writes: time fields, timer metrics and states."""
+    """The paths of ``trees`` (raw states) the machine measured: time fields, timer and memory metrics, timer states."""
     paths = dict.fromkeys(_CLOCK)
     for tree in trees:
         hooks = tree.get("hooks") if type(tree) is Record else None
@@ -253,6 +254,6 @@ def run(args: argparse.Namespace) -> int:
     for line in table(found.lines, indent=""):
         print(line)
     if clock := found.clock_differences():
-        print(f"not compared: the clock ({', '.join(clock)} differ); --clock compares it")
+        print(f"not compared: what the machine measured ({', '.join(clock)} differ); --clock compares it")
     print(found.summary())
     return 1 if found.lines else 0
