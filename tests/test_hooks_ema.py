@@ -135,9 +135,10 @@ def test_ema_params_without_an_ema_says_how_to_add_one():
         ema_params(state, "eval")
 
 
-@pytest.mark.parametrize("decay", [-0.1, 1.5, "0.9", True])
+@pytest.mark.parametrize("decay", [-0.1, 1.0, 1.5, "0.9", True])
 def test_a_bad_decay_is_refused(decay):
-    with pytest.raises(ValueError, match=r"'decay' must be a float in \[0, 1\]"):
+    # 1.0 too: the average would never move from the first parameters.
+    with pytest.raises(ValueError, match=r"'decay' must be a float in \[0, 1\)"):
         ema(decay)
 
 

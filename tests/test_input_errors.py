@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import attrs
 import pytest
 import torch
 
 import fnloop as fl
 import fnloop.checkpoint._transfer
-from fnloop import TrainState, testing
+from fnloop import Phase, TrainState, checkpoint, testing
 
 
 def _torch_optimizer() -> torch.optim.Optimizer:
@@ -171,3 +174,41 @@ def test_non_scalar_metrics_from_the_loss_are_named():
     step = fl.train_step(model, loss_fn, opt, compile=False)
     with pytest.raises(TypeError, match=r"metric 'acc'.*shape \(4,\)"):
         fl.run(fl.init(model, opt, seed=0, max_iter=1), step, [torch.ones(4, 2)])
+
+
+@pytest.mark.parametrize(
+    ("phase", "lowered", "at"),
+    [(Phase.BEFORE_STEP, 2, 3), (Phase.AFTER_STEP, 3, 3), (Phase.BEFORE_TRAIN, 1, 2)],
+)
+def test_a_hook_lowering_max_iter_below_the_steps_done_is_refused(phase, lowered, at):
+    # Lowering max_iter ends a run early; below what the run will have completed, it would end it with
+    # max_iter < iteration.
+    def lower(state, p):
+        hit = p is phase and (phase is Phase.BEFORE_TRAIN or state.iteration == at)
+        return attrs.evolve(state, max_iter=lowered) if hit else state
+
+    start = 2 if phase is Phase.BEFORE_TRAIN else 0
+    with pytest.raises(ValueError, match=rf"max_iter was lowered to {lowered} in {phase.name}") as info:
+        fl.run(fl.TrainState(max_iter=10, iteration=start), lambda s, b: s, [None] * 10, [lower])
+    assert info.value.state.max_iter == 10  # the last consistent state, as before the hook
+
+
+def test_lowering_max_iter_to_the_steps_done_ends_the_run_as_a_success():
+    def stop_after_three(state, phase):
+        return (
+            attrs.evolve(state, max_iter=3) if phase is Phase.AFTER_STEP and state.iteration == 2 else state
+        )
+
+    final = fl.run(fl.TrainState(max_iter=10), lambda s, b: s, [None] * 10, [stop_after_three])
+    assert (final.iteration, final.max_iter) == (3, 3)
+
+
+def test_saving_a_hook_state_nested_too_deep_names_where():
+    deep: object = 0
+    for _ in range(2000):
+        deep = [deep]
+    state = fl.TrainState(max_iter=1, hooks={"deep": deep})
+    with pytest.raises(
+        TypeError, match=r"state.hooks\['deep'\]\[0\]\[0\].*nested deeper than a checkpoint can hold"
+    ):
+        checkpoint.save(state, Path(tempfile.mkdtemp()) / "c")

@@ -99,7 +99,9 @@ def _fold(state: TrainState, batches: Iterable[Any], driver: Driver) -> Iterator
         # The step phases call only the hooks that can act there (see fnloop/_core/plan.py).
         due = Plan(hook)
         state = _drop_unclaimed(state, hook)
-        state = last.state = _phase(hook, _at(state, clock()), _BEFORE_TRAIN, driver.perform)
+        state = _phase(hook, _at(state, clock()), _BEFORE_TRAIN, driver.perform)
+        _check_max_iter(state, _BEFORE_TRAIN.name, state.iteration)
+        last.state = state
         source = _Source(batches, state)
         owned = driver.donate and driver.donate_input
         k, stop = driver.step.per_call, driver.stop
@@ -141,6 +143,7 @@ def _unit(
     if before:
         began = _at(state, start)
         state = _settled(call(before, began, _BEFORE_STEP), began, perform)
+        _check_max_iter(state, _BEFORE_STEP.name, end + 1)
     fetching = clock() if after else 0.0
     batches, cursors = source.take(n, state)
     fetched = clock() if after else 0.0
@@ -170,6 +173,7 @@ def _unit(
     else:
         # Nothing was measured: no hook was due to see it.
         began = ended = unchecked(new, clock=reading(now)) if new.effects else new
+    _check_max_iter(ended, _AFTER_STEP.name if after else "the step", end + 1)
     time = ended.time if after else now
     advanced = unchecked(ended, iteration=end + 1, data=cursors[-1], clock=reading(time), effects=())
     if ended.effects and perform:
@@ -216,6 +220,17 @@ class _Source:
             batches.append(batch)
             cursors.append(cursor)
         return batches, cursors
+
+
+def _check_max_iter(state: TrainState, where: str, done: int) -> None:
+    """A hook may lower ``max_iter`` to end the run early, but not below the steps done by then."""
+    if state.max_iter < done:
+        raise ValueError(
+            f"max_iter was lowered to {state.max_iter} in {where} of iteration {state.iteration}, "
+            f"below the {done} steps the run has done by then: the run would end with iteration > "
+            f"max_iter. To end the run as soon as it can, set max_iter={done} (attrs.evolve(state, "
+            f"max_iter=max(state.iteration + 1, ...)) in a step phase)."
+        )
 
 
 def _moved(i: int, iteration: int) -> RuntimeError:

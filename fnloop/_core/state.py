@@ -167,7 +167,8 @@ class TrainState:
 
     Args:
         max_iter: the run ends when ``iteration`` reaches it. Lowering it from
-            a hook ends the run early, as a success.
+            a hook ends the run early, as a success; below the steps done by the
+            end of the current iteration, the fold refuses it.
         iteration: the index of the current step during ``BEFORE_STEP``, the step
             and ``AFTER_STEP``; the number of completed steps otherwise.
         params: parameter name -> tensor (as ``model.named_parameters()``).

@@ -13,6 +13,7 @@ checkpoint's policy to a whole ``TrainState``. Nothing here touches a file;
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -183,7 +184,37 @@ def encode(tree: Any, path: str = "state") -> tuple[Any, dict[str, torch.Tensor]
         ["state['w']"]
     """
     encoder = _Encoder()
-    return encoder.node(tree, path), encoder.tensors
+    try:
+        return encoder.node(tree, path), encoder.tensors
+    except RecursionError:
+        where = _deepest(tree, path)
+    raise TypeError(
+        f"{where}: nested deeper than a checkpoint can hold (Python's recursion limit, "
+        f"{sys.getrecursionlimit()} frames, is reached at about half as many levels); {SAVABLE}. "
+        "Keep hook states and extra shallow: a flat list or a tensor instead of nested lists."
+    )
+
+
+def _deepest(tree: Any, path: str, depth: int = 200) -> str:
+    """The path of the first node ``depth`` levels down in ``tree``, walked without recursion."""
+    stack = [(tree, path, 0)]
+    while stack:
+        node, at, level = stack.pop()
+        if level >= depth:
+            shown = at if len(at) <= 120 else at[:100] + "..."
+            return f"{shown} ({level} levels down)"
+        kind = type(node)
+        if kind is Unclaimed:
+            stack.append((node.data, at, level))
+        elif kind is Record:
+            stack += [(v, f"{at}.{k}", level + 1) for k, v in node.items()]
+        elif attrs.has(kind):
+            stack += [(getattr(node, f.name), f"{at}.{f.name}", level + 1) for f in attrs.fields(kind)]
+        elif isinstance(node, Mapping):
+            stack += [(v, f"{at}[{k!r}]", level + 1) for k, v in node.items()]
+        elif isinstance(node, (list, tuple)) and not isinstance(node, torch.Tensor):
+            stack += [(v, f"{at}[{i}]", level + 1) for i, v in enumerate(node)]
+    return path
 
 
 def _malformed(where: str, what: str) -> DamagedCheckpoint:

@@ -25,10 +25,11 @@ class EmaState:
 
 
 def _decay(instance: object, attribute: attrs.Attribute, value: object) -> None:
-    if type(value) not in (int, float) or not 0.0 <= value <= 1.0:  # type: ignore[operator]
+    if type(value) not in (int, float) or not 0.0 <= value < 1.0:  # type: ignore[operator]
         raise ValueError(
-            f"'{attribute.name}' must be a float in [0, 1] ({got(value)}); typical values are "
-            "0.999 or 0.9999 (the average then spans about 1 / (1 - decay) steps)."
+            f"'{attribute.name}' must be a float in [0, 1) ({got(value)}); typical values are "
+            "0.999 or 0.9999 (the average then spans about 1 / (1 - decay) steps; at 1 it would "
+            "never move from the first parameters)."
         )
 
 
