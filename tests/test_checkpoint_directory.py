@@ -17,7 +17,7 @@ import torch
 import fnloop as fl
 import fnloop.checkpoint._transfer
 from fnloop import TrainState, checkpoint, testing
-from fnloop.checkpoint import CheckpointWarning
+from fnloop.checkpoint import CheckpointError, CheckpointWarning
 
 
 def counting(state, batch):
@@ -152,3 +152,16 @@ def test_the_locking_hooks_are_good_hooks(tmp_path, make):
     state = fl.record(TrainState(max_iter=3, iteration=1, params={"w": torch.ones(2)}), x=1.0)
     testing.check_hook(make(tmp_path), state)
     assert os.listdir(tmp_path) == []  # a hook only asks; the fold holds and writes
+
+
+def test_a_symlink_loop_as_the_directory_is_a_checkpoint_error_and_named_as_such(tmp_path):
+    loop = tmp_path / "loop"
+    loop.symlink_to(loop)
+    for call in (
+        lambda: checkpoint.latest(loop, like=fl.TrainState(max_iter=1)),
+        lambda: checkpoint.checkpoints(loop),
+    ):
+        with pytest.raises(CheckpointError, match=r"a loop of symbolic links"):
+            call()
+    with pytest.raises(ValueError, match=r"is a loop of symbolic links"):
+        fl.hooks.checkpoint(loop)

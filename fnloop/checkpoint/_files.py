@@ -7,6 +7,7 @@ and the atomic write ``fnloop._atomic``.
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -84,6 +85,12 @@ def checkpoints(directory: StrPath) -> list[Path]:
         return []
     except ValueError as exc:  # a NUL byte
         raise CheckpointError(f"{directory!r:.200}: not a usable directory name ({exc})") from None
+    except OSError as exc:
+        what = "a loop of symbolic links" if exc.errno == errno.ELOOP else f"not a readable directory ({exc})"
+        raise CheckpointError(
+            f"{os.fspath(directory)!r:.200} is {what}; checkpoints are read from a directory: give the "
+            "path of one (a link to a directory is fine)."
+        ) from None
     found = [(int(m[1]), name) for name in names if (m := _NAME.fullmatch(name))]
     return [Path(directory) / name for _, name in sorted(found, reverse=True)]
 

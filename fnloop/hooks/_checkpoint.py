@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import math
 import os
 import re
@@ -40,6 +41,14 @@ def _keep(instance: object, attribute: attrs.Attribute, value: object) -> None:
 def _directory(caller: str, directory: str | os.PathLike[str]) -> Path:
     """``directory`` as a Path, refused at once if it is an existing file (the first save would fail)."""
     path = Path(directory)
+    try:
+        path.stat()
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ValueError(
+                f"{caller} directory {os.fspath(directory)!r} is a loop of symbolic links; checkpoints "
+                "go into a directory. Give a directory path (a link to a directory is fine)."
+            ) from None
     if path.exists() and not path.is_dir():
         raise ValueError(
             f"{caller} directory {os.fspath(directory)!r} is an existing file; checkpoints go into a "
