@@ -210,3 +210,16 @@ def test_every_metric_but_lr_peak_and_counts_is_a_median_since_the_previous_writ
     text = format_line(Line(5, 10, m, ("accuracy", "lr", "skipped", "max_mem"), first=2))
     assert "accuracy: 1  " in text  # median of 1.0, 0.5, 1.0, not the newest value alone
     assert "lr: 5.000e-01" in text and "skipped: 4" in text and text.endswith("max_mem: 104M")
+
+
+@pytest.mark.parametrize("make", [fl.writers.jsonl, fl.writers.tensorboard])
+def test_an_empty_path_is_refused_when_the_writer_is_built(make):
+    # jsonl('') failed only at its first write (IsADirectoryError: '.'); tensorboard('') made a new
+    # ./runs/<date> directory per run, where purge_step never applies.
+    with pytest.raises(ValueError, match=r"is empty"):
+        make("")
+
+
+def test_two_jsonl_writers_on_one_path_in_one_log_are_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"two writers, .* write to .*m.jsonl: every line would be written twice"):
+        fl.hooks.log(fl.writers.jsonl(tmp_path / "m.jsonl"), fl.writers.jsonl(str(tmp_path / "m.jsonl")))

@@ -42,7 +42,7 @@ def describe(obj: object) -> str:
 
 
 def a_path(value: object, name: str = "path") -> str:
-    """``value`` as a path string (``os.fspath``), refused unless it is a str or an ``os.PathLike``.
+    """``value`` as a path string (``os.fspath``), refused unless it is a non-empty str or ``os.PathLike``.
 
     Examples:
         >>> a_path("runs/a")
@@ -50,7 +50,10 @@ def a_path(value: object, name: str = "path") -> str:
     """
     if not isinstance(value, (str, os.PathLike)):
         raise TypeError(f"'{name}' must be a str or os.PathLike ({got(value)}).")
-    return os.fspath(value)
+    path = os.fspath(value)
+    if not path:
+        raise ValueError(f"'{name}' is empty; give the path to write to, for example 'runs/a/metrics.jsonl'.")
+    return path
 
 
 # The attrs validators most records share; a record-specific one lives beside its record.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import ClassVar
 
 import attrs
@@ -92,6 +93,18 @@ def _writers(instance: object, attribute: attrs.Attribute, value: tuple[object, 
                 f"log() expected writers with start, write and close methods, such as "
                 f"fnloop.writers.console() ({got(writer)})."
             )
+    seen: dict[str, object] = {}
+    for writer in value:
+        target = getattr(writer, "path", None) or getattr(writer, "logdir", None)
+        if not isinstance(target, str):
+            continue
+        where = os.path.abspath(target)
+        if where in seen:
+            raise ValueError(
+                f"log(): two writers, {seen[where]!r} and {writer!r}, write to {where}: every line would "
+                "be written twice. Give each writer its own path."
+            )
+        seen[where] = writer
 
 
 @attrs.frozen(repr=False)
