@@ -212,3 +212,13 @@ def test_saving_a_hook_state_nested_too_deep_names_where():
         TypeError, match=r"state.hooks\['deep'\]\[0\]\[0\].*nested deeper than a checkpoint can hold"
     ):
         checkpoint.save(state, Path(tempfile.mkdtemp()) / "c")
+
+
+def test_a_profile_directory_that_cannot_be_made_is_refused_when_the_hook_is_built(tmp_path):
+    # It stopped the run mid-way with a bare pathlib OSError that never named the hook.
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(
+        ValueError, match=r"profile\(\): cannot write into .*a-file/traces: .*a-file is a file"
+    ):
+        fl.hooks.profile(blocker / "traces", start=1, steps=1)

@@ -221,5 +221,7 @@ def test_an_empty_path_is_refused_when_the_writer_is_built(make):
 
 
 def test_two_jsonl_writers_on_one_path_in_one_log_are_refused(tmp_path):
-    with pytest.raises(ValueError, match=r"two writers, .* write to .*m.jsonl: every line would be written twice"):
+    with pytest.raises(
+        ValueError, match=r"two writers, .* write to .*m.jsonl: every line would be written twice"
+    ):
         fl.hooks.log(fl.writers.jsonl(tmp_path / "m.jsonl"), fl.writers.jsonl(str(tmp_path / "m.jsonl")))

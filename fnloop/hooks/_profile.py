@@ -117,7 +117,8 @@ def profile(directory: str | os.PathLike[str], *, start: int, steps: int) -> Pro
         The hook.
 
     Raises:
-        ValueError: ``start`` negative or ``steps`` not positive.
+        ValueError: ``start`` negative or ``steps`` not positive, or ``directory``
+            cannot be made or written into (checked now, not when the trace is due).
         TypeError: ``directory`` is not a path.
 
     Examples:
@@ -127,4 +128,22 @@ def profile(directory: str | os.PathLike[str], *, start: int, steps: int) -> Pro
         >>> "traceEvents" in json.loads(trace_path(folder, 1).read_text())
         True
     """
-    return Profile(directory, start, steps)
+    hook = Profile(directory, start, steps)
+    _check_writable(Path(hook.directory))
+    return hook
+
+
+def _check_writable(directory: Path) -> None:
+    """Refuse ``directory`` now if the trace could not be written there when it is due."""
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        why = f"{existing} is a file"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        why = f"{existing} is not writable"
+    else:
+        return
+    raise ValueError(
+        f"profile(): cannot write into {directory}: {why}. Give a directory the run may create or write to."
+    )
