@@ -12,6 +12,7 @@ import threading
 import time
 import zlib
 
+import attrs
 import pytest
 
 from fnloop import TrainState, checkpoint, cli, testing
@@ -160,3 +161,29 @@ def test_a_header_of_many_empty_entries_is_refused_quickly(tmp_path):
 
 def test_digest_is_deterministic():
     assert checkpoint._transfer._digest("null", [], 1) == f"crc32:{zlib.crc32(b'null'):08x}"
+
+
+def test_a_file_whose_name_says_another_iteration_is_skipped_as_damage(tmp_path):
+    # latest orders by name and trusted the content: ckpt-00000099 holding iteration 3 resumed iteration 3.
+    like = TrainState(max_iter=100)
+    checkpoint.save(attrs.evolve(like, iteration=40), checkpoint.path_for(tmp_path, 40))
+    checkpoint.save(attrs.evolve(like, iteration=3), checkpoint.path_for(tmp_path, 99))
+    with pytest.warns(
+        CheckpointWarning, match=r"ckpt-00000099.safetensors: its name says iteration 99, it holds 3"
+    ):
+        found = checkpoint.latest(tmp_path, like=like)
+    assert found.iteration == 40
+
+
+def test_a_symlinked_checkpoint_is_skipped_as_not_this_runs(tmp_path):
+    # A link named like a checkpoint resumed whatever run it pointed into.
+    like = TrainState(max_iter=100)
+    other = checkpoint.save(
+        attrs.evolve(like, iteration=50), tmp_path / "other" / "ckpt-00000050.safetensors"
+    )
+    run = tmp_path / "run"
+    checkpoint.save(attrs.evolve(like, iteration=10), checkpoint.path_for(run, 10))
+    checkpoint.path_for(run, 50).symlink_to(other)
+    with pytest.warns(CheckpointWarning, match=r"ckpt-00000050.safetensors: a symbolic link"):
+        found = checkpoint.latest(run, like=like)
+    assert found.iteration == 10

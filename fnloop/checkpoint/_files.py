@@ -253,10 +253,27 @@ def latest(directory: StrPath, *, like: TrainState) -> TrainState | None:
 
 
 def _newest(directory: StrPath, like: TrainState) -> tuple[Path | None, TrainState | None]:
-    """The newest checkpoint of ``directory`` that loads, and its path; damaged ones skipped."""
+    """The newest checkpoint of ``directory`` that loads, and its path; damaged ones skipped.
+
+    A file is this run's only if it is a file of the directory itself (not a
+    symbolic link, which may point into another run) and holds the iteration
+    its name says; others are skipped as damage, with a warning.
+    """
     for path in checkpoints(directory):
         try:
-            return path, load(path, like=like)
+            if path.is_symlink():
+                raise DamagedCheckpoint(
+                    f"{path}: a symbolic link (to {os.readlink(path)}), not a checkpoint this run wrote; "
+                    "copy the file in to resume from it"
+                )
+            state = load(path, like=like)
+            named = int(_NAME.fullmatch(path.name)[1])  # type: ignore[index]
+            if state.iteration != named:
+                raise DamagedCheckpoint(
+                    f"{path}: its name says iteration {named}, it holds {state.iteration}; a file renamed "
+                    "by hand or copied from another run"
+                )
+            return path, state
         except DamagedCheckpoint as exc:
             warnings.warn(f"skipping a damaged checkpoint: {exc}", CheckpointWarning, stacklevel=3)
     return None, None
