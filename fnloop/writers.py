@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import math
 import os
 import statistics
 from pathlib import Path
@@ -221,6 +222,12 @@ def console() -> Console:
 # -- JSON lines ----------------------------------------------------------------------------------------
 
 
+def _json(value: Any) -> Any:
+    if type(value) is float and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    return value
+
+
 def _iteration(text: str) -> int | None:
     try:
         entry = json.loads(text)
@@ -261,7 +268,11 @@ class Jsonl:
 
     def write(self, line: Line) -> None:
         """Append ``{"iteration": N, name: value, ...}`` (the newest value of each name) and flush."""
-        entry: dict[str, Any] = {"iteration": line.iteration, **line.values()}
+        # Strict JSON: a non-finite value is written as the string Python's float() reads back.
+        entry: dict[str, Any] = {
+            "iteration": line.iteration,
+            **{k: _json(v) for k, v in line.values().items()},
+        }
         key = (os.getpid(), self.path)
         file = _FILES.get(key)
         if file is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 
@@ -182,7 +183,9 @@ def scripted(values):
 )
 def test_best_checkpoint_keeps_the_state_where_the_metric_was_best(tmp_path, mode, values, best):
     hook = best_checkpoint(tmp_path, "val", mode)
-    final = fl.run(start(6), scripted(values), stream(), [hook], clock=zero)
+    finite = all(v is None or math.isfinite(v) for v in values)
+    with contextlib.nullcontext() if finite else pytest.warns(fl.hooks.NonFiniteMetric, match="is nan"):
+        final = fl.run(start(6), scripted(values), stream(), [hook], clock=zero)
     assert final.hooks["best:val"] == best
     saved = checkpoint.load(
         tmp_path / "best.safetensors", like=attrs.evolve(start(6), hooks={"best:val": Best(0.0)})
@@ -283,3 +286,15 @@ def test_pruning_never_removes_the_checkpoint_just_written(tmp_path):
     ckpt = fl.hooks.checkpoint(tmp_path, keep=1)
     fl.run(start(3), moving, stream(), [ckpt], clock=zero)
     assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["ckpt-00000003.safetensors"]
+
+
+@pytest.mark.parametrize("bad", [math.nan, -math.inf])
+def test_best_checkpoint_never_saves_a_non_finite_value_and_says_so(tmp_path, bad):
+    values = [1.0, bad, 2.0]
+
+    def step(state, batch):
+        return fl.record(state, val=values[state.iteration])
+
+    with pytest.warns(fl.hooks.NonFiniteMetric, match=rf"'val' is {bad} at iteration 1"):
+        fl.run(fl.TrainState(max_iter=3), step, [None] * 3, [fl.hooks.best_checkpoint(tmp_path, "val")])
+    assert checkpoint.load(tmp_path / "best.safetensors", like=fl.TrainState(max_iter=3)).iteration == 1

@@ -58,7 +58,8 @@ def test_an_improvement_must_beat_the_best_by_more_than_min_delta():
 
 @pytest.mark.parametrize("values", [[math.nan, math.nan, 1.0], [1.0, math.nan, math.nan, 0.1]])
 def test_nan_never_counts_as_an_improvement(values):
-    final = go(values, [early_stop("val_loss", patience=2)])
+    with pytest.warns(fl.hooks.NonFiniteMetric, match=r"'val_loss' is nan"):
+        final = go(values, [early_stop("val_loss", patience=2)])
     memory = final.hooks["early_stop:val_loss"]
     assert memory.stopped_at >= 0 and final.iteration < len(values)
     assert not math.isnan(memory.best)
@@ -210,3 +211,18 @@ def test_a_stopped_run_stays_stopped_when_resumed_under_its_original_max_iter(tm
     assert resumed.max_iter == 20
     final = fl.run(resumed, step, batches, hooks)
     assert final.iteration == final.max_iter == 5  # ended at once: no value 1.0 ever seen
+
+
+@pytest.mark.parametrize("bad", [math.nan, -math.inf])
+def test_a_non_finite_value_never_becomes_the_best_and_says_so(bad):
+    # -inf became an unbeatable best; NaN throughout ended the run in silence.
+    values = [1.0, bad, 0.5]
+
+    def step(state, batch):
+        return fl.record(state, val=values[state.iteration])
+
+    hook = fl.hooks.early_stop("val", patience=5)
+    with pytest.warns(fl.hooks.NonFiniteMetric, match=rf"early_stop\('val'.*'val' is {bad} at iteration 1"):
+        final = fl.run(fl.TrainState(max_iter=3), step, [None] * 3, [hook])
+    memory = final.hooks[fl.state_names(hook)[0]]
+    assert (memory.best, memory.best_iteration) == (0.5, 2)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import pickle
 import sys
 
@@ -225,3 +226,18 @@ def test_two_jsonl_writers_on_one_path_in_one_log_are_refused(tmp_path):
         ValueError, match=r"two writers, .* write to .*m.jsonl: every line would be written twice"
     ):
         fl.hooks.log(fl.writers.jsonl(tmp_path / "m.jsonl"), fl.writers.jsonl(str(tmp_path / "m.jsonl")))
+
+
+def test_json_lines_stay_strict_json_with_non_finite_values_readable(tmp_path):
+    path = tmp_path / "m.jsonl"
+    writer = fl.writers.jsonl(path)
+    metrics = Metrics().record(0, {"a": float("nan"), "b": float("inf"), "c": -float("inf"), "d": 1.5})
+    writer.write(Line(1, 2, metrics, ("a", "b", "c", "d")))
+    writer.close()
+
+    def refuse(token):
+        raise ValueError(f"not JSON: {token}")
+
+    entry = json.loads(path.read_text(), parse_constant=refuse)
+    assert entry["b"] == "Infinity" and entry["c"] == "-Infinity" and entry["d"] == 1.5
+    assert math.isnan(float(entry["a"])) and float(entry["b"]) == math.inf

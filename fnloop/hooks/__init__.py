@@ -16,12 +16,13 @@ from fnloop.hooks._profile import Profile, profile, trace_path
 from fnloop.hooks._progress import Progress, progress
 from fnloop.hooks._replicas import CheckReplicas, ReplicasDiverged, check_replicas
 from fnloop.hooks._timer import Timer, TimerState, timer
-from fnloop.hooks._unrecorded import MetricNeverRecorded
+from fnloop.hooks._unrecorded import MetricNeverRecorded, NonFiniteMetric
 
 __all__ = [
     "Best",
     "DirectoryInUse",
     "MetricNeverRecorded",
+    "NonFiniteMetric",
     "best_checkpoint",
     "checkpoint",
     # steering a run

@@ -20,7 +20,7 @@ from fnloop._core.phase import Phase
 from fnloop._core.state import TrainState, request
 from fnloop._core.stateful import stateful
 from fnloop.checkpoint import CheckpointWarning, checkpoints, path_for, save
-from fnloop.hooks._unrecorded import MetricNeverRecorded, never_recorded
+from fnloop.hooks._unrecorded import MetricNeverRecorded, WarnNonFinite, never_recorded
 
 __all__ = ["Best", "DirectoryInUse", "MetricNeverRecorded", "best_checkpoint", "checkpoint"]
 
@@ -286,6 +286,10 @@ class _BestUpdate:
         if state.metrics.latest(self.metric)[0] != state.iteration:
             return state, best
         iteration, value = state.metrics.latest_float(self.metric)
+        if not math.isfinite(value):  # never the best: -inf would be one never beaten
+            return request(
+                state, WarnNonFinite(repr(self), self.metric, iteration, value), "warn: not finite"
+            ), best
         if not _improves(self.mode, value, best.value):
             return state, best
         return request(state, _Do(self, "save"), f"best {self.metric} into {self.directory}"), Best(

@@ -14,7 +14,7 @@ from fnloop._core.metrics import to_floats
 from fnloop._core.phase import Phase
 from fnloop._core.state import TrainState, request
 from fnloop._core.stateful import stateful
-from fnloop.hooks._unrecorded import MetricNeverRecorded, never_recorded
+from fnloop.hooks._unrecorded import MetricNeverRecorded, WarnNonFinite, never_recorded
 
 __all__ = ["EarlyStopState", "early_stop"]
 
@@ -101,6 +101,8 @@ class _EarlyStop:
         new = [(i, v) for i, v in history if i > memory.seen]
         for (i, _), value in zip(new, to_floats(v for _, v in new)):
             memory = self._count(memory, i, value)
+            if not math.isfinite(value):
+                state = request(state, WarnNonFinite(repr(self), self.metric, i, value), "warn: not finite")
         if memory.bad < self.patience:
             return state, memory
         # Ends the run after this step, as a success: AFTER_TRAIN sees iteration == max_iter.
@@ -112,7 +114,7 @@ class _EarlyStop:
             better = value < memory.best - self.min_delta
         else:
             better = value > memory.best + self.min_delta
-        if better:  # NaN compares false: never an improvement
+        if better and math.isfinite(value):  # NaN compares false; -inf would be a best never beaten
             return EarlyStopState(value, index, index, 0, memory.stopped_at)
         return attrs.evolve(memory, seen=index, bad=memory.bad + 1)
 
