@@ -227,9 +227,9 @@ def _check_max_iter(state: TrainState, where: str, done: int) -> None:
     if state.max_iter < done:
         raise ValueError(
             f"max_iter was lowered to {state.max_iter} in {where} of iteration {state.iteration}, "
-            f"below the {done} steps the run has done by then: the run would end with iteration > "
-            f"max_iter. To end the run as soon as it can, set max_iter={done} (attrs.evolve(state, "
-            f"max_iter=max(state.iteration + 1, ...)) in a step phase)."
+            f"below the {done} steps the run has done at the end of this iteration (or call of several "
+            "steps): the run would end with iteration > "
+            f"max_iter. To end the run as soon as it can, set max_iter={done}."
         )
 
 
