@@ -120,6 +120,24 @@ _held: dict[str, list[int]] = {}  # real path of a directory -> [descriptor of i
 _guard = threading.Lock()
 
 
+def _forked() -> None:
+    """In a forked child (a DataLoader worker, say): let go of the parent's locks.
+
+    A child shares its parent's open lock files, and an ``flock`` lasts while
+    any process holds one: children outliving a killed parent would keep its
+    directory held, and a restart would be refused in the name of a dead
+    process. Closing the child's copies leaves the parent's locks as they are.
+    """
+    for fd, _ in _held.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _held.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
+
+
 def claim(directory: Path) -> None:
     """Hold ``directory`` for this process, creating it if needed; each claim needs one ``release``.
 

@@ -165,3 +165,41 @@ def test_a_symlink_loop_as_the_directory_is_a_checkpoint_error_and_named_as_such
             call()
     with pytest.raises(ValueError, match=r"is a loop of symbolic links"):
         fl.hooks.checkpoint(loop)
+
+
+FORKING = textwrap.dedent(
+    """
+    import os, sys, time
+    from pathlib import Path
+    from fnloop._atomic import claim
+
+    claim(Path(sys.argv[1]))
+    for _ in range(3):  # as DataLoader workers are forked once the run holds its directory
+        if os.fork() == 0:
+            time.sleep(60)
+            os._exit(0)
+    print("holding", flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def test_forked_children_of_a_killed_run_do_not_hold_its_directory(tmp_path):
+    # They inherited the lock's descriptor and held the directory until they noticed their parent had
+    # died: a restart straight after a SIGKILL got DirectoryInUse naming a dead process.
+    with subprocess.Popen(
+        [sys.executable, "-c", FORKING, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as holder:
+        try:
+            assert holder.stdout.readline().strip() == "holding"
+            holder.kill()
+            holder.wait(timeout=30)
+            from fnloop._atomic import claim, release
+
+            claim(tmp_path)  # the children still live, asleep
+            release(tmp_path)
+        finally:
+            os.killpg(holder.pid, 9)
