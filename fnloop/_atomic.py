@@ -153,19 +153,46 @@ def claim(directory: Path) -> None:
         >>> release(d); release(d); holds(d)
         False
     """
-    key = os.path.realpath(directory)
+    with contextlib.suppress(FileExistsError):
+        directory.mkdir(parents=True, exist_ok=True)
+    if not directory.is_dir():
+        raise NotADirectoryError(
+            f"{directory}: checkpoints go into a directory, and this is an existing file. "
+            "Give the checkpoint hook a directory of its own."
+        )
+    _take(
+        directory,
+        directory / LOCK_NAME,
+        "two runs checkpointing into one directory would abandon and prune each other's files. Wait "
+        "for that run to end or stop it, or give this run a directory of its own.",
+    )
+
+
+def claim_file(path: Path) -> None:
+    """Hold the file ``path`` (a log) for this process, as ``claim`` holds a directory; ``release`` it.
+
+    The lock lives beside it (``.<name>.lock``): the file itself is replaced
+    when a resumed run cuts it back, and a lock on it would go with it.
+
+    Raises:
+        DirectoryInUse: another process holds ``path``.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _take(
+        path,
+        path.parent / f".{path.name}.lock",
+        "two runs writing one log would cut back and interleave each other's lines. Wait for that "
+        "run to end or stop it, or give this run a log of its own.",
+    )
+
+
+def _take(target: Path, lock: Path, why: str) -> None:
+    key = os.path.realpath(target)
     with _guard:
         if key in _held:
             _held[key][1] += 1
             return
-        with contextlib.suppress(FileExistsError):
-            directory.mkdir(parents=True, exist_ok=True)
-        if not directory.is_dir():
-            raise NotADirectoryError(
-                f"{directory}: checkpoints go into a directory, and this is an existing file. "
-                "Give the checkpoint hook a directory of its own."
-            )
-        fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
         try:
             if fcntl is not None:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -175,9 +202,7 @@ def claim(directory: Path) -> None:
             holder = _holder(fd)
             os.close(fd)
             raise DirectoryInUse(
-                f"{directory} is in use by another live run ({holder}, per {directory / LOCK_NAME}): "
-                "two runs checkpointing into one directory would abandon and prune each other's "
-                "files. Wait for that run to end or stop it, or give this run a directory of its own."
+                f"{target} is in use by another live run ({holder}, per {lock}): {why}"
             ) from None
         except BaseException:
             os.close(fd)
@@ -192,7 +217,7 @@ def _holder(fd: int) -> str:
 
 
 def release(directory: Path) -> None:
-    """Give back one claim on ``directory``; the last one unlocks it. Without a claim, nothing happens."""
+    """Give back one claim on ``directory`` (or a file); the last one unlocks it. Without a claim, nothing happens."""
     key = os.path.realpath(directory)
     with _guard:
         entry = _held.get(key)

@@ -28,7 +28,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
-from fnloop._atomic import write_atomically
+from fnloop._atomic import claim_file, write_atomically
+from fnloop._atomic import release as release_claim
 from fnloop._core.messages import a_path
 from fnloop._core.metrics import Metrics, Scalar, to_floats
 
@@ -103,6 +104,25 @@ class Writer(Protocol):
 
     def close(self) -> None:
         """The run ended: release what ``write`` opened."""
+
+
+def claim(writer: Writer) -> None:
+    """Hold what ``writer`` writes to for this process, if it says (its own ``claim()``); see ``release``.
+
+    A writer of files offers ``claim()`` and ``release()``: ``log`` claims them
+    before any effect of the run writes, so two live runs never share a log
+    file (the second is refused with ``fnloop.hooks.DirectoryInUse``).
+    """
+    take = getattr(writer, "claim", None)
+    if callable(take):
+        take()
+
+
+def release(writer: Writer) -> None:
+    """Give back one ``claim`` of ``writer``."""
+    give = getattr(writer, "release", None)
+    if callable(give):
+        give()
 
 
 # -- console -------------------------------------------------------------------------------------------
@@ -247,6 +267,14 @@ class Jsonl:
 
     path: str = attrs.field(converter=a_path)
 
+    def claim(self) -> None:
+        """Hold the file for this process: another live run writing it is refused (``DirectoryInUse``)."""
+        claim_file(Path(self.path))
+
+    def release(self) -> None:
+        """Give back one ``claim``."""
+        release_claim(Path(self.path))
+
     def start(self, iteration: int) -> None:
         """Cut the file back to the lines of iterations before ``iteration``, atomically."""
         self.close()
@@ -343,6 +371,14 @@ class Tensorboard:
     """Writes scalars to TensorBoard event files in ``logdir``; build it with ``tensorboard``."""
 
     logdir: str = attrs.field(converter=a_path)
+
+    def claim(self) -> None:
+        """Hold the log directory for this process: another live run writing it is refused."""
+        claim_file(Path(self.logdir))
+
+    def release(self) -> None:
+        """Give back one ``claim``."""
+        release_claim(Path(self.logdir))
 
     def start(self, iteration: int) -> None:
         """Open the event file with ``purge_step=iteration``: TensorBoard hides older events from there on."""

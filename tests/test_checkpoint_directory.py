@@ -203,3 +203,57 @@ def test_forked_children_of_a_killed_run_do_not_hold_its_directory(tmp_path):
             release(tmp_path)
         finally:
             os.killpg(holder.pid, 9)
+
+
+LOGGING = textwrap.dedent(
+    """
+    import sys, attrs, fnloop as fl
+    ckpt, log, first, pause = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "pause"
+    def step(state, batch):
+        if pause and state.iteration == 6:
+            print("paused", flush=True)
+            sys.stdin.readline()
+        return fl.record(state, loss=float(state.iteration))
+    hooks = [fl.hooks.checkpoint(ckpt), fl.every(2, fl.hooks.log(fl.writers.jsonl(log)))]
+    if first == "log":
+        hooks.reverse()  # the log's start effect would run before the checkpoint's claim
+    try:
+        fl.run(fl.TrainState(max_iter=8), step, [None] * 8, hooks)
+    except fl.hooks.DirectoryInUse as exc:
+        print("refused:", exc, flush=True)
+        sys.exit(3)
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("second_ckpt", "first"), [("same", "log"), ("same", "checkpoint"), ("other", "log")]
+)
+def test_a_refused_run_touches_none_of_the_live_runs_files(tmp_path, second_ckpt, first):
+    # The refused run's log start effect cut the live run's JSON lines back (32 races in 50 went wrong).
+    log = tmp_path / "run" / "metrics.jsonl"
+    live = [sys.executable, "-c", LOGGING, str(tmp_path / "run"), str(log), "checkpoint", "pause"]
+    with subprocess.Popen(live, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) as holder:
+        try:
+            assert holder.stdout.readline().strip() == "paused"
+            before = log.read_text()
+            assert before.count("\n") == 3  # iterations 2, 4 and 6
+            ckpt = tmp_path / ("run" if second_ckpt == "same" else "elsewhere")
+            second = subprocess.run(
+                [sys.executable, "-c", LOGGING, str(ckpt), str(log), first, "go"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert second.returncode == 3, second.stdout + second.stderr
+            assert f"process {holder.pid}" in second.stdout
+            assert log.read_text() == before
+            holder.stdin.write("\n")
+            holder.stdin.flush()
+            assert holder.wait(timeout=60) == 0
+        finally:
+            holder.kill()
+    assert [line.split(",")[0] for line in log.read_text().splitlines()] == [
+        f'{{"iteration": {i}' for i in (2, 4, 6, 8)
+    ]

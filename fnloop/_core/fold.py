@@ -270,6 +270,9 @@ def _settled(ended: TrainState, began: TrainState, perform: bool) -> TrainState:
 
 
 def _perform(effects: tuple[Effect, ...], began: TrainState, ended: TrainState) -> None:
+    """Each effect with its state, the claims first: a run refused one writes nothing."""
+    if any(effect.claim for effect in effects):
+        effects = (*(e for e in effects if e.claim), *(e for e in effects if not e.claim))
     for effect in effects:
         effect.perform(unchecked(began, effects=()) if effect.start else ended)
 

@@ -82,17 +82,21 @@ class Effect:
     phase's result wherever the requesting hook sits in the chain. With
     ``start=True`` it gets the state as the phase began instead: at
     ``AFTER_TRAIN``, the last consistent state, before any hook's end-of-run
-    changes.
+    changes. With ``claim=True`` it takes something the run will write to (a
+    checkpoint directory, a log file): a phase's claims are performed before
+    its other effects, so a run refused one writes nothing at all.
 
     Args:
         perform: called once with the state; its return value is ignored.
         label: a name for messages.
         start: perform with the state the phase began with.
+        claim: perform before the phase's other effects.
     """
 
     perform: Callable[[TrainState], object]
     label: str = ""
     start: bool = False
+    claim: bool = False
 
 
 @attrs.frozen
@@ -235,19 +239,24 @@ def record(state: TrainState, **values: Scalar) -> TrainState:
 
 
 def request(
-    state: TrainState, perform: Callable[[TrainState], object], label: str = "", *, start: bool = False
+    state: TrainState,
+    perform: Callable[[TrainState], object],
+    label: str = "",
+    *,
+    start: bool = False,
+    claim: bool = False,
 ) -> TrainState:
     """``state`` with an effect requested for the end of the current phase.
 
     ``perform`` gets the state as the phase ends, or with ``start=True`` as it
-    began (see ``Effect``).
+    began; with ``claim=True`` it runs before the phase's other effects (see ``Effect``).
 
     Examples:
         >>> s = request(TrainState(max_iter=1), print, "print")
         >>> [e.label for e in s.effects]
         ['print']
     """
-    return attrs.evolve(state, effects=(*state.effects, Effect(perform, label, start)))
+    return attrs.evolve(state, effects=(*state.effects, Effect(perform, label, start, claim)))
 
 
 _MISSING: Any = object()

@@ -70,7 +70,7 @@ class Checkpoint:
     def __call__(self, state: TrainState, phase: Phase, /) -> TrainState:
         if phase is Phase.BEFORE_TRAIN:
             # Before the first step: a second run on this directory is refused at once.
-            return request(state, _Do(self, "claim"), f"hold {self.directory}")
+            return request(state, _Do(self, "claim"), f"hold {self.directory}", claim=True)
         if phase is Phase.AFTER_STEP:
             # Performed once every hook of the phase has run, on the state the
             # next iteration starts from (iteration == i + 1).
@@ -273,7 +273,7 @@ class _BestUpdate:
 
     def __call__(self, state: TrainState, phase: Phase, best: Best) -> tuple[TrainState, Best]:
         if phase is Phase.BEFORE_TRAIN:
-            return request(state, _Do(self, "claim"), f"hold {self.directory}"), best
+            return request(state, _Do(self, "claim"), f"hold {self.directory}", claim=True), best
         if phase is Phase.AFTER_TRAIN:
             # Warn only after success: a run that failed early may not have reached its first evaluation.
             ended = state.iteration == state.max_iter and best.iteration < 0

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from typing import ClassVar
 
 import attrs
@@ -11,7 +13,7 @@ from fnloop._core.messages import got, non_empty_str
 from fnloop._core.phase import Phase
 from fnloop._core.state import TrainState, request
 from fnloop._core.stateful import recall, remember
-from fnloop.writers import Line, Writer, since
+from fnloop.writers import Line, Writer, claim, release, since
 
 __all__ = ["Log", "LogState", "log"]
 
@@ -46,15 +48,42 @@ class _Write:
         # Decided here, not in the hook: an AFTER_TRAIN hook placed after `log` (an evaluation)
         # records its metrics before the fold performs this, and the last line must hold them.
         try:
-            names = since(state.metrics, self.first)
-            if names:
-                line = Line(state.iteration, state.max_iter, state.metrics, names, first=self.first)
-                for writer in self.writers:
-                    writer.write(line)
+            with _holding(self.writers):  # a run refused its files at BEFORE_TRAIN writes nothing
+                names = since(state.metrics, self.first)
+                if names:
+                    line = Line(state.iteration, state.max_iter, state.metrics, names, first=self.first)
+                    for writer in self.writers:
+                        writer.write(line)
         finally:
             if self.end:
                 for writer in self.writers:
                     writer.close()
+                    release(writer)  # the claim of BEFORE_TRAIN
+
+
+@attrs.frozen
+class _Claim:
+    """The claim of ``BEFORE_TRAIN``: the files the writers write, held until the run's last write."""
+
+    writers: tuple[Writer, ...]
+
+    def __call__(self, state: TrainState) -> None:
+        for writer in self.writers:
+            claim(writer)
+
+
+@contextlib.contextmanager
+def _holding(writers: tuple[Writer, ...]) -> Iterator[None]:
+    """The writers' files held for the block: refused (``DirectoryInUse``) if another live run holds one."""
+    taken: list[Writer] = []
+    try:
+        for writer in writers:
+            claim(writer)
+            taken.append(writer)
+        yield
+    finally:
+        for writer in taken:
+            release(writer)
 
 
 @attrs.frozen
@@ -70,15 +99,18 @@ class _Start:
     again: int | None
 
     def __call__(self, state: TrainState) -> None:
-        for writer in self.writers:
-            writer.start(state.iteration)
-        if self.again is None:
-            return
-        names = since(state.metrics, self.again)
-        if names:
-            line = Line(state.iteration, state.max_iter, state.metrics, names, resumed=True, first=self.again)
+        with _holding(self.writers):
             for writer in self.writers:
-                writer.write(line)
+                writer.start(state.iteration)
+            if self.again is None:
+                return
+            names = since(state.metrics, self.again)
+            if names:
+                line = Line(
+                    state.iteration, state.max_iter, state.metrics, names, resumed=True, first=self.again
+                )
+                for writer in self.writers:
+                    writer.write(line)
 
 
 def _writers(instance: object, attribute: attrs.Attribute, value: tuple[object, ...]) -> None:
@@ -126,6 +158,7 @@ class Log:
         if phase is _BEFORE_TRAIN:
             memory = self._memory(state)
             again = memory.start if memory.line == state.iteration else None
+            state = request(state, _Claim(self.writers), f"{self.name}: hold its files", claim=True)
             return request(state, _Start(self.writers, again), f"{self.name}: start writers")
         if phase is _AFTER_TRAIN:
             memory = self._memory(state)
