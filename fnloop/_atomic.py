@@ -21,6 +21,7 @@ import secrets
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 try:
     import fcntl
@@ -116,7 +117,7 @@ class DirectoryInUse(RuntimeError):
     """
 
 
-_held: dict[str, list[int]] = {}  # real path of a directory -> [descriptor of its lock file, claims]
+_held: dict[str, list[Any]] = {}  # real path -> [descriptor of its lock file, claims, owner or None]
 _guard = threading.Lock()
 
 
@@ -128,7 +129,7 @@ def _forked() -> None:
     directory held, and a restart would be refused in the name of a dead
     process. Closing the child's copies leaves the parent's locks as they are.
     """
-    for fd, _ in _held.values():
+    for fd, *_ in _held.values():
         with contextlib.suppress(OSError):
             os.close(fd)
     _held.clear()
@@ -168,14 +169,17 @@ def claim(directory: Path) -> None:
     )
 
 
-def claim_file(path: Path) -> None:
+def claim_file(path: Path, owner: object = None) -> None:
     """Hold the file ``path`` (a log) for this process, as ``claim`` holds a directory; ``release`` it.
 
     The lock lives beside it (``.<name>.lock``): the file itself is replaced
-    when a resumed run cuts it back, and a lock on it would go with it.
+    when a resumed run cuts it back, and a lock on it would go with it. With
+    an ``owner`` (a ``log`` hook's writers), the file is that owner's alone
+    while held: another owner in this process is refused too, so two ``log``
+    hooks, of one run or of two runs in one process, never share a file.
 
     Raises:
-        DirectoryInUse: another process holds ``path``.
+        DirectoryInUse: another process, or another owner in this one, holds ``path``.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     _take(
@@ -183,14 +187,24 @@ def claim_file(path: Path) -> None:
         path.parent / f".{path.name}.lock",
         "two runs writing one log would cut back and interleave each other's lines. Wait for that "
         "run to end or stop it, or give this run a log of its own.",
+        owner,
     )
 
 
-def _take(target: Path, lock: Path, why: str) -> None:
+def _take(target: Path, lock: Path, why: str, owner: object = None) -> None:
     key = os.path.realpath(target)
     with _guard:
         if key in _held:
-            _held[key][1] += 1
+            entry = _held[key]
+            if owner is not None and entry[2] is not None and entry[2] is not owner:
+                raise DirectoryInUse(
+                    f"{target} is written by another log hook of this process: two log hooks on one "
+                    "file would write every line twice and cut back each other's lines on resume. "
+                    "Give each log hook its own file, or put both writers' metrics in one log hook."
+                )
+            entry[1] += 1
+            if entry[2] is None:
+                entry[2] = owner
             return
         fd = os.open(lock, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
         try:
@@ -207,7 +221,7 @@ def _take(target: Path, lock: Path, why: str) -> None:
         except BaseException:
             os.close(fd)
             raise
-        _held[key] = [fd, 1]
+        _held[key] = [fd, 1, owner]
 
 
 def _holder(fd: int) -> str:
@@ -216,17 +230,22 @@ def _holder(fd: int) -> str:
     return "a process that has not written its PID yet"
 
 
-def release(directory: Path) -> None:
-    """Give back one claim on ``directory`` (or a file); the last one unlocks it. Without a claim, nothing happens."""
+def release(directory: Path, owner: object = None) -> bool:
+    """Give back one claim on ``directory`` (or a file); the last one unlocks it.
+
+    Returns whether a claim was given back: without one, or with ``owner``
+    not the one holding it, nothing happens.
+    """
     key = os.path.realpath(directory)
     with _guard:
         entry = _held.get(key)
-        if entry is None:
-            return
+        if entry is None or (owner is not None and entry[2] is not None and entry[2] is not owner):
+            return False
         entry[1] -= 1
         if entry[1] == 0:
             del _held[key]
             os.close(entry[0])
+        return True
 
 
 def holds(directory: Path) -> bool:

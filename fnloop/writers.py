@@ -106,23 +106,23 @@ class Writer(Protocol):
         """The run ended: release what ``write`` opened."""
 
 
-def claim(writer: Writer) -> None:
-    """Hold what ``writer`` writes to for this process, if it says (its own ``claim()``); see ``release``.
+def claim(writer: Writer, owner: object = None) -> None:
+    """Hold what ``writer`` writes to for ``owner`` in this process, if it says (its ``claim``); see ``release``.
 
-    A writer of files offers ``claim()`` and ``release()``: ``log`` claims them
-    before any effect of the run writes, so two live runs never share a log
+    A writer of files offers ``claim(owner)`` and ``release()``: ``log`` claims
+    them, its writers tuple as the owner, before any effect of the run writes,
+    so two live runs, or two ``log`` hooks of one process, never share a log
     file (the second is refused with ``fnloop.hooks.DirectoryInUse``).
     """
     take = getattr(writer, "claim", None)
     if callable(take):
-        take()
+        take(owner)
 
 
-def release(writer: Writer) -> None:
-    """Give back one ``claim`` of ``writer``."""
+def release(writer: Writer, owner: object = None) -> bool:
+    """Give back one ``claim`` of ``writer`` by ``owner``; whether one was (``True`` for a writer of no files)."""
     give = getattr(writer, "release", None)
-    if callable(give):
-        give()
+    return bool(give(owner)) if callable(give) else True
 
 
 # -- console -------------------------------------------------------------------------------------------
@@ -267,13 +267,13 @@ class Jsonl:
 
     path: str = attrs.field(converter=a_path)
 
-    def claim(self) -> None:
-        """Hold the file for this process: another live run writing it is refused (``DirectoryInUse``)."""
-        claim_file(Path(self.path))
+    def claim(self, owner: object = None) -> None:
+        """Hold the file for ``owner``: another live run or owner writing it is refused (``DirectoryInUse``)."""
+        claim_file(Path(self.path), owner)
 
-    def release(self) -> None:
-        """Give back one ``claim``."""
-        release_claim(Path(self.path))
+    def release(self, owner: object = None) -> bool:
+        """Give back one ``claim`` by ``owner``; whether one was."""
+        return release_claim(Path(self.path), owner)
 
     def start(self, iteration: int) -> None:
         """Cut the file back to the lines of iterations before ``iteration``, atomically."""
@@ -372,13 +372,13 @@ class Tensorboard:
 
     logdir: str = attrs.field(converter=a_path)
 
-    def claim(self) -> None:
-        """Hold the log directory for this process: another live run writing it is refused."""
-        claim_file(Path(self.logdir))
+    def claim(self, owner: object = None) -> None:
+        """Hold the log directory for ``owner``: another live run or owner writing it is refused."""
+        claim_file(Path(self.logdir), owner)
 
-    def release(self) -> None:
-        """Give back one ``claim``."""
-        release_claim(Path(self.logdir))
+    def release(self, owner: object = None) -> bool:
+        """Give back one ``claim`` by ``owner``; whether one was."""
+        return release_claim(Path(self.logdir), owner)
 
     def start(self, iteration: int) -> None:
         """Open the event file with ``purge_step=iteration``: TensorBoard hides older events from there on."""

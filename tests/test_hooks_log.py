@@ -113,7 +113,7 @@ def test_a_failed_run_writes_what_it_recorded_up_to_its_last_consistent_state(tm
 
 def test_log_state_counts_what_was_written():
     final = fl.run(TrainState(max_iter=7), stepping(Clock()), range(7), [fl.every(3, log(writers.console()))])
-    assert final.hooks["log"] == LogState(done=8, line=7, start=6)
+    assert final.hooks["log"] == LogState(done=7, line=7, start=6)
 
 
 # -- resume --------------------------------------------------------------------------------------------

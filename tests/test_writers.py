@@ -8,6 +8,7 @@ import math
 import pickle
 import sys
 
+import attrs
 import pytest
 import torch
 
@@ -226,6 +227,39 @@ def test_two_jsonl_writers_on_one_path_in_one_log_are_refused(tmp_path):
         ValueError, match=r"two writers, .* write to .*m.jsonl: every line would be written twice"
     ):
         fl.hooks.log(fl.writers.jsonl(tmp_path / "m.jsonl"), fl.writers.jsonl(str(tmp_path / "m.jsonl")))
+
+
+@pytest.mark.parametrize("make", [fl.writers.jsonl, fl.writers.tensorboard])
+def test_two_log_hooks_of_one_run_on_one_path_are_refused_and_leave_nothing_held(tmp_path, make):
+    # Two log hooks (two names) on one file duplicated every line; claims counted per process let
+    # them through. The run is refused before its first step, and a run after it may use the path.
+    from fnloop._atomic import holds
+
+    path = tmp_path / "m"
+    step = lambda s, b: fl.record(s, loss=1.0)  # noqa: E731
+    hooks = [fl.hooks.log(make(path), name="a"), fl.hooks.log(make(path), name="b")]
+    with pytest.raises(fl.hooks.DirectoryInUse, match=r"another log hook of this process") as caught:
+        fl.run(fl.TrainState(max_iter=3), step, [None] * 3, hooks)
+    assert caught.value.state.iteration == 0  # refused before the first step
+    assert not holds(path)
+    if make is fl.writers.jsonl:
+        assert not path.exists()  # the refused run wrote no line
+    final = fl.run(fl.TrainState(max_iter=3), step, [None] * 3, [fl.hooks.log(make(path), name="b")])
+    assert final.iteration == 3 and not holds(path)
+    if make is fl.writers.jsonl:
+        assert [json.loads(t)["iteration"] for t in path.read_text().splitlines()] == [1, 2, 3]
+
+
+def test_a_finished_run_continued_by_the_same_log_hook_keeps_every_line(tmp_path):
+    # The log's own claims at every write nest under its BEFORE_TRAIN one. Continued from a finished
+    # state, the log once lost two lines (2 and 3): the end cut the line at 2 back without the
+    # metrics to write it again, and counted the next run's first step as written.
+    path = tmp_path / "m.jsonl"
+    step = lambda s, b: fl.record(s, loss=1.0)  # noqa: E731
+    hook = fl.hooks.log(fl.writers.jsonl(path))
+    half = fl.run(fl.TrainState(max_iter=2), step, [None] * 2, [hook])
+    fl.run(attrs.evolve(half, max_iter=4), step, [None] * 2, [hook])
+    assert [json.loads(t)["iteration"] for t in path.read_text().splitlines()] == [1, 2, 3, 4]
 
 
 def test_json_lines_stay_strict_json_with_non_finite_values_readable(tmp_path):

@@ -49,16 +49,20 @@ class _Write:
         # records its metrics before the fold performs this, and the last line must hold them.
         try:
             with _holding(self.writers):  # a run refused its files at BEFORE_TRAIN writes nothing
-                names = since(state.metrics, self.first)
-                if names:
-                    line = Line(state.iteration, state.max_iter, state.metrics, names, first=self.first)
-                    for writer in self.writers:
-                        writer.write(line)
+                try:
+                    names = since(state.metrics, self.first)
+                    if names:
+                        line = Line(state.iteration, state.max_iter, state.metrics, names, first=self.first)
+                        for writer in self.writers:
+                            writer.write(line)
+                finally:
+                    if self.end:
+                        for writer in self.writers:
+                            writer.close()
         finally:
             if self.end:
                 for writer in self.writers:
-                    writer.close()
-                    release(writer)  # the claim of BEFORE_TRAIN
+                    release(writer, self.writers)  # the claim of BEFORE_TRAIN, if it was this log's
 
 
 @attrs.frozen
@@ -69,7 +73,7 @@ class _Claim:
 
     def __call__(self, state: TrainState) -> None:
         for writer in self.writers:
-            claim(writer)
+            claim(writer, self.writers)
 
 
 @contextlib.contextmanager
@@ -78,12 +82,12 @@ def _holding(writers: tuple[Writer, ...]) -> Iterator[None]:
     taken: list[Writer] = []
     try:
         for writer in writers:
-            claim(writer)
+            claim(writer, writers)
             taken.append(writer)
         yield
     finally:
         for writer in taken:
-            release(writer)
+            release(writer, writers)
 
 
 @attrs.frozen
@@ -164,7 +168,10 @@ class Log:
             memory = self._memory(state)
             k = state.iteration
             state = request(state, _Write(self.writers, memory.done, True), self._label(k))
-            return remember(state, self.name, LogState(k + 1, k, memory.done))
+            # A run continued from here records its first step at index k: it is not written yet.
+            # If the line at k was already written, this write adds to it: a resume rewrites both.
+            start = memory.start if memory.line == k else memory.done
+            return remember(state, self.name, LogState(k, k, start))
         return state
 
     def _memory(self, state: TrainState) -> LogState:
