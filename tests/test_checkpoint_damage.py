@@ -8,15 +8,18 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 import zlib
 
 import attrs
 import pytest
+import torch
 
 from fnloop import TrainState, checkpoint, cli, testing
-from fnloop.checkpoint import CheckpointError, CheckpointWarning, DamagedCheckpoint
+from fnloop.checkpoint import CheckpointError, CheckpointMismatch, CheckpointWarning, DamagedCheckpoint
 from fnloop.checkpoint._state_codec import encode_state
 
 LIKE = TrainState(max_iter=1)
@@ -187,3 +190,92 @@ def test_a_symlinked_checkpoint_is_skipped_as_not_this_runs(tmp_path):
     with pytest.warns(CheckpointWarning, match=r"ckpt-00000050.safetensors: a symbolic link"):
         found = checkpoint.latest(run, like=like)
     assert found.iteration == 10
+
+
+# -- the header before the bytes (defect 6) ----------------------------------------------------------
+
+_WIDE = TrainState(max_iter=1, extra={"w": torch.zeros(4)})
+
+
+def test_a_file_the_template_cannot_fit_is_refused_from_its_header_without_reading_its_tensors(
+    tmp_path, monkeypatch
+):
+    # A 2.5 GB file whose tensor shape did not fit `like` was read in full (2.5 GB RSS, 11 s) before
+    # the CheckpointMismatch that its header alone shows.
+    import fnloop.checkpoint._reading as reading
+
+    path = checkpoint.save(
+        attrs.evolve(_WIDE, extra={"w": torch.zeros(2, 2)}), checkpoint.path_for(tmp_path, 0)
+    )
+
+    def never(*args):
+        raise AssertionError("the tensors were read into memory")
+
+    monkeypatch.setattr(reading, "_tensors", never)
+    with pytest.raises(CheckpointMismatch, match=r"state\.extra\['w'\]: expected shape \(4,\), got \(2, 2\)"):
+        checkpoint.load(path, like=_WIDE)
+    with pytest.raises(CheckpointMismatch):  # and `latest` does not pass it off as damage
+        checkpoint.latest(tmp_path, like=_WIDE)
+
+
+def test_a_misfit_in_damaged_bytes_is_damage_not_a_mismatch(tmp_path):
+    # Told from the header before the checksum, a mismatch must not hide damage: `latest` skips
+    # damage and would stop at a mismatch.
+    path = checkpoint.save(
+        attrs.evolve(_WIDE, extra={"w": torch.zeros(2, 2)}), checkpoint.path_for(tmp_path, 0)
+    )
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x40  # a byte of the tensor's data
+    path.write_bytes(bytes(data))
+    with pytest.raises(DamagedCheckpoint, match="checksum mismatch"):
+        checkpoint.load(path, like=_WIDE)
+    with pytest.warns(CheckpointWarning, match="checksum mismatch"):
+        assert checkpoint.latest(tmp_path, like=_WIDE) is None
+
+
+def test_a_shape_changed_in_the_header_alone_is_damage(tmp_path):
+    # The header and skeleton rewritten consistently, [4] as [2, 2] (same bytes): only the checksum
+    # tells that the header was changed; the shape check must not speak first.
+    path = checkpoint.save(_WIDE, checkpoint.path_for(tmp_path, 0))
+    data = path.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    head = json.loads(data[8 : 8 + length])
+    key = next(k for k in head if k != "__metadata__")
+    head[key]["shape"] = [2, 2]
+    head["__metadata__"]["fnloop.skeleton"] = head["__metadata__"]["fnloop.skeleton"].replace(
+        '"shape":[4]', '"shape":[2,2]'
+    )
+    assert '"shape":[2,2]' in head["__metadata__"]["fnloop.skeleton"]
+    raw_file(path, head, data[8 + length :])
+    with pytest.raises(DamagedCheckpoint, match="checksum mismatch"):
+        checkpoint.load(path, like=_WIDE)
+
+
+_MISFIT_MEMORY = """
+import sys, torch, fnloop as fl
+from fnloop import checkpoint
+
+def peak():  # this process's own high-water mark (ru_maxrss would count the parent's, before exec)
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM"))
+
+like = fl.TrainState(max_iter=1, extra={"w": torch.zeros(4)})
+before = peak()
+try:
+    checkpoint.load(sys.argv[1], like=like)
+except checkpoint.CheckpointMismatch as exc:
+    print("mismatch", str(exc).split(":")[2])
+print("grew", (peak() - before) // 1024)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the peak memory from /proc")
+def test_refusing_a_large_file_that_cannot_fit_takes_the_memory_of_a_buffer(tmp_path):
+    path = checkpoint.save(
+        attrs.evolve(_WIDE, extra={"w": torch.ones(64 * 2**20)}), checkpoint.path_for(tmp_path, 0)
+    )  # 256 MiB of tensor
+    out = subprocess.run(
+        [sys.executable, "-c", _MISFIT_MEMORY, str(path)], capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert out[:2] == ["mismatch", "expected"], out
+    assert int(out[-1]) < 64, f"refusing the file grew the process by {out[-1]} MiB"

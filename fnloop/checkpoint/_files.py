@@ -8,46 +8,34 @@ and the atomic write ``fnloop._atomic``.
 from __future__ import annotations
 
 import errno
-import io
 import json
 import os
 import re
-import stat
 import warnings
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from fnloop._atomic import remove_leftovers, write_atomically
 from fnloop._core.state import TrainState
 from fnloop.checkpoint._codec import (
-    DTYPES,
     CheckpointError,
     DamagedCheckpoint,
-    decode,
 )
+from fnloop.checkpoint._reading import read
 from fnloop.checkpoint._safetensors import (
     FORMAT_VERSION,
     PLACEHOLDER,
-    check_format,
-    damaged,
     header,
     layout,
-    read_header,
 )
 from fnloop.checkpoint._state_codec import encode_state, fill_state
-from fnloop.checkpoint._transfer import _bytes, _digest, _pread, _pwrite, _transfer
+from fnloop.checkpoint._transfer import _bytes, _digest, _pwrite, _transfer
 
 __all__ = ["CheckpointWarning", "checkpoints", "latest", "load", "path_for", "read_raw", "save"]
 
 StrPath = str | os.PathLike[str]
 
 _NAME = re.compile(r"ckpt-(\d{8,})\.safetensors")
-try:
-    _MEMORY = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")  # no file bigger loads
-except (AttributeError, ValueError, OSError):
-    _MEMORY = 1 << 62
 
 
 class CheckpointWarning(UserWarning):
@@ -194,7 +182,7 @@ def load(path: StrPath, *, like: TrainState) -> TrainState:
         raise TypeError(
             f"load() expected like= a fnloop.TrainState, got {like!r:.80} (a {type(like).__name__})."
         )
-    _, raw = _read(path)
+    _, raw = read(path, like)
     return fill_state(raw, like, f"{path}: state")
 
 
@@ -301,75 +289,5 @@ def read_raw(path: StrPath) -> tuple[dict[str, str], Any]:
         >>> meta["fnloop.format"], tree["max_iter"], tree["extra"]
         ('2', 3, (1, 2.5))
     """
-    metadata, raw = _read(path)
+    metadata, raw = read(path)
     return {k: v for k, v in metadata.items() if k != "fnloop.skeleton"}, raw
-
-
-def _read(path: StrPath) -> tuple[dict[str, str], Any]:
-    try:
-        # Not blocking: a FIFO named like a checkpoint would wait for a writer forever.
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
-    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
-        what = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise DamagedCheckpoint(f"{path}: cannot read the file: {what}") from None
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            raise damaged(
-                str(path), f"not a regular file (a {_KINDS.get(stat.S_IFMT(mode), 'special file')})"
-            )
-        os.set_blocking(fd, True)
-        with open(fd, "rb", closefd=False) as file:
-            metadata, tensors = _read_file(file, str(path))
-    except OSError as exc:
-        raise DamagedCheckpoint(f"{path}: cannot read the file: {exc.strerror or exc}") from exc
-    finally:
-        os.close(fd)
-    where = f"{path}: state"
-    try:
-        return metadata, decode(json.loads(metadata["fnloop.skeleton"]), tensors, where)
-    except (ValueError, RecursionError) as exc:
-        raise DamagedCheckpoint(
-            f"{path}: the skeleton cannot be read ({type(exc).__name__}: {exc})"
-        ) from None
-
-
-_KINDS = {stat.S_IFDIR: "directory", stat.S_IFIFO: "FIFO", stat.S_IFSOCK: "socket", stat.S_IFCHR: "device"}
-
-
-def _read_file(file: io.BufferedReader, name: str) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
-    metadata, start, entries = read_header(file, name)
-    # Nothing is shaped before the checksum holds, and only tensors with bytes get memory before
-    # then: the header is checked, but what it claims is not yet known to be what was written.
-    buffers, views, specs = {}, [], {}
-    total = sum(end - begin for *_, begin, end in entries)
-    try:
-        if total > _MEMORY:  # not left to the allocator: with overcommit, it would say yes
-            raise MemoryError
-        for key, dtype, shape, begin, end in entries:
-            specs[key] = {"dtype": DTYPES[dtype], "shape": shape}
-            if end > begin:
-                buffers[key] = torch.empty(end - begin, dtype=torch.uint8)
-                views.append(_bytes(buffers[key]))
-    except (RuntimeError, MemoryError):
-        raise CheckpointError(
-            f"{name}: its tensors take {total:,} bytes, more memory than this process can get. "
-            "Load it on a machine with more memory; if the file is not that large on disk, it is sparse "
-            "and damaged."
-        ) from None
-    try:
-        crcs = iter(_transfer(file.fileno(), views, start, _pread))
-    except EOFError:
-        raise damaged(name, "truncated while its tensors were read") from None
-    found = [(key, spec, next(crcs) if key in buffers else []) for key, spec in specs.items()]
-    stored = metadata.get("fnloop.checksum")
-    if _digest(metadata["fnloop.skeleton"], found, metadata["fnloop.format"]) != stored:
-        raise damaged(
-            name,
-            f"checksum mismatch (stored {stored!r:.40}): its bytes changed after it "
-            "was written, by a disk, transfer or copy error",
-        )
-    check_format(metadata, name)
-    empty = torch.empty(0, dtype=torch.uint8)
-    tensors = {key: buffers.get(key, empty).view(dtype).reshape(shape) for key, dtype, shape, _, _ in entries}
-    return metadata, tensors

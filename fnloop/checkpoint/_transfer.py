@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["_bytes", "_digest", "_pread", "_pwrite", "_transfer"]
+__all__ = ["_bytes", "_digest", "_pread", "_pwrite", "_stream", "_transfer"]
 
 _PIECE = 1 << 24  # the checksum covers each tensor in pieces of this many bytes: part of the format
 _THREADED = 1 << 25  # below this many bytes of tensors, threads cost more than they save
@@ -56,6 +56,28 @@ def _transfer(
     crcs: list[list[int]] = [[] for _ in views]
     for (i, _, _), crc in zip(pieces, results):
         crcs[i].append(crc)
+    return crcs
+
+
+def _stream(
+    fd: int, spans: list[tuple[int, int]], start: int, each: Callable[[int, memoryview], None] | None = None
+) -> list[list[int]]:
+    """The CRC-32s of the pieces of each span ``(begin, end)`` of ``fd``'s bytes from ``start``, read
+    through one buffer of a piece: the memory of one piece, whatever the file's size.
+
+    ``each(i, piece)``, if given, sees every piece of span ``i`` in order; the
+    view is reused for the next piece, so it must not be kept.
+    """
+    view = memoryview(bytearray(min(_PIECE, max((end - begin for begin, end in spans), default=0))))
+    crcs: list[list[int]] = []
+    for i, (begin, end) in enumerate(spans):
+        crcs.append([])
+        for at in range(begin, end, _PIECE):
+            piece = view[: min(_PIECE, end - at)]
+            _pread(fd, piece, start + at)
+            crcs[-1].append(zlib.crc32(piece))
+            if each is not None:
+                each(i, piece)
     return crcs
 
 
