@@ -151,8 +151,8 @@ def claim(directory: Path) -> None:
         >>> d = Path(tempfile.mkdtemp())
         >>> claim(d); claim(d); holds(d)
         True
-        >>> release(d); release(d); holds(d)
-        False
+        >>> release(d), release(d), holds(d)
+        (True, True, False)
     """
     with contextlib.suppress(FileExistsError):
         directory.mkdir(parents=True, exist_ok=True)

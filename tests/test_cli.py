@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import types
@@ -169,6 +170,79 @@ def test_inspect_summarizes_every_kind_of_tensor_and_writes_strict_json(tmp_path
     assert extra_json["z"]["value"] == "(3+4j)"
     assert extra_json["empty"] == {"dtype": "float32", "shape": [0, 2], "numel": 0}
     assert extra_json["half"]["mean"] == 1.0
+
+
+_LARGE = {
+    "f32": torch.randn(5 * 2**20),  # 20 MiB: two pieces of the checksum, five chunks of a summary
+    "bf16": torch.randn(3 * 2**20).to(torch.bfloat16),
+    "i8": torch.randint(-128, 127, (2**20 + 7,), dtype=torch.int8),
+    "u64": torch.randint(0, 2**62, (2**20 + 3,)).to(torch.uint64),
+    "flags": torch.rand(2**20 + 5) > 0.3,
+    "z": torch.randn(2**20 + 1, dtype=torch.complex64),
+    "holes": torch.where(torch.rand(3 * 2**20) > 0.99, math.nan, torch.randn(3 * 2**20)),
+}
+
+
+def test_inspect_summarizes_a_tensor_read_piece_by_piece_as_it_does_one_in_memory(tmp_path, capsys):
+    # `fnloop inspect` no longer holds the file's tensors (a 2.5 GB file passed 3 GiB and was
+    # killed): each is summarized from the bytes as they are read, and says what the tensor would.
+    from fnloop.checkpoint._raw import tensor_stats
+
+    path = checkpoint.save(TrainState(max_iter=1, extra=_LARGE), tmp_path / "c")
+    code, out, _ = run_cli(capsys, "inspect", path, "--json")
+    assert code == 0
+    shown = json.loads(out)["extra"]
+    assert shown == {name: tensor_stats(t) for name, t in _LARGE.items()}
+    assert shown["holes"]["nan"] > 0 and shown["flags"]["true"] > 0
+
+
+_INSPECT_MEMORY = """
+import sys
+from fnloop import cli
+
+def peak():  # this process's own high-water mark, in KiB
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM"))
+
+before = peak()
+code = cli.main(["inspect", sys.argv[1]])
+print("grew", (peak() - before) // 1024, "code", code)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the peak memory from /proc")
+def test_inspect_of_a_large_file_takes_the_memory_of_a_piece(tmp_path):
+    path = checkpoint.save(TrainState(max_iter=1, extra={"w": torch.ones(64 * 2**20)}), tmp_path / "c")
+    out = subprocess.run(
+        [sys.executable, "-c", _INSPECT_MEMORY, str(path)], capture_output=True, text=True, check=True
+    ).stdout
+    assert "norm 8192  mean 1  min 1  max 1" in out
+    grew = int(out.split()[-3])
+    assert grew < 96, f"inspecting a 256 MiB file grew the process by {grew} MiB"
+
+
+def test_inspect_shows_the_start_of_a_long_list_and_counts_the_rest(tmp_path, capsys):
+    # A hook state of 2M ints printed 2M rows (20.7 s, 828 MB); the text shows 20, the JSON all.
+    path = checkpoint.save(TrainState(max_iter=1, hooks={"seen": list(range(100_000))}), tmp_path / "c")
+    code, out, _ = run_cli(capsys, "inspect", path)
+    assert code == 0
+    assert len(out.splitlines()) < 60
+    lines = squeezed(out)
+    assert "seen[19] 19" in lines and "seen[20:] ... 99,980 more entries" in lines
+    assert "seen[20] 20" not in lines
+    code, out, _ = run_cli(capsys, "inspect", path, "--json")
+    assert json.loads(out)["hooks"]["seen"] == list(range(100_000))
+
+
+def test_a_long_value_in_one_line_is_cut_without_rendering_the_rest():
+    from fnloop.checkpoint._raw import short
+
+    class Unrenderable(int):
+        def __str__(self):
+            raise AssertionError("rendered past the cut")
+
+    text = short([*range(50), Unrenderable(0)])
+    assert text.startswith("[0, 1, 2") and text.endswith("...") and len(text) == 100
 
 
 @pytest.mark.parametrize(

@@ -107,7 +107,7 @@ def save(state: TrainState, path: StrPath) -> Path:
         OSError: the file cannot be written; an existing file at ``path`` is untouched.
 
     Examples:
-        >>> import tempfile
+        >>> import tempfile, torch
         >>> state = TrainState(max_iter=10, params={"w": torch.ones(2)})
         >>> with tempfile.TemporaryDirectory() as d:
         ...     path = save(state, path_for(d, state.iteration))

@@ -15,11 +15,23 @@ from typing import Any
 import torch
 
 from fnloop.checkpoint import Record
-from fnloop.checkpoint._raw import Row, compact, json_number, leaves, many, read, short, table, tensor_stats
+from fnloop.checkpoint._raw import (
+    Row,
+    compact,
+    is_tensor,
+    json_number,
+    leaves,
+    many,
+    read,
+    short,
+    table,
+    tensor_stats,
+)
 
 __all__ = ["run"]
 
 _HEAD_FIELDS = ("rng", "data", "time")
+_MOST = 20  # entries shown of a long list; the rest are counted (the JSON holds them all)
 
 
 def _metric_rows(metrics: Any) -> tuple[int | None, list[tuple[str, int, Any, int]]] | None:
@@ -36,7 +48,7 @@ def _metric_rows(metrics: Any) -> tuple[int | None, list[tuple[str, int, Any, in
         ):
             return None
         iteration, value = entries[-1]
-        if isinstance(value, torch.Tensor):
+        if is_tensor(value):
             value = tensor_stats(value).get("value", value)
         rows.append((str(name), iteration, value, len(entries)))
     window = metrics.get("window")
@@ -65,7 +77,7 @@ def _inspect_json(path: Path, metadata: dict[str, str], tree: Record) -> dict[st
     return out
 
 
-def _tensor_text(t: torch.Tensor) -> tuple[str, str, str]:
+def _tensor_text(t: Any) -> tuple[str, str, str]:
     """(dtype, shape, summary) columns for one tensor."""
     s = tensor_stats(t)
     if "value" in s:
@@ -84,7 +96,7 @@ def _tensor_text(t: torch.Tensor) -> tuple[str, str, str]:
 
 
 def _jsonable(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
+    if is_tensor(value):
         return tensor_stats(value)
     if type(value) is Record:
         return {"__type__": value.type, **{k: _jsonable(v) for k, v in value.items()}}
@@ -112,7 +124,7 @@ def _section(named: Iterable[tuple[str, Any]]) -> tuple[str, list[Row]]:
     rows: list[Row] = []
     count, numel, nbytes = 0, 0, 0
     for name, leaf in named:
-        if isinstance(leaf, torch.Tensor):
+        if is_tensor(leaf):
             count, numel = count + 1, numel + leaf.numel()
             nbytes += leaf.numel() * leaf.element_size()
             rows.append((name, *_tensor_text(leaf)))
@@ -126,9 +138,9 @@ def _named(value: Any, by_key: bool) -> Iterator[tuple[str, Any]]:
     """Leaves of a field, named by their path in it; ``by_key``: a name -> tensor dict's keys as they are."""
     if by_key and type(value) is dict and value:
         for key, child in value.items():
-            yield from leaves(child, str(key))
+            yield from leaves(child, str(key), most=_MOST)
     else:
-        yield from ((path.removeprefix(".") or "(all)", leaf) for path, leaf in leaves(value))
+        yield from ((path.removeprefix(".") or "(all)", leaf) for path, leaf in leaves(value, most=_MOST))
 
 
 def _inspect_text(path: Path, metadata: dict[str, str], tree: Record) -> list[str]:
@@ -160,10 +172,10 @@ def _inspect_text(path: Path, metadata: dict[str, str], tree: Record) -> list[st
             rows: list[Row] = []
             for hook, memory in value.items():
                 text = short(memory)
-                if len(text) < 100 and not any(isinstance(v, torch.Tensor) for _, v in leaves(memory)):
+                if len(text) < 100 and not any(is_tensor(v) for _, v in leaves(memory, most=_MOST)):
                     rows.append((hook, text))
                 else:  # large: one row per leaf, under the hook's name
-                    rows += _section(leaves(memory, hook))[1]
+                    rows += _section(leaves(memory, hook, most=_MOST))[1]
             lines += table(rows)
             continue
         note, rows = _section(_named(value, by_key=name in ("params", "buffers")))
@@ -177,7 +189,7 @@ def _inspect_text(path: Path, metadata: dict[str, str], tree: Record) -> list[st
 
 def run(args: argparse.Namespace) -> int:
     """Print what the checkpoint ``args.ckpt`` holds (as JSON with ``args.json``); return 0."""
-    path, metadata, tree = read(args.ckpt)
+    path, metadata, tree = read(args.ckpt, summarized=True)
     if args.json:
         print(json.dumps(_inspect_json(path, metadata, tree), indent=2))
     else:
