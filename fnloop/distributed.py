@@ -65,7 +65,16 @@ def setup(*, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> None:
         return
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        dist.init_process_group(timeout=timeout)
+    else:
+        store, rank, size = next(dist.rendezvous("env://", timeout=timeout))
+        # torchrun's store outlives a restart, keys and all: without a prefix of the attempt's
+        # own, a restarted rank reads its peers' addresses of the attempt before, and gloo's
+        # connect is refused, or waits until the timeout, on a port nobody listens on.
+        store = dist.PrefixStore(f"fnloop/attempt_{attempt}/default_pg", store)
+        dist.init_process_group(store=store, rank=rank, world_size=size, timeout=timeout)
     atexit.register(_leave)
 
 

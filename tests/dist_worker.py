@@ -17,6 +17,8 @@ Options:
     --raise-rank R     (default 1)
     --sigterm-at I     rank 0 sends SIGTERM to its launcher at AFTER_STEP of step I (a preemption)
     --sigterm-self R:I rank R sends SIGTERM to itself at AFTER_STEP of step I (repeatable)
+    --sigkill-self R:I rank R sends SIGKILL to itself at AFTER_STEP of step I, in the launcher's first
+                       attempt only (TORCHELASTIC_RESTART_COUNT 0): a crash that torchrun restarts
     --drift-at I       rank 1 nudges one weight at BEFORE_STEP of step I (replicas then differ)
     --steps-per-call K train_step(..., steps_per_call=K); the hooks then run every 2K steps (every K
                        for check_replicas) instead of every 5 (2)
@@ -89,6 +91,13 @@ def terminate_self(state: TrainState) -> TrainState:
     return state
 
 
+def kill_self(state: TrainState) -> TrainState:
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return state
+
+
 def drift(state: TrainState) -> TrainState:
     params = dict(state.params)
     params["0.weight"] = params["0.weight"] + 1e-3
@@ -105,6 +114,7 @@ def main() -> None:
     parser.add_argument("--raise-rank", type=int, default=1)
     parser.add_argument("--sigterm-at", type=int)
     parser.add_argument("--sigterm-self", action="append", default=[])
+    parser.add_argument("--sigkill-self", action="append", default=[])
     parser.add_argument("--drift-at", type=int)
     parser.add_argument("--steps-per-call", type=int, default=1)
     args = parser.parse_args()
@@ -132,6 +142,9 @@ def main() -> None:
     for spec in args.sigterm_self:
         who, at = map(int, spec.split(":"))
         hooks.append(At(Phase.AFTER_STEP, at, {who}, terminate_self))
+    for spec in args.sigkill_self:
+        who, at = map(int, spec.split(":"))
+        hooks.append(At(Phase.AFTER_STEP, at, {who}, kill_self))
     if args.drift_at is not None:
         hooks.insert(0, At(Phase.BEFORE_STEP, args.drift_at, {1}, drift))
     final = fl.run(state, step, stream, hooks)

@@ -24,10 +24,15 @@ LIMIT = 240
 ONE_CORE_EACH = {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
 
 
-def launch(tmp: Path, ranks: int, *options: str, limit: int = LIMIT) -> subprocess.CompletedProcess[str]:
+def launch(
+    tmp: Path, ranks: int, *options: str, limit: int = LIMIT, restarts: int = 0
+) -> subprocess.CompletedProcess[str]:
     """The worker on ``ranks`` processes (torchrun for 2, plain python for 1), writing into ``tmp``."""
     runner = (
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+        [
+            *(sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"),
+            f"--max-restarts={restarts}",
+        ]
         if ranks > 1
         else [sys.executable]
     )
@@ -230,3 +235,57 @@ def test_the_group_fnloop_joined_is_left_at_a_clean_exit_and_kept_after_an_error
     else:
         assert done.returncode != 0
         assert written == ["rank-0-0.txt", "rank-1-1.txt"], written
+
+
+@pytest.mark.parametrize("kill", ["1:3", "0:7", "1:12", "0:14"])
+def test_torchrun_restarts_after_a_sigkill_and_ends_bit_exact(
+    tmp_path: Path, two_ranks: Path, kill: str
+) -> None:
+    # `torchrun --max-restarts` after a SIGKILL of a rank: rank R kills itself after step I in the
+    # first attempt (before the first checkpoint at 1:3, right after one at 0:14). Before, 2 of 9
+    # such restarts hung for gloo's whole timeout in connectFullMesh (see the next test).
+    done = launch(tmp_path, 2, "--sigkill-self", kill, restarts=2, limit=150)
+    ok(done)
+    assert "exitcode: -9" in done.stderr  # the kill happened, and torchrun restarted the job
+    resumed, straight = results(tmp_path), results(two_ranks)
+    assert resumed["iteration"] == straight["iteration"] == 20
+    for name, value in straight["params"].items():
+        assert torch.equal(resumed["params"][name], value), name
+    assert resumed["loss"] == straight["loss"]
+
+
+RESTARTED = """
+import os, signal, sys
+import torch.distributed as dist
+import fnloop as fl
+
+attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+fl.distributed.setup()
+store = dist.distributed_c10d._get_default_store()
+seen = store.check([f"left by attempt 0, rank {fl.distributed.rank()}"])
+with open(os.path.join(sys.argv[1], f"attempt-{attempt}-rank-{fl.distributed.rank()}.txt"), "w") as f:
+    f.write(str(seen))
+if attempt == "0":
+    store.set(f"left by attempt 0, rank {fl.distributed.rank()}", "stale")
+    dist.barrier()
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_restarted_attempt_sees_none_of_the_keys_the_killed_one_left(tmp_path: Path) -> None:
+    # torchrun's store outlives a restart with its keys: a restarted rank read its peers' addresses
+    # of the attempt before, and gloo's connect was refused, or hung until the timeout, on a port
+    # nobody listened on. The group fnloop joins keeps its keys under the attempt's own prefix.
+    script = tmp_path / "restarted.py"
+    script.write_text(RESTARTED)
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    done = subprocess.run(
+        [*launch, "--max-restarts=1", str(script), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=LIMIT,
+        env={**os.environ, **ONE_CORE_EACH},
+    )
+    ok(done)
+    seen = {p.name: p.read_text() for p in tmp_path.glob("attempt-*.txt")}
+    assert seen == {f"attempt-{a}-rank-{r}.txt": "False" for a in (0, 1) for r in (0, 1)}, seen
