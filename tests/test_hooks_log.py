@@ -315,7 +315,27 @@ def test_memory_records_peak_rss_in_mib_on_cpu():
     history = final.metrics.history("max_mem")
     assert [i for i, _ in history] == [1, 3]
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if os.path.exists("/proc/self/status"):  # read as the hook reads it (ru_maxrss lags it a little)
+        with open("/proc/self/status") as status:
+            peak = next(int(line.split()[1]) for line in status if line.startswith("VmHWM")) / 1024
     assert all(type(v) is float and 10 < v <= peak for _, v in history)
+
+
+_CHILD_PEAK = """
+import fnloop as fl, torch
+state = fl.TrainState(max_iter=1, params={"w": torch.zeros(3)})
+print(fl.run(state, lambda s, b: s, [None], [fl.hooks.memory()]).metrics.latest("max_mem")[1])
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ru_maxrss survives exec on Linux")
+def test_memory_of_a_script_started_by_a_large_process_is_its_own():
+    # ru_maxrss keeps the parent's peak across exec: a run started from a notebook or a test
+    # process holding gigabytes reported that memory as its own max_mem.
+    ballast = torch.ones(2**28)  # 1 GiB in this process, touched
+    out = subprocess.run([sys.executable, "-c", _CHILD_PEAK], capture_output=True, text=True, check=True)
+    del ballast
+    assert float(out.stdout) < 900, out.stdout
 
 
 # -- profile -------------------------------------------------------------------------------------------

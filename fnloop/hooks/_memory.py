@@ -19,9 +19,12 @@ _MIB = 2**20
 def peak_mib(state: TrainState) -> float:
     """Peak memory in MiB: CUDA's peak allocation on the device of the state's params, else peak RSS.
 
-    On CPU it is the process's peak resident set (``getrusage``'s
-    ``ru_maxrss``: KiB on Linux, bytes on macOS); where that is not available
-    (Windows), 0.0. Neither reading waits for the device.
+    On CPU it is this process's peak resident set: on Linux ``VmHWM`` from
+    ``/proc/self/status`` (``getrusage``'s ``ru_maxrss`` there keeps the
+    parent's peak across ``exec``, so a script started from a large process
+    reported that process's memory); elsewhere ``ru_maxrss`` (bytes on macOS);
+    where neither is available (Windows), 0.0. Neither reading waits for the
+    device.
 
     Examples:
         >>> peak_mib(TrainState(max_iter=1)) > 0
@@ -30,6 +33,13 @@ def peak_mib(state: TrainState) -> float:
     first = next(iter(state.params.values()), None)
     if first is not None and first.is_cuda:
         return torch.cuda.max_memory_allocated(first.device) / _MIB
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except (OSError, ValueError):
+        pass
     try:
         import resource
     except ImportError:
