@@ -154,3 +154,29 @@ def test_save_pretrained_round_trip_keeps_the_trained_and_tied_weights(tmp_path)
     ids = cases.tokens(1)[0]
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model.eval()(ids).logits, rtol=0, atol=0)
+
+
+# -- activation checkpointing ------------------------------------------------------------------------
+
+
+def _checkpointed_gpt2() -> torch.nn.Module:
+    model = cases.built("gpt2")
+    model.activation_checkpointing_enable()  # each block recomputed in the backward, non-reentrant
+    return model
+
+
+@pytest.mark.parametrize("k", [1, 2], ids=["one-step-per-call", "two-steps-per-call"])
+def test_gpt2_with_activation_checkpointing_equals_it_without_bit_for_bit(k):
+    # At its default dropout (0.1): the recomputed blocks draw the masks of the first forward.
+    model = _checkpointed_gpt2()
+    step = fl.train_step(model, cases.lm_loss, OPT, steps_per_call=k)
+    checkpointed = _run("gpt2", step, 4, model=model)
+    testing.assert_identical(checkpointed, _run("gpt2", _step("gpt2"), 4))
+    assert step.compiles == 1
+
+
+def test_gpt2_with_activation_checkpointing_eagerly_equals_it_without():
+    model = _checkpointed_gpt2()
+    eager = fl.train_step(model, cases.lm_loss, OPT, compile=False)
+    plain = fl.train_step(cases.built("gpt2"), cases.lm_loss, OPT, compile=False)
+    testing.assert_identical(_run("gpt2", eager, 3, model=model), _run("gpt2", plain, 3))

@@ -119,7 +119,7 @@ def trace(
         # ways record it in the graph, and the CPU LSTM's (mkldnn_rnn_layer) left its backward
         # without the workspace its forward makes once compiled. Ops that choose at run time
         # (convolutions) are recorded as the generic op and still run on oneDNN.
-        with _without_onednn():
+        with _without_onednn(), _tracing_as_a_function():
             return make_fx(
                 function,
                 decomposition_table=_decompositions(drawn),
@@ -129,6 +129,20 @@ def trace(
             )(*leaves)
     except _data_dependent() as exc:
         raise TraceError(str(exc)) from exc
+
+
+def _tracing_as_a_function() -> contextlib.AbstractContextManager[Any]:
+    """torch told that a make_fx trace of forward and backward runs (as torchtitan's is).
+
+    Selective activation checkpointing (``create_selective_checkpoint_contexts``)
+    otherwise takes a proxy mode for AOTAutograd's, caches every op of the
+    region and leaves recomputation to a partitioner this trace has none of:
+    nothing would be recomputed, and an in-place op on a cached output fails.
+    Told, it recomputes in the backward as it does eagerly, which the trace
+    records. Nothing else in torch reads the flag.
+    """
+    context = getattr(torch.compiler, "_non_strict_tracing_context", None)
+    return context() if context is not None else contextlib.nullcontext()
 
 
 @contextlib.contextmanager

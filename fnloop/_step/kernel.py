@@ -9,7 +9,6 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
-from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
 from fnloop._step.errors import _NUMBER_METRIC, GraphBreakError, _number
@@ -84,6 +83,32 @@ def _all_finite(loss: torch.Tensor, grads: Mapping[str, torch.Tensor], eager: bo
     return torch.isfinite(torch.stack([p.to(dtype) for p in peaks]).amax())
 
 
+@contextlib.contextmanager
+def _holding(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> Iterator[None]:
+    """``model`` with ``tensors`` in place of its parameters and buffers for the block (tied weights kept tied)."""
+    from torch.nn.utils.stateless import _reparametrize_module  # what functional_call uses
+
+    with _reparametrize_module(model, tensors, tie_weights=True, strict=False):
+        yield
+
+
+def _gradients(loss: torch.Tensor, wanted: list[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
+    """The gradients of ``loss`` with respect to ``wanted``; reentrant checkpointing refused with the fix."""
+    try:
+        return torch.autograd.grad(loss, wanted, allow_unused=True)
+    except RuntimeError as exc:
+        if "compatible with .grad()" not in str(exc):  # "not compatible", or "incompatible" (newer torch)
+            raise
+        raise TypeError(
+            "activation checkpointing: the model checkpoints with use_reentrant=True, which torch "
+            "cannot take the gradients of as a function (torch.autograd.grad); fnloop's step needs the "
+            "non-reentrant form. Use torch.utils.checkpoint.checkpoint(..., use_reentrant=False); for a "
+            "transformers model, model.activation_checkpointing_enable() (non-reentrant by default "
+            "since transformers 5) or model.gradient_checkpointing_enable("
+            'gradient_checkpointing_kwargs={"use_reentrant": False}).'
+        ) from None
+
+
 class Stepped(NamedTuple):
     """What one step computes: the new params, buffers and optimizer state, before the guard.
 
@@ -135,14 +160,11 @@ def _kernel(
     """
     fixed = frozen(model, "train_step")
 
-    def loss_of(params: dict, buffers: dict, batch: Any) -> tuple[torch.Tensor, dict]:
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            return functional_call(model, (params, buffers), args, kwargs)
-
+    def loss_of(params: dict, batch: Any) -> tuple[torch.Tensor, dict]:
         device = _device(params).type
         context = torch.autocast(device, dtype=autocast) if autocast else contextlib.nullcontext()
         with context:
-            loss, metrics = _split(loss_fn(forward, batch))
+            loss, metrics = _split(loss_fn(model, batch))
         return loss.float(), metrics
 
     def grads_and_loss(params: dict, buffers: dict, batch: Any) -> tuple[dict, torch.Tensor, dict]:
@@ -150,10 +172,13 @@ def _kernel(
             k: v.detach().requires_grad_(k not in fixed and (v.is_floating_point() or v.is_complex()))
             for k, v in params.items()
         }
-        with torch.enable_grad():
-            loss, metrics = loss_of(leaves, buffers, batch)
+        # The model holds the state's tensors through the backward too, not only the forward (as
+        # functional_call would): activation checkpointing runs part of the forward again there,
+        # and it must see these parameters, not the module's own.
+        with torch.enable_grad(), _holding(model, {**leaves, **buffers}):
+            loss, metrics = loss_of(leaves, batch)
             wanted = [v for v in leaves.values() if v.requires_grad]
-            found = iter(torch.autograd.grad(loss, wanted, allow_unused=True) if wanted else ())
+            found = iter(_gradients(loss, wanted) if wanted else ())
         grads = {}
         for k, v in leaves.items():
             if k in fixed:

@@ -92,11 +92,46 @@ def drawing_from(seed: torch.Tensor) -> Iterator[None]:
     gives each step its own seed, as single steps get theirs. Random ops
     outside (none active) are left as they are.
     """
-    _DRAWING.append(_Drawing(seed))
+    drawing = _Drawing(seed)
+    _DRAWING.append(drawing)
+    try:
+        with _replaying(drawing):
+            yield
+    finally:
+        _DRAWING.pop()
+
+
+@contextlib.contextmanager
+def _replaying(drawing: _Drawing) -> Iterator[None]:
+    """torch's generator state carries the draw count too, while ``drawing`` is traced.
+
+    Activation checkpointing (``torch.utils.checkpoint``) runs part of the
+    forward again in the backward, and makes it draw the numbers it drew the
+    first time by saving the generator's state (``torch.get_rng_state``) and
+    setting it back (``torch.set_rng_state``). A traced step draws from its
+    seed and a count of draws instead: here, setting a saved state back sets
+    the count back to what it was when that state was saved, so a recomputed
+    dropout draws the masks of the first forward.
+    """
+    get, put = torch.get_rng_state, torch.set_rng_state
+    counts: dict[int, tuple[torch.Tensor, int]] = {}
+
+    def get_rng_state() -> torch.Tensor:
+        state = get()
+        counts[id(state)] = (state, drawing.count)  # the state is kept, so its id stays its own
+        return state
+
+    def set_rng_state(new_state: torch.Tensor) -> None:
+        put(new_state)
+        saved = counts.get(id(new_state))
+        if saved is not None and saved[0] is new_state:
+            drawing.count = saved[1]
+
+    torch.get_rng_state, torch.set_rng_state = get_rng_state, set_rng_state  # type: ignore[assignment]
     try:
         yield
     finally:
-        _DRAWING.pop()
+        torch.get_rng_state, torch.set_rng_state = get, put  # type: ignore[assignment]
 
 
 @torch.library.custom_op("fnloop::drawn", mutates_args=())
