@@ -80,13 +80,13 @@ def _lm_loss(forward: Any, ids: torch.Tensor) -> torch.Tensor:
 Train = Callable[[int], None]
 
 
-def build(loop: str, quick: bool) -> Train:
+def build(loop: str, quick: bool, options: dict[str, Any] | None = None) -> Train:
     """A loop that trains ``n`` more steps each time it is called, from where it left off."""
     model = _model(quick, loop.endswith("+ckpt"))
     data = _batches(quick)
     if loop.startswith("fnloop"):
         optimizer = fl.optim.adamw(1e-3)
-        step = fl.train_step(model, _lm_loss, optimizer)
+        step = fl.train_step(model, _lm_loss, optimizer, options=options)
         box = [fl.init(model, optimizer, seed=0, max_iter=0)]
 
         def train(n: int) -> None:
@@ -121,10 +121,10 @@ def _peak_mb() -> float:
         return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) / 1024
 
 
-def probe(loop: str, quick: bool, steps: int) -> dict[str, float]:
+def probe(loop: str, quick: bool, steps: int, options: dict[str, Any] | None = None) -> dict[str, float]:
     """In this process: the working memory of ``steps`` steps of ``loop`` after a warm-up."""
     torch.set_num_threads(1)
-    train = build(loop, quick)
+    train = build(loop, quick, options)
     train(2)
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/clear_refs", "w") as f:
@@ -138,7 +138,9 @@ def memory(quick: bool, steps: int) -> dict[str, dict[str, float]]:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
     out = {}
     for loop in LOOPS:
-        args = [sys.executable, __file__, "--probe", loop, "--steps", str(steps)] + (["--quick"] if quick else [])
+        args = [sys.executable, __file__, "--probe", loop, "--steps", str(steps)] + (
+            ["--quick"] if quick else []
+        )
         done = subprocess.run(args, capture_output=True, text=True, env=env, check=True)
         out[loop] = json.loads(done.stdout.strip().splitlines()[-1])
     return out
@@ -164,10 +166,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--probe", help=argparse.SUPPRESS)
+    parser.add_argument("--options", type=json.loads, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     steps = args.steps or (2 if args.quick else 3)
     if args.probe:
-        print(json.dumps(probe(args.probe, args.quick, steps)))
+        print(json.dumps(probe(args.probe, args.quick, steps, args.options)))
         return
     z = _sizes(args.quick)
     print(

@@ -116,7 +116,8 @@ def train_step(
     """The pure step ``(state, batch) -> state`` for ``model``, ``loss_fn`` and ``optimizer``.
 
     Forward, backward and the optimizer update run as one function on the
-    state's tensors (``torch.func.functional_call`` + ``torch.autograd.grad``),
+    state's tensors (swapped into the module, as ``torch.func.functional_call``
+    does, for the forward and the backward both; ``torch.autograd.grad``),
     traced once, like ``jax.jit``, into one graph that inductor compiles; each
     call then checks only the inputs' structure, shapes, strides, dtypes and
     devices. Python in ``loss_fn`` runs once, at trace time. The iteration

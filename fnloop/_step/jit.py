@@ -31,7 +31,7 @@ from fnloop._step.cache import CompileCache, default_cache, graph_key
 from fnloop._step.errors import CompileFailed, _user_frames
 from fnloop._step.options import default_options, inductor_options
 from fnloop._step.probes import remembered_probes
-from fnloop._step.seeding import drawn_decompositions
+from fnloop._step.seeding import drawn_decompositions, recomputations
 
 __all__ = [
     "CompileFailed",
@@ -225,7 +225,9 @@ def _compile(
     name of each such op is added to it).
     """
     drawn = not options.get("fallback_random", False)
+    before = recomputations()
     graph = trace(function, leaves, drawn=drawn)
+    recomputes = recomputations() > before
     # A number read out of a tensor whose value nothing in the graph uses (print(loss.item()))
     # traces without complaint; inductor then fails on it with an internal assertion.
     if any(node.target is torch.ops.aten._local_scalar_dense.default for node in graph.graph.nodes):
@@ -241,7 +243,7 @@ def _compile(
     if draws and no_random is not None:
         raise RandomInGraph(f"{no_random} The ops that draw from torch's generator: {sorted(set(draws))}.")
     ops = sum(node.op == "call_function" for node in nodes)
-    options = {**default_options(leaves, _has_loops(nodes), ops), **options}
+    options = {**default_options(leaves, _has_loops(nodes), ops, recomputes), **options}
 
     def failed(exc: BaseException) -> CompileFailed:
         return _located(function, leaves, drawn, exc)

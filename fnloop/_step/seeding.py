@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["drawing_from", "drawn_decompositions", "step_seed"]
+__all__ = ["drawing_from", "drawn_decompositions", "recomputations", "step_seed"]
 
 
 _MASK = (1 << 64) - 1
@@ -101,6 +101,18 @@ def drawing_from(seed: torch.Tensor) -> Iterator[None]:
         _DRAWING.pop()
 
 
+_RESTORED = [0]
+
+
+def recomputations() -> int:
+    """How many times, in this process, a traced step set a saved generator state back.
+
+    torch's checkpointing does so when it recomputes a region in the backward
+    (and when it leaves it): a trace that raised this count recomputes.
+    """
+    return _RESTORED[0]
+
+
 @contextlib.contextmanager
 def _replaying(drawing: _Drawing) -> Iterator[None]:
     """torch's generator state carries the draw count too, while ``drawing`` is traced.
@@ -126,6 +138,7 @@ def _replaying(drawing: _Drawing) -> Iterator[None]:
         saved = counts.get(id(new_state))
         if saved is not None and saved[0] is new_state:
             drawing.count = saved[1]
+            _RESTORED[0] += 1
 
     torch.get_rng_state, torch.set_rng_state = get_rng_state, set_rng_state  # type: ignore[assignment]
     try:
