@@ -1,4 +1,4 @@
-"""Writers: where ``fnloop.hooks.log`` sends the metrics (the console, a JSON lines file, TensorBoard).
+"""Writers: where ``fnloop.hooks.log`` sends the metrics (the console, JSON lines, CSV, TensorBoard).
 
 A writer is a small picklable record with three methods, all called at the
 edge (inside effects the fold performs), never inside a hook:
@@ -17,7 +17,9 @@ configuration.
 
 from __future__ import annotations
 
+import csv as _csv
 import datetime
+import io
 import json
 import logging
 import math
@@ -33,7 +35,7 @@ from fnloop._atomic import release as release_claim
 from fnloop._core.messages import a_path
 from fnloop._core.metrics import Metrics, Scalar, to_floats
 
-__all__ = ["Line", "Writer", "console", "jsonl", "tensorboard"]
+__all__ = ["Line", "Writer", "console", "csv", "jsonl", "tensorboard"]
 
 LOGGER = "fnloop"
 """The name of the ``logging`` logger the console writer writes to."""
@@ -339,6 +341,126 @@ def jsonl(path: str | os.PathLike[str]) -> Jsonl:
         [{'iteration': 2, 'loss': 0.5}, {'iteration': 4, 'loss': 0.25}, {'iteration': 5, 'loss': 0.2}]
     """
     return Jsonl(path)
+
+
+# -- CSV ------------------------------------------------------------------------------------------------
+
+
+_TABLES: dict[tuple[int, str], tuple[Any, list[str]]] = {}
+"""(process id, path) -> the CSV file open for appending and its columns."""
+
+
+def _table(path: Path) -> tuple[list[str], list[list[str]]]:
+    """The columns and the whole rows of the CSV file ``path`` (a row torn by a crash is left out)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return [], []
+    lines = text.splitlines(keepends=True)
+    whole = [line for line in lines if line.endswith("\n")]
+    rows = list(_csv.reader(whole))
+    if not rows:
+        return [], []
+    return rows[0], [row for row in rows[1:] if row and row[0].isdigit()]
+
+
+def _rewrite(path: Path, columns: list[str], rows: list[list[str]]) -> None:
+    """Write ``columns`` and ``rows`` to ``path`` atomically, each row padded to the columns."""
+    out = io.StringIO()
+    table = _csv.writer(out, lineterminator="\n")
+    table.writerow(columns)
+    table.writerows(row + [""] * (len(columns) - len(row)) for row in rows)
+    data = out.getvalue().encode("utf-8")
+    write_atomically(path, lambda fd: os.write(fd, data))
+
+
+@attrs.frozen
+class Csv:
+    """Appends one row per write to the CSV file ``path``; build it with ``fnloop.writers.csv``."""
+
+    path: str = attrs.field(converter=a_path)
+
+    def claim(self, owner: object = None) -> None:
+        """Hold the file for ``owner``: another live run or owner writing it is refused (``DirectoryInUse``)."""
+        claim_file(Path(self.path), owner)
+
+    def release(self, owner: object = None) -> bool:
+        """Give back one ``claim`` by ``owner``; whether one was."""
+        return release_claim(Path(self.path), owner)
+
+    def start(self, iteration: int) -> None:
+        """Cut the file back to the rows of iterations before ``iteration``, atomically."""
+        self.close()
+        path = Path(self.path)
+        if not path.exists():
+            return
+        columns, rows = _table(path)
+        kept = [row for row in rows if int(row[0]) < iteration]
+        if len(kept) != len(rows) or not path.read_text(encoding="utf-8").endswith("\n"):
+            _rewrite(path, columns, kept)
+
+    def write(self, line: Line) -> None:
+        """Append ``iteration`` and the newest value of each metric; a new metric adds a column (the
+        file is then written again, atomically, the earlier rows' cells of it left empty)."""
+        values = line.values()
+        key = (os.getpid(), self.path)
+        path = Path(self.path)
+        if key not in _TABLES:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            columns, _ = _table(path)
+            _TABLES[key] = (None, columns)
+        file, columns = _TABLES[key]
+        new = [name for name in values if name not in columns]
+        if new or not columns:
+            if file is not None:
+                file.close()
+            _, rows = _table(path)
+            columns = (columns or ["iteration"]) + new
+            _rewrite(path, columns, rows)
+            file = None
+        if file is None:
+            file = path.open("a", encoding="utf-8", newline="")
+        _TABLES[key] = (file, columns)
+        row = {"iteration": str(line.iteration), **{k: repr(v) for k, v in values.items()}}
+        _csv.writer(file, lineterminator="\n").writerow([row.get(name, "") for name in columns])
+        file.flush()  # the row is the operating system's now: a crash of this process keeps it
+
+    def close(self) -> None:
+        """Close the file, if this process has it open."""
+        file, _ = _TABLES.pop((os.getpid(), self.path), (None, None))
+        if file is not None:
+            file.close()
+
+
+def csv(path: str | os.PathLike[str]) -> Csv:
+    """A writer of one CSV row per write to ``path``: ``iteration``, then a column per metric.
+
+    Columns grow as metrics appear: a metric first recorded later (a
+    validation loss) adds a column, and the file is written again with it
+    (atomically; earlier rows leave it empty). Values are Python's ``repr``
+    of the float (``nan`` and ``inf`` included), which ``float()`` and
+    pandas read back. A run that starts at iteration ``k`` first cuts the file
+    back to the rows of iterations before ``k``, as ``jsonl`` does, so a
+    resumed run's table has no repeated or abandoned rows.
+
+    Raises:
+        TypeError: ``path`` is not a path.
+
+    Examples:
+        >>> import os, tempfile, fnloop as fl
+        >>> path = os.path.join(tempfile.mkdtemp(), "metrics.csv")
+        >>> def step(state, batch):
+        ...     state = fl.record(state, loss=1.0 / (state.iteration + 1))
+        ...     return fl.record(state, val=0.5) if state.iteration == 2 else state
+        >>> final = fl.run(fl.TrainState(max_iter=4), step, [None] * 4, [fl.hooks.log(csv(path))])
+        >>> print(Path(path).read_text(), end="")
+        iteration,loss,val
+        1,1.0,
+        2,0.5,
+        3,0.3333333333333333,0.5
+        4,0.25,
+    """
+    return Csv(path)
 
 
 # -- TensorBoard ---------------------------------------------------------------------------------------

@@ -24,6 +24,8 @@ import builtins, sys, warnings
 warnings.simplefilter("error")
 # torch's own modules warn about their own deprecated internals when inductor imports them.
 warnings.filterwarnings("ignore", message="`torch.jit.", category=DeprecationWarning)
+# torchdata's StatefulDataLoader calls a torch function torch has deprecated, at every iter().
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
 import torch
 torch.set_num_threads(1)
 for index, block in enumerate(BLOCKS):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fnloop as fl
-from fnloop import Metrics, writers
+from fnloop import Metrics, testing, writers
 from fnloop.writers import Line, format_line
 
 
@@ -275,3 +275,67 @@ def test_json_lines_stay_strict_json_with_non_finite_values_readable(tmp_path):
     entry = json.loads(path.read_text(), parse_constant=refuse)
     assert entry["b"] == "Infinity" and entry["c"] == "-Infinity" and entry["d"] == 1.5
     assert math.isnan(float(entry["a"])) and float(entry["b"]) == math.inf
+
+
+# -- CSV -----------------------------------------------------------------------------------------------
+
+
+def _rows(path) -> list[dict[str, str]]:
+    import csv
+
+    with open(path, newline="", encoding="utf-8") as file:
+        return list(csv.DictReader(file))
+
+
+def _with_late_metric(state, batch):
+    state = fl.record(state, loss=float(state.iteration))
+    return fl.record(state, val=float(-state.iteration)) if state.iteration % 3 == 2 else state
+
+
+def test_csv_writes_a_row_per_write_and_a_column_per_metric_as_it_appears(tmp_path):
+    path = tmp_path / "m.csv"
+    fl.run(
+        fl.TrainState(max_iter=6),
+        _with_late_metric,
+        [None] * 6,
+        [fl.every(2, fl.hooks.log(fl.writers.csv(path)))],
+    )
+    rows = _rows(path)
+    assert [r["iteration"] for r in rows] == ["2", "4", "6"]
+    assert list(rows[0]) == ["iteration", "loss", "val"]
+    assert [r["loss"] for r in rows] == ["1.0", "3.0", "5.0"]
+    assert [r["val"] for r in rows] == ["", "-2.0", "-5.0"]  # the column came with iteration 2's value
+
+
+def test_csv_of_a_resumed_run_equals_the_uninterrupted_runs(tmp_path):
+    straight, broken = tmp_path / "straight.csv", tmp_path / "broken.csv"
+    log = lambda p: fl.every(2, fl.hooks.log(fl.writers.csv(p)))  # noqa: E731
+    fl.run(fl.TrainState(max_iter=10), _with_late_metric, [None] * 10, [log(straight)])
+    hooks = [
+        log(broken),
+        fl.every(3, fl.hooks.checkpoint(tmp_path / "ckpt")),
+        testing.Fail(fl.Phase.AFTER_STEP, 7),
+    ]
+    with pytest.raises(testing.InjectedFailure):
+        fl.run(fl.TrainState(max_iter=10), _with_late_metric, fl.data.resumable([None] * 10), hooks)
+    with open(broken, "a") as file:
+        file.write("8,7.0")  # a row torn by a crash mid-write
+    resumed = fl.checkpoint.resume(tmp_path / "ckpt", like=fl.TrainState(max_iter=10))
+    assert 0 < resumed.iteration < 8
+    fl.run(resumed, _with_late_metric, fl.data.resumable([None] * 10), [log(broken)])
+    assert broken.read_text() == straight.read_text()
+
+
+def test_csv_values_read_back_as_floats_non_finite_ones_too(tmp_path):
+    path = tmp_path / "m.csv"
+    writer = fl.writers.csv(path)
+    metrics = Metrics().record(0, {"a": float("nan"), "b": float("inf"), "c": 0.1})
+    writer.write(Line(1, 2, metrics, ("a", "b", "c")))
+    writer.close()
+    (row,) = _rows(path)
+    assert math.isnan(float(row["a"])) and float(row["b"]) == math.inf and float(row["c"]) == 0.1
+
+
+def test_two_csv_writers_on_one_path_in_one_log_are_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"every line would be written twice"):
+        fl.hooks.log(fl.writers.csv(tmp_path / "m.csv"), fl.writers.csv(tmp_path / "m.csv"))

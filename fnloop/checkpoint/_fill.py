@@ -17,7 +17,7 @@ import torch
 from fnloop._core.phase import Phase
 from fnloop.checkpoint._codec import SAVABLE, CheckpointMismatch, Record, is_namedtuple, with_article
 
-__all__ = ["FIX_TEMPLATE", "describe", "fill", "mismatch"]
+__all__ = ["FIX_TEMPLATE", "as_plain", "describe", "fill", "mismatch"]
 
 FIX_TEMPLATE = "Build like= with the same code and configuration as the run that wrote the checkpoint."
 
@@ -129,7 +129,7 @@ def fill(data: Any, like: Any, where: str) -> Any:
         if not like and kind is plain:
             # An empty template is a collection that starts empty and grows (a
             # hook's log): it takes the saved entries as they are, if plain data.
-            return _plain(data, where)
+            return as_plain(data, where)
         if len(data) != len(like):
             raise mismatch(
                 where, f"expected a {plain.__name__} of length {len(like)}, got length {len(data)}"
@@ -139,16 +139,19 @@ def fill(data: Any, like: Any, where: str) -> Any:
     raise mismatch(where, f"the template holds {describe(like)}, which no checkpoint can hold; {SAVABLE}")
 
 
-def _plain(data: Any, where: str) -> Any:
+_EMPTY = "the template's sequence is empty, so it gives no type for its entries"
+
+
+def as_plain(data: Any, where: str, because: str = _EMPTY) -> Any:
+    """``data`` as it is, if it holds no record (which plain data cannot rebuild, ``because``)."""
     stack = [data]
     while stack:
         node = stack.pop()
         if type(node) is Record:
             raise mismatch(
                 where,
-                f"a saved {node.type} record cannot be rebuilt here: the template's sequence is "
-                "empty, so it gives no type for its entries. Keep plain data (numbers, strings, "
-                "tensors, tuples, dicts) in a collection that starts empty",
+                f"a saved {node.type} record cannot be rebuilt here: {because}. Keep plain data "
+                "(numbers, strings, tensors, tuples, dicts) there",
             )
         if isinstance(node, (list, tuple)):
             stack.extend(node)

@@ -18,7 +18,7 @@ import torch
 from fnloop._core.metrics import Metrics
 from fnloop._core.state import TrainState, Unclaimed
 from fnloop.checkpoint._codec import Record, encode
-from fnloop.checkpoint._fill import describe, fill, mismatch
+from fnloop.checkpoint._fill import as_plain, describe, fill, mismatch
 
 __all__ = ["STATE_FIELDS", "encode_state", "fill_state"]
 
@@ -64,6 +64,8 @@ def fill_state(raw: Any, like: TrainState, where: str) -> TrainState:
             values[name] = _metrics(raw[name], at, _device(like))
         elif name == "hooks":
             values[name] = _hooks(raw[name], like.hooks, at)
+        elif name == "data" and type(like.data) is int:
+            values[name] = _cursor(raw[name], at)
         else:
             values[name] = fill(raw[name], getattr(like, name), at)
     try:
@@ -102,6 +104,18 @@ def _metrics(data: Any, where: str, device: torch.device) -> Metrics:
         return Metrics(window=data["window"], series=series)
     except (TypeError, ValueError) as exc:
         raise mismatch(where, f"the saved fields do not make a Metrics: {exc}") from exc
+
+
+def _cursor(data: Any, where: str) -> Any:
+    """The stream's cursor as saved: a count of batches, or the plain state a stateful loader gave.
+
+    A template's cursor is an int (``fl.init`` starts at 0) while a stateful
+    loader's (torchdata's ``StatefulDataLoader``) is its ``state_dict()``,
+    which only the run knows: the stream checks it when the run starts.
+    """
+    return (
+        data if type(data) is int else as_plain(data, where, "a stream's cursor is read without a template")
+    )
 
 
 _ABSENT: Any = object()

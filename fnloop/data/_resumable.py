@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -23,8 +24,14 @@ _NO_GENERATOR = (
 
 
 def _shuffle_seed(source: object) -> int | None:
-    """The seed of a shuffling DataLoader's generator, as it was when wrapped."""
-    if not isinstance(source, DataLoader) or not isinstance(source.sampler, RandomSampler):
+    """The seed of a shuffling DataLoader's generator, as it was when wrapped.
+
+    A sampler that draws has a ``generator`` attribute: torch's ``RandomSampler``
+    and the others, and torchdata's own ``RandomSampler`` (not a subclass).
+    """
+    if not isinstance(source, DataLoader) or not (
+        isinstance(source.sampler, RandomSampler) or hasattr(source.sampler, "generator")
+    ):
         return None
     generator = source.sampler.generator or source.generator
     if generator is None:
@@ -52,6 +59,8 @@ class Resumable:
     source: Any
     seed: int | None = None
     """The seed of a shuffling DataLoader's generator; it is re-seeded from ``(seed, epoch)``."""
+    stateful: bool = False
+    """The source keeps its own position (``state_dict``/``load_state_dict``): that is the cursor."""
 
     def epoch(self, epoch: int) -> Iterable[Any]:
         """The batches of epoch ``epoch``, in order."""
@@ -80,12 +89,58 @@ class Resumable:
             TypeError: ``cursor`` is not an int.
             ValueError: ``cursor`` is negative, or an epoch gives no batch.
         """
+        if self.stateful and type(cursor) is not int:
+            return self._stateful(saved=cursor)
         return self._from(_cursor(cursor, "iter_from", "Resumable"))
 
     def __iter__(self) -> Iterator[Batch]:
         return (batch for batch, _ in self.iter_from(0))
 
-    def _from(self, cursor: int) -> Iterator[tuple[Batch, int]]:
+    def _stateful(self, saved: Any = None, skip: int = 0) -> Iterator[tuple[Batch, Any]]:
+        """From the position ``saved`` (``{"epoch": e, "position": source.state_dict()}``), or from
+        the start after ``skip`` batches; the cursor after each batch is the same pair.
+
+        The epoch is fnloop's: each begins as a DataLoader's does here (its generator re-seeded
+        from ``(seed, epoch)``, ``set_epoch`` on its sampler, or on the source itself, as a
+        Hugging Face ``IterableDataset`` has), and the source's own state restores the position
+        within it. So the order of every later epoch depends on the epoch alone, not on how the
+        loader's generator moved before the interruption (torchdata 0.11's without workers moved
+        differently after a resume, and later epochs came in another order).
+        """
+        source = self.source
+        epoch, resumed = 0, saved is not None
+        if resumed:
+            epoch, position = _position(saved)
+        self._begin(epoch)
+        if resumed:
+            source.load_state_dict(position)
+        while True:
+            empty = True
+            for batch in source:
+                empty = False
+                if skip:
+                    skip -= 1
+                    continue
+                # A copy: a loader's state_dict() may share dicts it goes on changing (torchdata's
+                # without workers), which would move a saved cursor on after it was saved.
+                yield batch, {"epoch": epoch, "position": copy.deepcopy(source.state_dict())}
+            if empty and not resumed:  # a position saved at an epoch's end resumes with an empty rest
+                raise ValueError(f"fnloop.data.resumable: an epoch of {source!r:.80} gave no batch.")
+            resumed = False
+            epoch += 1
+            self._begin(epoch)
+
+    def _begin(self, epoch: int) -> None:
+        """Set the source up for epoch ``epoch``, as ``epoch`` does, and tell it the epoch if it asks."""
+        self.epoch(epoch)
+        if callable(getattr(self.source, "set_epoch", None)):
+            self.source.set_epoch(epoch)
+
+    def _from(self, cursor: int) -> Iterator[tuple[Batch, Any]]:
+        # A stateful source counted from 0 (a fresh run), or from a cursor a plain stream counted.
+        return self._stateful(skip=cursor) if self.stateful else self._counted(cursor)
+
+    def _counted(self, cursor: int) -> Iterator[tuple[Batch, int]]:
         epoch, skip = 0, cursor
         while True:
             batches = self.epoch(epoch)
@@ -107,6 +162,18 @@ class Resumable:
                     "stream repeats epochs forever, so each must give at least one."
                 )
             epoch += 1
+
+
+def _position(saved: Any) -> tuple[int, Any]:
+    """The epoch and the source's own state that a stateful source's cursor holds."""
+    if type(saved) is not dict or set(saved) != {"epoch", "position"} or type(saved["epoch"]) is not int:
+        raise TypeError(
+            "fnloop.data.resumable: this source keeps its own position, so its cursor is "
+            f'{{"epoch": int, "position": source.state_dict()}} ({got(saved)}). It comes from '
+            "state.data of a run over the same kind of source; a run that counted batches (an int) "
+            "resumes too."
+        )
+    return saved["epoch"], saved["position"]
 
 
 def _iterable(source: object) -> bool:
@@ -170,4 +237,14 @@ def resumable(source: Iterable[Any] | Callable[[int], Iterable[Any]]) -> Resumab
             f"fnloop.data.resumable: the source must be a re-iterable (a list, a DataLoader) or a function "
             f"epoch -> iterable ({got(source)})."
         )
+    if _keeps_position(source):
+        return Resumable(source=source, seed=_shuffle_seed(source), stateful=True)
     return Resumable(source=source, seed=_shuffle_seed(source))
+
+
+def _keeps_position(source: object) -> bool:
+    """Whether ``source`` saves and restores its own position (torchdata's ``StatefulDataLoader``, a
+    Hugging Face ``IterableDataset``): ``state_dict()`` and ``load_state_dict(state)``."""
+    return callable(getattr(source, "state_dict", None)) and callable(
+        getattr(source, "load_state_dict", None)
+    )
