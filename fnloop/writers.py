@@ -396,7 +396,9 @@ class Csv:
             return
         columns, rows = _table(path)
         kept = [row for row in rows if int(row[0]) < iteration]
-        if len(kept) != len(rows) or not path.read_text(encoding="utf-8").endswith("\n"):
+        if not kept:  # a run from the start: a table of its own, columns and all
+            path.unlink()
+        elif len(kept) != len(rows) or not path.read_text(encoding="utf-8").endswith("\n"):
             _rewrite(path, columns, kept)
 
     def write(self, line: Line) -> None:
@@ -441,7 +443,8 @@ def csv(path: str | os.PathLike[str]) -> Csv:
     of the float (``nan`` and ``inf`` included), which ``float()`` and
     pandas read back. A run that starts at iteration ``k`` first cuts the file
     back to the rows of iterations before ``k``, as ``jsonl`` does, so a
-    resumed run's table has no repeated or abandoned rows.
+    resumed run's table has no repeated or abandoned rows; a run starting at 0
+    starts the file afresh, columns and all.
 
     Raises:
         TypeError: ``path`` is not a path.

@@ -305,6 +305,9 @@ def test_csv_writes_a_row_per_write_and_a_column_per_metric_as_it_appears(tmp_pa
     assert list(rows[0]) == ["iteration", "loss", "val"]
     assert [r["loss"] for r in rows] == ["1.0", "3.0", "5.0"]
     assert [r["val"] for r in rows] == ["", "-2.0", "-5.0"]  # the column came with iteration 2's value
+    step = lambda s, b: fl.record(s, other=1.0)  # noqa: E731
+    fl.run(fl.TrainState(max_iter=2), step, [None] * 2, [fl.hooks.log(fl.writers.csv(path))])
+    assert path.read_text() == "iteration,other\n1,1.0\n2,1.0\n"  # a run from 0 starts afresh
 
 
 def test_csv_of_a_resumed_run_equals_the_uninterrupted_runs(tmp_path):
