@@ -259,15 +259,10 @@ def _iteration(text: str) -> int | None:
     return iteration if type(iteration) is int else None
 
 
-_FILES: dict[tuple[int, str], Any] = {}
-"""(process id, path) -> the JSON lines file open for appending; a forked child opens its own."""
+class _OneFile:
+    """A writer of the one file ``path``, held while a run writes it (``claim``/``release``)."""
 
-
-@attrs.frozen
-class Jsonl:
-    """Appends one JSON object per line to ``path``; build it with ``jsonl``."""
-
-    path: str = attrs.field(converter=a_path)
+    path: str
 
     def claim(self, owner: object = None) -> None:
         """Hold the file for ``owner``: another live run or owner writing it is refused (``DirectoryInUse``)."""
@@ -276,6 +271,17 @@ class Jsonl:
     def release(self, owner: object = None) -> bool:
         """Give back one ``claim`` by ``owner``; whether one was."""
         return release_claim(Path(self.path), owner)
+
+
+_FILES: dict[tuple[int, str], Any] = {}
+"""(process id, path) -> the JSON lines file open for appending; a forked child opens its own."""
+
+
+@attrs.frozen
+class Jsonl(_OneFile):
+    """Appends one JSON object per line to ``path``; build it with ``jsonl``."""
+
+    path: str = attrs.field(converter=a_path)
 
     def start(self, iteration: int) -> None:
         """Cut the file back to the lines of iterations before ``iteration``, atomically."""
@@ -375,18 +381,10 @@ def _rewrite(path: Path, columns: list[str], rows: list[list[str]]) -> None:
 
 
 @attrs.frozen
-class Csv:
+class Csv(_OneFile):
     """Appends one row per write to the CSV file ``path``; build it with ``fnloop.writers.csv``."""
 
     path: str = attrs.field(converter=a_path)
-
-    def claim(self, owner: object = None) -> None:
-        """Hold the file for ``owner``: another live run or owner writing it is refused (``DirectoryInUse``)."""
-        claim_file(Path(self.path), owner)
-
-    def release(self, owner: object = None) -> bool:
-        """Give back one ``claim`` by ``owner``; whether one was."""
-        return release_claim(Path(self.path), owner)
 
     def start(self, iteration: int) -> None:
         """Cut the file back to the rows of iterations before ``iteration``, atomically."""
