@@ -41,13 +41,15 @@ def _shuffle_seed(source: object) -> int | None:
 
 @attrs.frozen(kw_only=True)
 class Resumable:
-    """A re-iterable (a list, a ``DataLoader``) as an endless stream that resumes from an int cursor.
+    """A re-iterable (a list, a ``DataLoader``) as an endless stream that resumes from its cursor.
 
     Build one with ``resumable``. Epoch ``e`` is ``iter(source)`` (after
     setting up the epoch, see ``resumable``) or ``source(e)`` for a
-    function. ``iter_from(cursor)`` skips ``cursor`` batches: whole epochs of a
-    sized source without touching them, the rest by iterating (for a loader,
-    loading them: O(cursor % len)).
+    function. The cursor counts batches: ``iter_from(cursor)`` skips that
+    many, whole epochs of a sized source without touching them, the rest by
+    iterating (for a loader, loading them: O(cursor % len)). For a source
+    that keeps its own position (``stateful``) the cursor is
+    ``{"epoch": e, "position": source.state_dict()}``, loaded back into it.
 
     Examples:
         >>> stream = resumable([10, 20, 30])
@@ -80,13 +82,15 @@ class Resumable:
         """The stream from ``cursor`` on, as ``(batch, cursor after it)`` pairs.
 
         Args:
-            cursor: batches already consumed (``state.data``; 0 at the start).
+            cursor: ``state.data``: batches already consumed (0 at the start),
+                or, for a stateful source, the position it saved.
 
         Returns:
-            An endless iterator; the first pair carries ``cursor + 1``.
+            An endless iterator; the first pair carries ``cursor + 1`` (for a
+            stateful source, its position after that batch).
 
         Raises:
-            TypeError: ``cursor`` is not an int.
+            TypeError: ``cursor`` is not an int, or not a stateful source's position.
             ValueError: ``cursor`` is negative, or an epoch gives no batch.
         """
         if self.stateful and type(cursor) is not int:
@@ -199,7 +203,11 @@ def resumable(source: Iterable[Any] | Callable[[int], Iterable[Any]]) -> Resumab
       before each epoch the generator is re-seeded from ``(s, epoch)``, and a
       sampler with ``set_epoch`` (``DistributedSampler``) is told the epoch;
     * a function ``epoch -> iterable`` for anything else (augmentation seeded
-      by the epoch, say): it is called once per epoch.
+      by the epoch, say): it is called once per epoch;
+    * a source that keeps its own position, with ``state_dict()`` and
+      ``load_state_dict()`` (torchdata's ``StatefulDataLoader``, a Hugging
+      Face ``IterableDataset``): its state after each batch is the cursor,
+      with the epoch, and each epoch is begun as above.
 
     Skipped batches of a partial epoch are iterated (a loader loads them);
     ``batches`` jumps there for free.
