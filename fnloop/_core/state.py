@@ -181,7 +181,8 @@ class TrainState:
         rng: the run's seed; the step's randomness is a function of
             ``(rng, iteration)``.
         data: the cursor of the batch stream: how many batches a resumable
-            stream (``fnloop.data.batches``) has given so far.
+            stream (``fnloop.data.batches``) has given so far, or the position
+            a loader that keeps its own gave (``fnloop.data.resumable``).
         metrics: scalars recorded so far (``fnloop.Metrics``).
         hooks: hook name -> that hook's own state.
         extra: the user's own data (a frozen record or pytree).
