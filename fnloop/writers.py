@@ -1,4 +1,4 @@
-"""Writers: where ``fnloop.hooks.log`` sends the metrics (the console, JSON lines, CSV, TensorBoard).
+"""Writers: where ``fnloop.hooks.log`` sends the metrics (the console, JSON lines, CSV, TensorBoard, MLflow).
 
 A writer is a small picklable record with three methods, all called at the
 edge (inside effects the fold performs), never inside a hook:
@@ -35,7 +35,7 @@ from fnloop._atomic import release as release_claim
 from fnloop._core.messages import a_path
 from fnloop._core.metrics import Metrics, Scalar, to_floats
 
-__all__ = ["Line", "Writer", "console", "csv", "jsonl", "tensorboard"]
+__all__ = ["Line", "Writer", "console", "csv", "jsonl", "mlflow", "tensorboard"]
 
 LOGGER = "fnloop"
 """The name of the ``logging`` logger the console writer writes to."""
@@ -544,3 +544,6 @@ def tensorboard(logdir: str | os.PathLike[str]) -> Tensorboard:
     """
     _require_tensorboard()
     return Tensorboard(logdir)
+
+
+from fnloop._trackers import mlflow  # noqa: E402 - the trackers' writers, beside the files'
