@@ -15,14 +15,20 @@ import os
 import time
 import warnings
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import attrs
 
-if TYPE_CHECKING:
-    from fnloop.writers import Line
-
 __all__ = ["Mlflow", "mlflow"]
+
+
+class _Line(Protocol):
+    """What a tracker reads of a ``fnloop.writers.Line`` (which imports this module: no import back)."""
+
+    iteration: int
+
+    def values(self) -> dict[str, float]: ...
+
 
 _TAG = "fnloop.run_name"
 _BATCH = 1000  # MLflow's log_batch takes at most 1000 metrics at a time
@@ -116,7 +122,7 @@ class Mlflow:
             client.log_batch(run_id, metrics=points[at : at + _BATCH])
         client.delete_run(before.info.run_id)
 
-    def write(self, line: Line) -> None:
+    def write(self, line: _Line) -> None:
         """Log the newest value of each metric at step ``line.iteration``."""
         from mlflow.entities import Metric
 
