@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 from torch.utils.data import DataLoader, RandomSampler
@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader, RandomSampler
 from fnloop._core.messages import got
 from fnloop.data._batches import Batch, _cursor, _mix
 
-__all__ = ["Resumable", "resumable"]
+__all__ = ["KeepsPosition", "Resumable", "resumable"]
 
 
 _NO_GENERATOR = (
@@ -39,6 +39,18 @@ def _shuffle_seed(source: object) -> int | None:
     return generator.initial_seed()
 
 
+@runtime_checkable
+class KeepsPosition(Protocol):
+    """A source that saves and restores its own position, as torchdata's ``StatefulDataLoader`` and
+    a Hugging Face ``IterableDataset`` do (torchdata's ``Stateful``)."""
+
+    def state_dict(self) -> Any:
+        """Its position now, as plain data."""
+
+    def load_state_dict(self, state: Any) -> None:
+        """Go back to the position ``state``."""
+
+
 @attrs.frozen(kw_only=True)
 class Resumable:
     """A re-iterable (a list, a ``DataLoader``) as an endless stream that resumes from its cursor.
@@ -61,8 +73,11 @@ class Resumable:
     source: Any
     seed: int | None = None
     """The seed of a shuffling DataLoader's generator; it is re-seeded from ``(seed, epoch)``."""
-    stateful: bool = False
-    """The source keeps its own position (``state_dict``/``load_state_dict``): that is the cursor."""
+
+    @property
+    def stateful(self) -> bool:
+        """Whether the source keeps its own position (``KeepsPosition``): that is then the cursor."""
+        return isinstance(self.source, KeepsPosition)
 
     def epoch(self, epoch: int) -> Iterable[Any]:
         """The batches of epoch ``epoch``, in order."""
@@ -245,14 +260,4 @@ def resumable(source: Iterable[Any] | Callable[[int], Iterable[Any]]) -> Resumab
             f"fnloop.data.resumable: the source must be a re-iterable (a list, a DataLoader) or a function "
             f"epoch -> iterable ({got(source)})."
         )
-    if _keeps_position(source):
-        return Resumable(source=source, seed=_shuffle_seed(source), stateful=True)
     return Resumable(source=source, seed=_shuffle_seed(source))
-
-
-def _keeps_position(source: object) -> bool:
-    """Whether ``source`` saves and restores its own position (torchdata's ``StatefulDataLoader``, a
-    Hugging Face ``IterableDataset``): ``state_dict()`` and ``load_state_dict(state)``."""
-    return callable(getattr(source, "state_dict", None)) and callable(
-        getattr(source, "load_state_dict", None)
-    )
