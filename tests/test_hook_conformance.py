@@ -60,6 +60,7 @@ Factory = Callable[[Path], fl.Hook]
 # Every shipped hook, configured as a user would; `every` where users wrap it.
 HOOKS: dict[str, Factory] = {
     "checkpoint": lambda d: fl.every(4, fl.hooks.checkpoint(d / "ckpt")),
+    "checkpoint_background": lambda d: fl.every(4, fl.hooks.checkpoint(d / "ckpt_bg", background=True)),
     "best_checkpoint": lambda d: fl.hooks.best_checkpoint(d / "best", "val_loss"),
     "timer": lambda d: fl.hooks.timer(warmup=1),
     "log": lambda d: fl.every(

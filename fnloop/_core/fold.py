@@ -11,8 +11,10 @@ hook in every phase (``plain_scan`` in ``property_tests/test_plan_laws.py``).
 The fold changes no state in place: each phase's result is a new record.
 It owns the states it builds, so it tells the step, through ``owned``, which
 ones nobody else can see (after the first iteration of ``run``; never in
-``scan``, whose states are yielded). Failures are handled in
-``fnloop._core.failure``.
+``scan``, whose states are yielded), except a state that an effect in the
+background still reads (``fnloop._core.background``). Such an effect's
+failure is raised as the next unit begins, and the run waits for it before
+``AFTER_TRAIN``. Failures are handled in ``fnloop._core.failure``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 
 import attrs
 
+from fnloop._core import background
 from fnloop._core.combinators import Hook, returned, state_names
 from fnloop._core.failure import Last, StepFailed, ended_by
 from fnloop._core.messages import a_type
@@ -116,7 +119,9 @@ def _fold(state: TrainState, batches: Iterable[Any], driver: Driver) -> Iterator
             if stop is not None:
                 _check_stop(stop)
         _check_stop(stop)
+        background.wait()  # the run ends with its effects done; one that failed fails the run
     except BaseException as exc:
+        _waited(exc)
         end = lambda s, perform: _phase(hook, s, _AFTER_TRAIN, perform)  # noqa: E731
         ended_by(exc, last, end, perform=driver.perform, clock=clock, rank=driver.rank, world=driver.world)
         raise
@@ -133,6 +138,7 @@ def _unit(
 ) -> TrainState:
     """``n`` iterations from ``state``: hooks before, batches, one step call, hooks after, advanced."""
     clock, perform, step = driver.clock, driver.perform, driver.step
+    background.check()  # an effect that failed off the training path is raised here
     i = state.iteration
     end = i + n - 1
     before, after = due(i, end)
@@ -147,6 +153,8 @@ def _unit(
     fetching = clock() if after else 0.0
     batches, cursors = source.take(n, state)
     fetched = clock() if after else 0.0
+    if owned and driver.donates and background.reading(state):
+        owned = False  # a save in flight reads these tensors: the step copies instead
     failure: StepFailed | None = None
     try:
         new = step.apply(state, batches, owned=owned)
@@ -179,6 +187,14 @@ def _unit(
     if ended.effects and perform:
         _perform(ended.effects, began, advanced)
     return advanced
+
+
+def _waited(exc: BaseException) -> None:
+    """A run that failed waits for its effect in flight before ``AFTER_TRAIN``; a failure there becomes a note."""
+    try:
+        background.wait()
+    except background.BackgroundFailed as also:
+        exc.add_note(f"fnloop: then an effect in the background failed too: {also}")
 
 
 def _failed_in_step(

@@ -5,7 +5,7 @@ one (check_replicas).
 Combinators (``every``, ``on``, ...) live at the top level, ``fnloop.every``.
 """
 
-from fnloop.hooks._checkpoint import Best, DirectoryInUse, best_checkpoint, checkpoint
+from fnloop.hooks._checkpoint import BackgroundFailed, Best, DirectoryInUse, best_checkpoint, checkpoint
 from fnloop.hooks._early_stop import EarlyStopState, early_stop
 from fnloop.hooks._ema import EmaState, ema, ema_params
 from fnloop.hooks._evaluate import Evaluated, MeanOver, evaluate, mean_over
@@ -19,6 +19,7 @@ from fnloop.hooks._timer import Timer, TimerState, timer
 from fnloop.hooks._unrecorded import MetricNeverRecorded, NonFiniteMetric
 
 __all__ = [
+    "BackgroundFailed",
     "Best",
     "DirectoryInUse",
     "MetricNeverRecorded",

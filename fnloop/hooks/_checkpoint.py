@@ -1,9 +1,10 @@
-"""Hooks that save the state: periodically, and when a metric reaches its best."""
+"""Hooks that save the state: periodically (in the training thread or off it), and when a metric reaches its best."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import math
 import os
 import re
@@ -14,6 +15,8 @@ from typing import ClassVar
 import attrs
 
 from fnloop._atomic import DirectoryInUse, claim, holding, holds, release
+from fnloop._core import background as _background
+from fnloop._core.background import BackgroundFailed
 from fnloop._core.combinators import Hook
 from fnloop._core.messages import a_path, got
 from fnloop._core.phase import Phase
@@ -22,9 +25,23 @@ from fnloop._core.stateful import stateful
 from fnloop.checkpoint import CheckpointWarning, checkpoints, path_for, save
 from fnloop.hooks._unrecorded import MetricNeverRecorded, WarnNonFinite, never_recorded
 
-__all__ = ["Best", "DirectoryInUse", "MetricNeverRecorded", "best_checkpoint", "checkpoint"]
+__all__ = [
+    "BackgroundFailed",
+    "Best",
+    "DirectoryInUse",
+    "MetricNeverRecorded",
+    "best_checkpoint",
+    "checkpoint",
+]
 
 _ABANDONED = re.compile(r"ckpt-(\d{8,})\.safetensors\.abandoned")
+
+_BACKGROUND_FIX = (
+    "The checkpoints written before it are untouched (a save replaces no file until the new one is "
+    "whole), and AFTER_TRAIN then saves the run's last consistent state. Fix the cause (free space, "
+    "permissions, the mount) and resume with fnloop.checkpoint.resume(directory, like=...); with "
+    "checkpoint(..., background=False) such an error is raised in the phase that saves."
+)
 
 
 def _a_directory(value: object) -> str:
@@ -36,6 +53,11 @@ def _keep(instance: object, attribute: attrs.Attribute, value: object) -> None:
         raise ValueError(
             f"'{attribute.name}' must be a positive int or None to keep every checkpoint ({got(value)})."
         )
+
+
+def _a_bool(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if type(value) is not bool:
+        raise TypeError(f"'{attribute.name}' must be a bool ({got(value)}).")
 
 
 def _directory(caller: str, directory: str | os.PathLike[str]) -> Path:
@@ -66,6 +88,7 @@ class Checkpoint:
 
     directory: str = attrs.field(converter=_a_directory)
     keep: int | None = attrs.field(validator=_keep)
+    background: bool = attrs.field(default=False, validator=_a_bool)
 
     def __call__(self, state: TrainState, phase: Phase, /) -> TrainState:
         if phase is Phase.BEFORE_TRAIN:
@@ -74,6 +97,10 @@ class Checkpoint:
         if phase is Phase.AFTER_STEP:
             # Performed once every hook of the phase has run, on the state the
             # next iteration starts from (iteration == i + 1).
+            if self.background:
+                return request(
+                    state, _Do(self, "hand_over"), f"checkpoint into {self.directory}, in the background"
+                )
             return request(state, _Do(self, "save"), f"checkpoint into {self.directory}")
         if phase is Phase.AFTER_TRAIN:
             # The run ended, by success, failure or signal: save the state it
@@ -111,12 +138,43 @@ class Checkpoint:
         Raises:
             DirectoryInUse: another process holds the directory.
         """
+        path, said = self._write(state)
+        for warning in said:
+            warnings.warn(warning, stacklevel=2)
+        return path
+
+    def hand_over(self, state: TrainState) -> None:
+        """``save`` in a writer thread: return once ``state`` is handed over.
+
+        No copy is made: the state is a value, and while the save reads it the
+        fold lets no donating step write into its tensors. One save is in
+        flight at a time: this waits for the one before to finish. Its
+        warnings, and its failure as a ``BackgroundFailed``, reach the
+        training thread at the next phase boundary.
+
+        Raises:
+            BackgroundFailed: the save before failed.
+        """
+        path = path_for(self.directory, state.iteration)
+        _background.submit(
+            functools.partial(self._saved, state),
+            reads=state,
+            what=f"the checkpoint of iteration {state.iteration} into {path}",
+            fix=_BACKGROUND_FIX,
+        )
+
+    def _saved(self, state: TrainState) -> list[Warning]:
+        return self._write(state)[1]
+
+    def _write(self, state: TrainState) -> tuple[Path, list[Warning]]:
         with holding(Path(self.directory)):
             return self._save(state)
 
-    def _save(self, state: TrainState) -> Path:
+    def _save(self, state: TrainState) -> tuple[Path, list[Warning]]:
+        """``state`` written, the files it replaces set aside, the oldest pruned; and the warnings to give."""
         iteration = state.iteration
         path = save(state, path_for(self.directory, iteration))
+        said: list[Warning] = []
         older = []
         for other in checkpoints(self.directory):
             number = _iteration_of(other)
@@ -126,12 +184,12 @@ class Checkpoint:
                     other.replace(aside)
                 except FileNotFoundError:
                     continue
-                warnings.warn(
-                    f"{other} is newer than the state just saved (iteration {iteration}): it belongs to "
-                    f"a run this one replaces, and is renamed {aside.name} so that latest() resumes "
-                    "this run. Save forks into a directory of their own.",
-                    CheckpointWarning,
-                    stacklevel=2,
+                said.append(
+                    CheckpointWarning(
+                        f"{other} is newer than the state just saved (iteration {iteration}): it belongs "
+                        f"to a run this one replaces, and is renamed {aside.name} so that latest() "
+                        "resumes this run. Save forks into a directory of their own."
+                    )
                 )
             elif number < iteration:
                 older.append(other)
@@ -139,7 +197,7 @@ class Checkpoint:
             for old in older[self.keep - 1 :] + _abandoned(self.directory)[self.keep :]:
                 with contextlib.suppress(FileNotFoundError):
                     old.unlink()
-        return path
+        return path, said
 
     def save_once(self, state: TrainState) -> Path:
         """``save``, unless the iteration of ``state`` is saved already."""
@@ -147,7 +205,8 @@ class Checkpoint:
         return path if path.exists() else self.save(state)
 
     def __repr__(self) -> str:
-        return f"checkpoint({self.directory!r}, keep={self.keep!r})"
+        more = ", background=True" if self.background else ""
+        return f"checkpoint({self.directory!r}, keep={self.keep!r}{more})"
 
 
 def _iteration_of(path: Path) -> int:
@@ -164,7 +223,9 @@ def _abandoned(directory: str) -> list[Path]:
     return [Path(directory) / name for _, name in sorted(found, reverse=True)]
 
 
-def checkpoint(directory: str | os.PathLike[str], keep: int | None = 5) -> Checkpoint:
+def checkpoint(
+    directory: str | os.PathLike[str], keep: int | None = 5, background: bool = False
+) -> Checkpoint:
     """A hook saving the state into ``directory`` after a step and when the run ends.
 
     Wrap it to choose the period: ``every(1000, checkpoint("run/ckpt"))``. It
@@ -188,11 +249,35 @@ def checkpoint(directory: str | os.PathLike[str], keep: int | None = 5) -> Check
     kernel drops if the process dies): a second process checkpointing into
     it is refused before its first step, and writes nothing there.
 
+    With ``background=True`` the ``AFTER_STEP`` save runs in a writer thread
+    and the run goes on (see "Saves off the training path" in the docs):
+
+    * the state is handed over as it is, with no copy; while the save reads
+      it, the fold lets no donating step write into its tensors (the step
+      copies instead: one extra state of memory at most);
+    * one save is in flight at a time: the next one waits for it;
+    * a failure of the save is raised in the training thread at the next
+      phase boundary, as a ``BackgroundFailed`` naming the iteration and the
+      file, chained to the error; the files written before are untouched;
+    * ``AFTER_TRAIN``, however the run ended, first waits for the save in
+      flight, then saves as above; pruning and setting files aside happen in
+      the writer thread, after the file is in place.
+
+    It is off by default: a save then fails in the phase that saves, and a
+    run's memory peak stays where it is. Turn it on where saves cost steps.
+
+    Args:
+        directory: where the files go (created if missing).
+        keep: how many of the newest checkpoints stay; ``None`` keeps all.
+        background: save in a writer thread after a step, as above.
+
     Raises:
         ValueError: ``keep`` is not a positive int or ``None``, or
             ``directory`` is an existing file.
+        TypeError: ``background`` is not a bool.
         DirectoryInUse: (from ``run``, before the first step) another process
             holds ``directory``.
+        BackgroundFailed: (from ``run``) a save in the background failed.
 
     Examples:
         >>> import tempfile, fnloop as fl
@@ -202,7 +287,7 @@ def checkpoint(directory: str | os.PathLike[str], keep: int | None = 5) -> Check
         ['ckpt-00000004.safetensors', 'ckpt-00000002.safetensors']
     """
     _directory("checkpoint()", directory)
-    return Checkpoint(directory, keep)
+    return Checkpoint(directory, keep, background)
 
 
 @attrs.frozen
