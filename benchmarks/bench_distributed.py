@@ -1,6 +1,8 @@
-"""Data parallel on this CPU: 2 ranks (torchrun, gloo) against 1 process, same global batches.
+"""Data parallel and sharded training on this CPU (torchrun, gloo), against 1 process.
 
-Run: python benchmarks/bench_distributed.py [--repeats R] [--steps N]
+Run: python benchmarks/bench_distributed.py [--part speed|sharded|all] [--repeats R] [--steps N]
+
+Part ``speed``: data parallel, 2 ranks against 1 process, same global batches.
 
 Workloads: the tiny MLP (32->64->10, global batch 32, SGD) and the 2048-wide MLP
 (2048->2048->2048->10, global batch 64, AdamW). Variants, in alternating fresh
@@ -13,6 +15,19 @@ processes (a torchrun job cannot share a process with the others):
 Each process compiles its step, warms up, then times ``fl.run`` over N steps;
 reported: milliseconds per global step (median of the repeats) and the speed-up
 of each variant over 1 process, 1 thread.
+
+Part ``sharded``: a model whose state dominates (4 layers of ``Linear(2048,
+2048)``, AdamW, global batch 16), on 2 and 4 ranks, unsharded (data parallel),
+``shard="optimizer"`` and ``shard="full"``, and the reference: torch's FSDP2
+(``fully_shard`` on each layer and the root, ``torch.optim.AdamW(foreach=True)``,
+eager). Each launch runs one of them
+(memory is a process's own); reported per rank: the bytes of parameters and
+optimizer state the state holds between steps (gradients live only inside the
+step), the peak resident memory over the timed steps above the memory before
+them (``VmHWM``, reset through ``/proc/self/clear_refs``), which counts the
+step's whole gradients and gathered parameters too, and milliseconds per
+global step. Ratios are against data parallel at the same world size. The
+background-save stall is ``benchmarks/bench_background_save.py``'s.
 """
 
 from __future__ import annotations
@@ -60,6 +75,127 @@ def worker(workload: str, steps: int, threads: int) -> None:
         print(f"ms/step {took / steps * 1e3:.4f}")
 
 
+def _rss_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def sharded_worker(shard: str, steps: int) -> None:
+    """One rank of the sharded part: prints what it holds, its peak over the steps and ms per step."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(4):
+        layers += [torch.nn.Linear(2048, 2048), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers[:-1])
+    opt = fl.optim.adamw(1e-4)
+
+    def loss_fn(forward, b):
+        return forward(b).square().mean()
+
+    batch = 16 // fl.distributed.world_size()
+    data = torch.randn(16 * 4, 2048, generator=torch.Generator().manual_seed(1))
+    if shard == "fsdp2":
+        _fsdp2(model, data[:batch], steps)
+        return
+    step = fl.train_step(model, loss_fn, opt)
+    stream = fl.data.batches(data, batch_size=16, seed=0)
+    warm = 3
+    state = fl.init(model, opt, seed=0, max_iter=warm, shard=None if shard == "none" else shard)
+    del model  # its own weights: not part of what a rank holds
+    state = fl.run(state, step, stream)
+    held = sum(t.numel() * t.element_size() for t in (*state.params.values(), *_leaves(state.opt_state)))
+    state = fl.TrainState(**{**state.__dict__, "max_iter": warm + steps})
+    before = _rss_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")  # VmHWM := VmRSS
+    start = time.perf_counter()
+    fl.run(state, step, stream)
+    took = time.perf_counter() - start
+    peak = _rss_kib("VmHWM") - before
+    print(
+        f"rank {fl.distributed.rank()} held {held} peak {peak * 1024} ms {took / steps * 1e3:.3f} batch {batch}"
+    )
+
+
+def _fsdp2(model: torch.nn.Module, batch: torch.Tensor, steps: int) -> None:
+    """The reference: torch's own FSDP2 (``fully_shard`` per layer and at the root) and ``torch.optim.AdamW``, eager."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (fl.distributed.world_size(),))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+
+    def one() -> None:
+        model(batch).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(3):
+        one()
+    local = [p.to_local() for p in model.parameters()]
+    local += [t.to_local() for st in opt.state.values() for t in st.values() if t.ndim]
+    held = sum(t.numel() * t.element_size() for t in local)
+    before = _rss_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")
+    start = time.perf_counter()
+    for _ in range(steps):
+        one()
+    took = time.perf_counter() - start
+    peak = _rss_kib("VmHWM") - before
+    print(f"rank {fl.distributed.rank()} held {held} peak {peak * 1024} ms {took / steps * 1e3:.3f} batch 0")
+
+
+def _leaves(tree: object) -> list[torch.Tensor]:
+    from torch.utils import _pytree as pytree
+
+    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def sharded(repeats: int, steps: int) -> None:
+    print("\nsharded: 4 x Linear(2048, 2048), AdamW, global batch 16; per rank, median of", repeats)
+    print("| ranks | shard | held (params + opt) | ratio | peak over the steps | ratio | ms/step | ratio |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for ranks in (2, 4):
+        modes = ("none", "optimizer", "full", "fsdp2")
+        found: dict[str, list[tuple[int, int, float]]] = {m: [] for m in modes}
+        for _ in range(repeats):
+            for mode in found:
+                me = [os.path.abspath(__file__), "--sharded-worker", mode, "--steps", str(steps)]
+                command = [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--standalone",
+                    f"--nproc_per_node={ranks}",
+                ]
+                env = {**os.environ, "OMP_NUM_THREADS": "1"}
+                done = subprocess.run([*command, *me], capture_output=True, text=True, env=env, timeout=1200)
+                if done.returncode:
+                    raise RuntimeError(done.stderr[-3000:])
+                rows = [line.split() for line in done.stdout.splitlines() if line.startswith("rank ")]
+                # The largest rank's figures (they differ by the padding of uneven chunks only).
+                held = max(int(r[3]) for r in rows)
+                peak = max(int(r[5]) for r in rows)
+                ms = max(float(r[7]) for r in rows)
+                found[mode].append((held, peak, ms))
+        base = [statistics.median(x[i] for x in found["none"]) for i in range(3)]
+        for mode, runs in found.items():
+            held, peak, ms = (statistics.median(x[i] for x in runs) for i in range(3))
+            print(
+                f"| {ranks} | {mode} | {held / 2**20:.0f} MiB | {held / base[0]:.2f} | {peak / 2**20:.0f} MiB | "
+                f"{peak / base[1]:.2f} | {ms:.0f} | {ms / base[2]:.2f} |"
+            )
+
+
 def launch(workload: str, variant: str, steps: int) -> float:
     me = [os.path.abspath(__file__), "--worker", workload, "--steps", str(steps)]
     if variant == "2 ranks x 1 thread":
@@ -80,12 +216,20 @@ VARIANTS = ("1 process, 1 thread", "1 process, 2 threads", "2 ranks x 1 thread")
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--worker")
+    parser.add_argument("--sharded-worker")
+    parser.add_argument("--part", choices=("speed", "sharded", "all"), default="all")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--steps", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.steps, args.threads)
+        return
+    if args.sharded_worker:
+        sharded_worker(args.sharded_worker, args.steps)
+        return
+    if args.part == "sharded":
+        sharded(args.repeats, args.steps or 5)
         return
     print(f"torch {torch.__version__}, {os.cpu_count()} cores; ms per global step, median of {args.repeats}")
     print(f"| workload | {' | '.join(VARIANTS)} |")
@@ -101,6 +245,8 @@ def main() -> None:
             ms = statistics.median(times[variant])
             cells.append(f"{ms:.3f} ({base / ms:.2f}x)")
         print(f"| {workload} | {' | '.join(cells)} |")
+    if args.part == "all":
+        sharded(args.repeats, args.steps or 5)
 
 
 if __name__ == "__main__":

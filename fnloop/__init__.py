@@ -15,6 +15,7 @@ from fnloop._core.combinators import (
 from fnloop._core.metrics import Metrics
 from fnloop._core.phase import Phase
 from fnloop._core.schedule import Schedule
+from fnloop._core.shards import Shards
 from fnloop._core.state import (
     Clock,
     Effect,
@@ -37,7 +38,7 @@ from fnloop._step.build import (
     train_step,
 )
 from fnloop._step.eval import EvalStep, eval_step
-from fnloop._step.export import load_state_dict, state_dict
+from fnloop._step.export import load_state_dict, state_dict, unshard
 from fnloop._version import __version__ as __version__
 from fnloop.checkpoint import load, save
 
@@ -55,6 +56,7 @@ __all__ = [
     "Preempted",
     "Schedule",
     "RecompileError",
+    "Shards",
     "Step",
     "TrainState",
     "TrainStep",
@@ -86,6 +88,7 @@ __all__ = [
     "state_names",
     "stateful",
     "train_step",
+    "unshard",
     "when",
     "with_hook_state",
     "writers",

@@ -18,6 +18,7 @@ import contextlib
 import os
 import re
 import secrets
+import socket
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -42,7 +43,10 @@ __all__ = [
 LOCK_NAME = ".fnloop.lock"
 """The file in a checkpoint directory that a live run holds locked; it holds the run's PID."""
 
-_TEMP = re.compile(r"\..+\.(\d+)\.[0-9a-f]{8}\.tmp")
+_TEMP = re.compile(r"\..+\.(\d+)(?:@([A-Za-z0-9_-]*))?\.[0-9a-f]{8}\.tmp")
+# The machine in a temporary name: on a filesystem that several machines share (the ranks of a
+# sharded checkpoint write into one directory), a process id says nothing of another machine's.
+_HOST = re.sub(r"[^A-Za-z0-9_-]", "-", socket.gethostname())[:64]
 _in_flight: set[str] = set()  # temporary names this process is writing now
 
 
@@ -59,7 +63,7 @@ def write_atomically(path: Path, write: Callable[[int], object]) -> None:
         ...     (Path(d) / "f").read_bytes(), os.listdir(d)
         (b'new', ['f'])
     """
-    temp_name = f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    temp_name = f".{path.name}.{os.getpid()}@{_HOST}.{secrets.token_hex(4)}.tmp"
     temp = path.with_name(temp_name)
     _in_flight.add(temp_name)
     try:
@@ -89,8 +93,8 @@ def remove_leftovers(directory: Path) -> None:
     """Remove temporary files of saves that were interrupted (their process is gone, or is this one)."""
     for name in os.listdir(directory):
         match = _TEMP.fullmatch(name)
-        if match is None or name in _in_flight:
-            continue
+        if match is None or name in _in_flight or match[2] not in (None, _HOST):
+            continue  # not a leftover, or another machine's: its processes are not seen from here
         pid = int(match[1])
         if pid == os.getpid() or not _alive(pid):
             with contextlib.suppress(OSError):

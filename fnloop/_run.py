@@ -21,7 +21,7 @@ from fnloop._core.combinators import Hook, chain
 from fnloop._core.fold import BatchesExhausted, Driver, UnclaimedHookState, fold
 from fnloop._core.plan import off_boundaries
 from fnloop._core.signals import Preempted, _signals
-from fnloop._core.state import TrainState
+from fnloop._core.state import Performs, TrainState
 from fnloop._core.steps import Step, adapt
 
 __all__ = ["BatchesExhausted", "Preempted", "Step", "UnclaimedHookState", "run", "scan"]
@@ -61,8 +61,10 @@ def _driver(
     applied = adapt(step, donate=donate)  # type: ignore[arg-type]
     _check_boundaries(hook, applied.per_call)
     rank, world = distributed.rank(), distributed.world_size()
-    # In a data-parallel run rank 0 alone performs effects.
-    perform = effects and (world <= 1 or rank == 0)
+    # In a data-parallel run rank 0 alone performs effects, but those requested of every rank.
+    perform = (
+        Performs.NONE if not effects else Performs.ALL if world <= 1 or rank == 0 else Performs.EVERYWHERE
+    )
     return Driver(checked(hook) if debug else hook, applied, clock, perform, donate, rank=rank, world=world)
 
 
@@ -189,6 +191,9 @@ def run(
         # stopped between two steps and saved. A rank that stopped first would
         # leave rank 0 waiting in the next step's all-reduce, its state torn and unsaved.
         obeys = stop if driver.world <= 1 or driver.rank == 0 else None
+        if driver.world > 1 and state.shards is not None:
+            # A sharded checkpoint needs every rank's part of one state: all stop at one boundary.
+            obeys = distributed.AgreedStop(stop, driver.rank)
         driver = attrs.evolve(driver, stop=obeys, donate_input=donate_input)
         # Drained in C, keeping only the last state: the fold's final one.
         final: TrainState = collections.deque(fold(state, batches, driver), maxlen=1)[0]

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fnloop._core.signals import _Stop
+
 __all__ = ["DEFAULT_TIMEOUT", "device", "is_main", "rank", "setup", "world_size"]
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
@@ -66,16 +68,34 @@ def setup(*, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> None:
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None:
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        # Not torchrun, or a store of each attempt's own (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1).
         dist.init_process_group(timeout=timeout)
     else:
+        # torchrun's shared store outlives a restart, keys and all: without a prefix of the
+        # attempt's own, a restarted rank reads its peers' addresses of the attempt before, and
+        # gloo's connect is refused, or waits until the timeout, on a port nobody listens on.
+        _check_one_count_of_restarts()
         store, rank, size = next(dist.rendezvous("env://", timeout=timeout))
-        # torchrun's store outlives a restart, keys and all: without a prefix of the attempt's
-        # own, a restarted rank reads its peers' addresses of the attempt before, and gloo's
-        # connect is refused, or waits until the timeout, on a port nobody listens on.
         store = dist.PrefixStore(f"fnloop/attempt_{attempt}/default_pg", store)
         dist.init_process_group(store=store, rank=rank, world_size=size, timeout=timeout)
     atexit.register(_leave)
+
+
+def _check_one_count_of_restarts() -> None:
+    """Refuse restarts over a shared store on several machines, whose agents count restarts apart."""
+    machines = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if machines > 1 and restarts > 0:
+        raise RuntimeError(
+            f"torchrun --max-restarts={restarts} on {machines} machines with torchrun's shared store: "
+            "each machine's torchrun counts restarts on its own (a machine started again counts "
+            "from 0, a healthy one restarted for the change counts none), so the ranks of one "
+            "attempt cannot agree on which attempt they are in, and the store keeps the keys of "
+            "the attempts before. Give each attempt a store of its own: set "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in every machine's environment (see "
+            "docs/distributed.md#several-machines), or run with --max-restarts=0."
+        )
 
 
 def _leave() -> None:
@@ -131,6 +151,49 @@ def device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
+
+
+_runs = 0  # the sharded runs this process started: the same count on every rank
+
+
+class AgreedStop(_Stop):
+    """A stop every rank obeys at the same boundary: rank 0 announces it, the others read the store.
+
+    A sharded run cannot let rank 0 stop alone, as data parallel does: its
+    checkpoint needs every rank's part of the same state. So rank 0, once
+    signalled at a boundary, announces the next one through the process
+    group's store and stops there; every other rank checks the store at each
+    boundary (one lookup) and stops at the announced one. No rank can pass
+    that boundary first: the step between needs rank 0's collectives, and
+    rank 0 announced before taking it. Signals to the other ranks are ignored,
+    as in data parallel.
+    """
+
+    def __init__(self, local: _Stop | None, rank: int) -> None:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        global _runs
+        _runs += 1
+        self.local, self.rank = local, rank
+        self.store = _get_default_store()
+        self.key = f"fnloop/stop/{_runs}"
+        self.signum: int | None = None
+        self.boundary: int | None = None
+
+    def at(self, iteration: int) -> int | None:
+        """The signal to stop by at the boundary where ``iteration`` steps are done, or ``None`` to go on."""
+        if self.boundary is None:
+            if self.rank == 0:
+                if self.local is None or self.local.signum is None:
+                    return None
+                self.signum, self.boundary = self.local.signum, iteration + 1
+                self.store.set(self.key, f"{self.signum} {self.boundary}")
+            else:
+                if not self.store.check([self.key]):
+                    return None
+                signum, boundary = self.store.get(self.key).decode().split()
+                self.signum, self.boundary = int(signum), int(boundary)
+        return self.signum if iteration >= self.boundary else None
 
 
 def broadcast_tensors(tensors: list[torch.Tensor]) -> None:

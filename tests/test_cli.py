@@ -107,7 +107,11 @@ def test_inspect_json_is_machine_readable(saved, capsys):
         "iteration": 9,
     }
     assert report["extra"] == {"note": "hi", "scale": 2.5}
-    assert set(report) == {"file"} | {f.name for f in attrs.fields(TrainState)} - {"effects", "clock"}
+    assert set(report) == {"file"} | {f.name for f in attrs.fields(TrainState)} - {
+        "effects",
+        "clock",
+        "shards",
+    }
 
 
 def test_inspect_a_directory_shows_its_newest_checkpoint(tmp_path, capsys):

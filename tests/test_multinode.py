@@ -229,12 +229,6 @@ def test_a_job_stopped_and_started_again_resumes_bit_exact(tmp_path: Path, strai
 # store not shared, each round gets a fresh one, hosted by the worker of rank 0.
 NOT_SHARED = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
-LOST_NODE = """\
-fnloop.distributed.setup keys the process group by TORCHELASTIC_RESTART_COUNT, which each
-agent counts for itself: after a machine is replaced the survivor's ranks are told 1, the
-new machine's 0, so the ranks of one round wait for each other under different prefixes
-(fnloop/attempt_1 and fnloop/attempt_0) until the timeout, and the job fails."""
-
 
 def replace_a_node(tmp: Path, *options: str) -> tuple[list[int], str]:
     """The 2x2 job, ``--max-restarts=1``; node 1 is lost after step 13, and started again on its own."""
@@ -293,10 +287,26 @@ def test_after_a_node_is_replaced_the_agents_count_restarts_apart(
     assert counts[agents[2]][:PER_NODE] == ["0"] * PER_NODE, counts
 
 
-@pytest.mark.xfail(strict=True, reason=LOST_NODE)
 def test_fnloop_takes_a_replaced_node_back_bit_exact(
     replaced: tuple[list[int], str, Path], straight: Path
 ) -> None:
     codes, log, tmp = replaced
     assert codes == [0, 0], log
     took_back(tmp, straight)
+
+
+def test_restarts_over_a_shared_store_on_several_machines_are_refused_with_the_fix(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # What torchrun tells a rank of a 2-machine job with --max-restarts=1 and its shared store.
+    from fnloop.distributed import _check_one_count_of_restarts
+
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+    with pytest.raises(RuntimeError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        _check_one_count_of_restarts()
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
+    _check_one_count_of_restarts()  # no restarts: one count
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "1")
+    _check_one_count_of_restarts()  # one machine: one count

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from fnloop._core.state import TrainState, reading, unchecked
+from fnloop._core.state import Performs, TrainState, reading, unchecked
 
 __all__ = ["Last", "StepFailed", "TORN", "ended_by", "unwrapped"]
 
@@ -83,9 +83,9 @@ class Last:
 def ended_by(
     exc: BaseException,
     last: Last,
-    after_train: Callable[[TrainState, bool], object],
+    after_train: Callable[[TrainState, Performs], object],
     *,
-    perform: bool,
+    perform: Performs,
     clock: Callable[[], float],
     rank: int = 0,
     world: int = 1,
@@ -104,7 +104,7 @@ def ended_by(
         exc.add_note(TORN)
     exc.state = None if torn else last.state  # type: ignore[attr-defined]
     try:
-        after_train(unchecked(last.state, clock=reading(clock())), perform and not torn)
+        after_train(unchecked(last.state, clock=reading(clock())), Performs.NONE if torn else perform)
     except BaseException as also:  # noqa: BLE001 - the original exception must win
         if also is not exc:
             exc.add_note(f"AFTER_TRAIN hooks then also failed: {type(also).__name__}: {also}")

@@ -32,7 +32,7 @@ from fnloop._core.messages import a_type
 from fnloop._core.phase import Phase
 from fnloop._core.plan import Plan, call
 from fnloop._core.signals import _interruption, _Stop
-from fnloop._core.state import Effect, TrainState, Unclaimed, reading, unchecked
+from fnloop._core.state import Effect, Performs, TrainState, Unclaimed, reading, unchecked
 from fnloop._core.steps import Applied
 from fnloop._core.stream import stream as _stream
 
@@ -60,7 +60,7 @@ class Driver:
         hook: the run's hooks, chained.
         step: the step, adapted (``fnloop._core.steps.adapt``).
         clock: read into ``state.clock`` where a hook is due, and once per unit.
-        perform: perform the effects phases request (this process performs effects).
+        perform: which of the effects phases request this process performs.
         donate: let the step write into the states the fold owns.
         donate_input: the caller gave the input state up: the first step may write into it too.
         stop: set by the signal handlers; the fold stops between two units when it is.
@@ -71,7 +71,7 @@ class Driver:
     hook: Hook
     step: Applied
     clock: Callable[[], float]
-    perform: bool
+    perform: Performs
     donate: bool = False
     donate_input: bool = False
     stop: _Stop | None = None
@@ -117,8 +117,8 @@ def _fold(state: TrainState, batches: Iterable[Any], driver: Driver) -> Iterator
             owned = driver.donate  # from here on the fold threads states nobody else holds
             yield state
             if stop is not None:
-                _check_stop(stop)
-        _check_stop(stop)
+                _check_stop(stop, state.iteration)
+        _check_stop(stop, state.iteration)
         background.wait()  # the run ends with its effects done; one that failed fails the run
     except BaseException as exc:
         _waited(exc)
@@ -184,8 +184,8 @@ def _unit(
     _check_max_iter(ended, _AFTER_STEP.name if after else "the step", end + 1)
     time = ended.time if after else now
     advanced = unchecked(ended, iteration=end + 1, data=cursors[-1], clock=reading(time), effects=())
-    if ended.effects and perform:
-        _perform(ended.effects, began, advanced)
+    if ended.effects and perform is not Performs.NONE:
+        _perform(ended.effects, began, advanced, perform)
     return advanced
 
 
@@ -256,9 +256,10 @@ def _moved(i: int, iteration: int) -> RuntimeError:
     )
 
 
-def _check_stop(stop: _Stop | None) -> None:
-    if stop is not None and stop.signum is not None:
-        raise _interruption(stop.signum)
+def _check_stop(stop: _Stop | None, iteration: int) -> None:
+    signum = None if stop is None else stop.at(iteration)
+    if signum is not None:
+        raise _interruption(signum)
 
 
 def _at(state: TrainState, time: float) -> TrainState:
@@ -266,27 +267,28 @@ def _at(state: TrainState, time: float) -> TrainState:
     return unchecked(state, clock=reading(time))
 
 
-def _phase(hook: Hook, state: TrainState, phase: Phase, perform: bool) -> TrainState:
-    """``hook`` in ``phase``, checked, its effects performed if ``perform``."""
+def _phase(hook: Hook, state: TrainState, phase: Phase, perform: Performs) -> TrainState:
+    """``hook`` in ``phase``, checked, the effects this process ``perform``s performed."""
     new = hook(state, phase)
     if type(new) is not TrainState:
         raise returned(hook, phase, new)
     return _settled(new, state, perform)
 
 
-def _settled(ended: TrainState, began: TrainState, perform: bool) -> TrainState:
-    """``ended``, a phase's result, with the effects it requested cleared and, if ``perform``, performed."""
+def _settled(ended: TrainState, began: TrainState, perform: Performs) -> TrainState:
+    """``ended``, a phase's result, with the effects it requested cleared, those this process ``perform``s performed."""
     effects = ended.effects
     if not effects:
         return ended
     ended = unchecked(ended, effects=())
-    if perform:
-        _perform(effects, began, ended)
+    if perform is not Performs.NONE:
+        _perform(effects, began, ended, perform)
     return ended
 
 
-def _perform(effects: tuple[Effect, ...], began: TrainState, ended: TrainState) -> None:
-    """Each effect with its state, the claims first: a run refused one writes nothing."""
+def _perform(effects: tuple[Effect, ...], began: TrainState, ended: TrainState, perform: Performs) -> None:
+    """Each effect this process ``perform``s, with its state, the claims first: a run refused one writes nothing."""
+    effects = tuple(e for e in effects if perform(e))
     if any(effect.claim for effect in effects):
         effects = (*(e for e in effects if e.claim), *(e for e in effects if not e.claim))
     for effect in effects:

@@ -33,6 +33,10 @@ class _Stop:
     signum: int | None = None
     count: int = 0
 
+    def at(self, iteration: int) -> int | None:
+        """The signal to stop by at the boundary where ``iteration`` steps are done, or ``None`` to go on."""
+        return self.signum
+
 
 _FORCE = 3
 """The Ctrl-C that stops a run at once, wherever it is (the state may then be torn)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -10,6 +11,7 @@ import torch
 
 from fnloop._core.messages import got, non_negative_int
 from fnloop._core.metrics import Metrics, Scalar
+from fnloop._core.shards import Shards
 
 _new = object.__new__
 _set = object.__setattr__
@@ -17,6 +19,7 @@ _set = object.__setattr__
 __all__ = [
     "Clock",
     "Effect",
+    "Performs",
     "TrainState",
     "Unclaimed",
     "hook_state",
@@ -63,6 +66,14 @@ def _clock(instance: object, attribute: attrs.Attribute, value: object) -> None:
             raise TypeError(f"'clock.{name}' must be a float ({got(reading)}).")
 
 
+def _shards(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if value is not None and type(value) is not Shards:
+        raise TypeError(
+            f"'{attribute.name}' must be a fnloop.Shards or None ({got(value)}); fnloop.init(..., "
+            "shard=...) builds a sharded state."
+        )
+
+
 def _effects(instance: object, attribute: attrs.Attribute, value: object) -> None:
     if type(value) is not tuple or not all(isinstance(e, Effect) for e in value):
         raise TypeError(
@@ -91,12 +102,30 @@ class Effect:
         label: a name for messages.
         start: perform with the state the phase began with.
         claim: perform before the phase's other effects.
+        everywhere: perform on every rank of a data-parallel run, not on
+            rank 0 alone (a sharded checkpoint, whose every rank writes its part).
     """
 
     perform: Callable[[TrainState], object]
     label: str = ""
     start: bool = False
     claim: bool = False
+    everywhere: bool = False
+
+
+class Performs(enum.Enum):
+    """Which of the effects a run requests this process performs."""
+
+    ALL = "all"
+    """Every effect: a single process, or rank 0 of a data-parallel run."""
+    EVERYWHERE = "everywhere"
+    """The effects requested of every rank (``Effect.everywhere``) only: another rank than 0."""
+    NONE = "none"
+    """None: effects turned off (a dry replay), or the end of a run whose state is torn."""
+
+    def __call__(self, effect: Effect) -> bool:
+        """Whether this process performs ``effect``."""
+        return self is Performs.ALL or (self is Performs.EVERYWHERE and effect.everywhere)
 
 
 @attrs.frozen
@@ -186,6 +215,9 @@ class TrainState:
         metrics: scalars recorded so far (``fnloop.Metrics``).
         hooks: hook name -> that hook's own state.
         extra: the user's own data (a frozen record or pytree).
+        shards: how the state is split across ranks (a ``Shards``), or ``None``
+            for a whole state. ``fnloop.init(..., shard=...)`` sets it; a
+            checkpoint records it in its index, not in the state's entries.
         clock: what the fold's clock read for the current phase (a ``Clock``:
             ``time``, ``data_time``, ``step_time``, also readable as
             ``state.time`` and so on). Like ``effects``, never saved: a
@@ -210,6 +242,7 @@ class TrainState:
     metrics: Metrics = attrs.field(factory=Metrics, validator=_metrics)
     hooks: Mapping[str, Any] = attrs.field(factory=dict, validator=_str_mapping)
     extra: Any = None
+    shards: Shards | None = attrs.field(default=None, validator=_shards)
     clock: Clock = attrs.field(default=_STOPPED, validator=_clock)
     effects: tuple[Effect, ...] = attrs.field(default=(), validator=_effects)
 
@@ -246,18 +279,20 @@ def request(
     *,
     start: bool = False,
     claim: bool = False,
+    everywhere: bool = False,
 ) -> TrainState:
     """``state`` with an effect requested for the end of the current phase.
 
     ``perform`` gets the state as the phase ends, or with ``start=True`` as it
-    began; with ``claim=True`` it runs before the phase's other effects (see ``Effect``).
+    began; with ``claim=True`` it runs before the phase's other effects; with
+    ``everywhere=True`` every rank performs it, not rank 0 alone (see ``Effect``).
 
     Examples:
         >>> s = request(TrainState(max_iter=1), print, "print")
         >>> [e.label for e in s.effects]
         ['print']
     """
-    return attrs.evolve(state, effects=(*state.effects, Effect(perform, label, start, claim)))
+    return attrs.evolve(state, effects=(*state.effects, Effect(perform, label, start, claim, everywhere)))
 
 
 _MISSING: Any = object()

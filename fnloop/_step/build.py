@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -9,6 +10,7 @@ import attrs
 import torch
 
 from fnloop._core.messages import got
+from fnloop._core.shards import MODES, Shards
 from fnloop._core.state import TrainState
 from fnloop._core.steps import Applied, Step
 from fnloop._step.compiler import compile_step, compile_steps
@@ -25,8 +27,9 @@ from fnloop._step.kernel import (
     _trained,
     frozen,
 )
+from fnloop._step.sharding import chunk
 from fnloop._step.train import TrainStep
-from fnloop.distributed import broadcast_tensors, rank
+from fnloop.distributed import broadcast_tensors, rank, world_size
 from fnloop.optim import Optimizer
 from fnloop.optim._base import fixed_learning_rates
 
@@ -42,7 +45,13 @@ __all__ = [
 
 
 def init(
-    model: torch.nn.Module, optimizer: Optimizer, *, seed: int, max_iter: int, extra: Any = None
+    model: torch.nn.Module,
+    optimizer: Optimizer,
+    *,
+    seed: int,
+    max_iter: int,
+    extra: Any = None,
+    shard: str | None = None,
 ) -> TrainState:
     """A state for training ``model`` with ``optimizer`` from iteration 0.
 
@@ -60,6 +69,14 @@ def init(
             of ``(seed, iteration)``.
         max_iter: how many steps the run takes.
         extra: your own data, kept in ``state.extra``.
+        shard: split the state across the data-parallel ranks (``torchrun``):
+            ``"full"`` shards parameters, gradients and optimizer state (as
+            FSDP2's ``fully_shard``); ``"optimizer"`` shards gradients and
+            optimizer state and keeps the parameters whole on every rank (ZeRO-2).
+            Each parameter of at least one dimension is split on its first
+            one; ``state.shards`` records how, and ``train_step`` reads it. See
+            ``docs/distributed.md#sharded-training``. ``None``: every rank holds
+            the whole state.
 
     Examples:
         >>> import fnloop as fl
@@ -68,6 +85,7 @@ def init(
         (['bias', 'weight'], False)
     """
     model = plain_module(model, "init")
+    _refuse_fsdp(model)
     if not isinstance(optimizer, Optimizer):
         kind = type(optimizer)
         where = "torch.optim" if isinstance(optimizer, torch.optim.Optimizer) else kind.__module__
@@ -83,14 +101,51 @@ def init(
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     # Data parallel: every rank starts from rank 0's initialization, as DistributedDataParallel does.
     broadcast_tensors([*params.values(), *buffers.values()])
+    shards = _shards(shard, params)
+    trained = params
+    if shards is not None:  # this rank's chunks: of the parameters, and of what the optimizer keeps
+        split = shards.names
+        trained = {k: chunk(v, shards, k) if k in split else v for k, v in params.items()}
+        if shards.params:
+            params = trained
     return TrainState(
         max_iter=max_iter,
         params=params,
         buffers=buffers,
-        opt_state=optimizer.init(_trained(params, fixed)),
+        opt_state=optimizer.init(_trained(trained, fixed)),
         rng=seed,
         extra=extra,
+        shards=shards,
     )
+
+
+def _refuse_fsdp(model: torch.nn.Module) -> None:
+    """Refuse a module FSDP2's ``fully_shard`` wrapped (DTensor parameters), with the fix."""
+    if "torch.distributed.tensor" not in sys.modules:  # nothing can be a DTensor yet
+        return
+    from torch.distributed.tensor import DTensor
+
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            raise TypeError(
+                f"init(): the model's parameter {name!r} is a DTensor (the module was wrapped by "
+                "fully_shard, or parallelized); fnloop shards the state itself, keeping the module "
+                "plain. Build the model without fully_shard and pass "
+                "fnloop.init(..., shard='full') (or 'optimizer'): see docs/distributed.md#sharded-training."
+            )
+
+
+def _shards(mode: str | None, params: dict[str, torch.Tensor]) -> Shards | None:
+    """The layout ``init(..., shard=mode)`` gives ``params`` on this process's rank."""
+    if mode is None:
+        return None
+    if mode not in MODES:
+        raise ValueError(
+            f"init(shard=...) must be None, or one of {MODES}: 'full' shards parameters, gradients "
+            f"and optimizer state, 'optimizer' gradients and optimizer state ({got(mode)})."
+        )
+    rows = {k: v.shape[0] for k, v in params.items() if v.ndim and v.is_floating_point()}
+    return Shards(mode, world_size(), rank(), rows)
 
 
 def _check_positive(name: str, value: object) -> int:

@@ -52,7 +52,7 @@ def compile_step(update: Update, budget: int, options: Mapping[str, Any] | None)
     """
 
     def make(structure: Any) -> tuple[Flat, list[str]]:
-        pkeys, bkeys, ospec, bstructure = structure
+        pkeys, bkeys, ospec, bstructure, shards = structure
         names: list[str] = []
         a, b = len(pkeys), len(pkeys) + len(bkeys)
         c = b + ospec.num_leaves
@@ -64,7 +64,7 @@ def compile_step(update: Update, budget: int, options: Mapping[str, Any] | None)
             iteration, seed = leaves[c], leaves[c + 1]
             batch = unflatten_batch(leaves[c + 2 :], bstructure)
             with drawing_from(seed):
-                new = update(params, buffers, opt_state, iteration, batch)
+                new = update(params, buffers, opt_state, iteration, batch, shards)
             for old, value in zip(leaves[:c], _kept(new.finite, list(leaves[:c]), _state(new))):
                 if value is not old:
                     old.copy_(value)
@@ -114,7 +114,7 @@ def compile_steps(update: Update, n: int, budget: int, options: Mapping[str, Any
         scan_op = None  # type: ignore[assignment]
 
     def make(structure: Any) -> tuple[Flat, list[str]]:
-        pkeys, bkeys, ospec, bstructure, n, stop = structure
+        pkeys, bkeys, ospec, bstructure, n, stop, shards = structure
         names: list[str] = []
         a, b = len(pkeys), len(pkeys) + len(bkeys)
         c = b + ospec.num_leaves
@@ -135,7 +135,7 @@ def compile_steps(update: Update, n: int, budget: int, options: Mapping[str, Any
                 opt_state = pytree.tree_unflatten(list(state[b:c]), ospec)
                 batch = unflatten_batch([x[j] for x in xs], bstructure)
                 with drawing_from(seeds[j]):
-                    new = update(params, buffers, opt_state, iteration + j, batch)
+                    new = update(params, buffers, opt_state, iteration + j, batch, shards)
                 keep = new.finite if gate is None else new.finite & gate
                 state = _kept(keep, state, _state(new))
                 if stop:

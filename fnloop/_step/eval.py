@@ -12,6 +12,7 @@ from torch.func import functional_call
 
 from fnloop._core.state import TrainState
 from fnloop._step.batching import flatten_batch, unflatten_batch
+from fnloop._step.export import whole_params
 from fnloop._step.jit import Flat, Jit
 
 __all__ = ["EvalStep", "eval_step", "plain_module"]
@@ -59,7 +60,8 @@ class EvalStep:
             self.model.eval()
         try:
             with torch.no_grad():
-                params, buffers = state.params, state.buffers
+                # A sharded state's parameters, whole: evaluation runs the model on all of them.
+                params, buffers = whole_params(state), state.buffers
                 if self.jit is None:
                     return self.function(params, buffers, batch)
                 tensors, structure = flatten_batch(batch)

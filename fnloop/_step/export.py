@@ -11,14 +11,17 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping
+from typing import Any
 
 import attrs
 import torch
+from torch.utils import _pytree as pytree
 
 from fnloop._core.messages import got
+from fnloop._core.shards import sharded_tensors
 from fnloop._core.state import TrainState
 
-__all__ = ["load_state_dict", "state_dict"]
+__all__ = ["load_state_dict", "state_dict", "unshard"]
 
 _EXTRA_STATE = "_extra_state"  # torch's key suffix for a module's get_extra_state()
 
@@ -60,6 +63,8 @@ def state_dict(state: TrainState, model: torch.nn.Module | None = None) -> Order
     """
     if type(state) is not TrainState:
         raise TypeError(f"state_dict() expected a fnloop.TrainState ({got(state)}).")
+    if state.shards is not None:
+        state = unshard(state)
     tensors = {**state.params, **state.buffers}
     if model is None:
         return OrderedDict((key, _detached(tensors[key])) for key in _module_order(state))
@@ -80,6 +85,62 @@ def state_dict(state: TrainState, model: torch.nn.Module | None = None) -> Order
                 f"{_some(tensors)}): pass the module the state was built from, fnloop.init(model, ...)."
             )
     return out
+
+
+def unshard(state: TrainState) -> TrainState:
+    """The whole state of a sharded one: every rank's chunks of each tensor gathered, padding cut off.
+
+    A collective: every rank of the run calls it, and each gets the whole
+    state (``shards`` is ``None``), its parameters and optimizer state as
+    ``fnloop.init`` without ``shard=`` would have them. A state that is not
+    sharded is returned as it is. ``state_dict`` calls it for a sharded state.
+
+    Examples:
+        >>> import fnloop as fl
+        >>> state = fl.init(torch.nn.Linear(3, 2), fl.optim.adamw(1e-3), seed=0, max_iter=1, shard="full")
+        >>> state.shards.mode, unshard(state).shards, unshard(state).params["weight"].shape
+        ('full', None, torch.Size([2, 3]))
+    """
+    if type(state) is not TrainState:
+        raise TypeError(f"unshard() expected a fnloop.TrainState ({got(state)}).")
+    if state.shards is None:
+        return state
+    whole = _gatherer(state)
+    params = {k: whole(v) for k, v in state.params.items()}
+    return attrs.evolve(state, params=params, opt_state=pytree.tree_map(whole, state.opt_state), shards=None)
+
+
+def whole_params(state: TrainState) -> dict[str, torch.Tensor]:
+    """The whole parameters of ``state``: gathered from every rank if they are sharded (a collective)."""
+    if state.shards is None or not state.shards.params:
+        return dict(state.params)
+    whole = _gatherer(state)
+    return {k: whole(v) for k, v in state.params.items()}
+
+
+def _gatherer(state: TrainState) -> Any:
+    """``tensor -> the whole tensor`` for ``state``'s chunks (other tensors as they are)."""
+    import torch.distributed as dist
+
+    from fnloop.distributed import _group
+
+    shards = state.shards
+    assert shards is not None
+    chunks = sharded_tensors(state.params, state.opt_state, shards)
+    group = _group()
+
+    def whole(tensor: Any) -> Any:
+        name = chunks.get(id(tensor))
+        if name is None:
+            return tensor
+        if group is not None:
+            every = tensor.new_empty((shards.world * tensor.shape[0], *tensor.shape[1:]))
+            gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the newer name
+            gather(every, tensor.contiguous(), group=group)
+            tensor = every
+        return tensor[: shards.whole(name)]
+
+    return whole
 
 
 def _module_order(state: TrainState) -> list[str]:

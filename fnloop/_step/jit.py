@@ -243,7 +243,7 @@ def _compile(
     if draws and no_random is not None:
         raise RandomInGraph(f"{no_random} The ops that draw from torch's generator: {sorted(set(draws))}.")
     ops = sum(node.op == "call_function" for node in nodes)
-    options = {**default_options(leaves, _has_loops(nodes), ops, recomputes), **options}
+    options = {**default_options(leaves, _has_loops(nodes), ops, recomputes, _shards(nodes)), **options}
 
     def failed(exc: BaseException) -> CompileFailed:
         return _located(function, leaves, drawn, exc)
@@ -303,6 +303,15 @@ def _quiet(logger: str) -> Iterator[None]:
 
 def _has_loops(nodes: list[torch.fx.Node]) -> bool:
     return any(isinstance(node.target, torch._ops.HigherOrderOperator) for node in nodes)
+
+
+def _shards(nodes: list[torch.fx.Node]) -> bool:
+    """Whether the graph gathers or scatters across ranks (a sharded step's collectives)."""
+    names = ("all_gather_into_tensor", "reduce_scatter_tensor")
+    return any(
+        isinstance(node.target, torch._ops.OpOverload) and node.target.name().split("::")[-1] in names
+        for node in nodes
+    )
 
 
 def _has_constants(graph: torch.fx.GraphModule) -> bool:

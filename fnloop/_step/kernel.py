@@ -11,9 +11,12 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils import _pytree as pytree
 
+from fnloop._core.shards import Shards
 from fnloop._step.errors import _NUMBER_METRIC, GraphBreakError, _number
+from fnloop._step.sharding import all_ranks, chunk, gathered, scattered, summed
 from fnloop.distributed import _group
 from fnloop.optim import Optimizer, learning_rates
+from fnloop.optim._base import over_shards
 
 __all__ = ["LossFn"]
 
@@ -124,8 +127,9 @@ class Stepped(NamedTuple):
     metrics: dict[str, torch.Tensor]
 
 
-Update = Callable[[dict, dict, Any, torch.Tensor, Any], Stepped]
-"""``update(params, buffers, opt_state, iteration, batch) -> Stepped``, pure."""
+Update = Callable[..., Stepped]
+"""``update(params, buffers, opt_state, iteration, batch, shards=None) -> Stepped``, pure; ``shards``
+(the state's ``Shards``, static) makes it the sharded step."""
 
 
 def _kernel(
@@ -187,8 +191,13 @@ def _kernel(
             grads[k] = torch.zeros_like(v) if g is None else g
         return grads, loss.detach(), {k: v.detach() for k, v in metrics.items()}
 
-    def gradients(params: dict, buffers: dict, batch: Any) -> tuple[dict, dict, torch.Tensor, dict]:
-        """``(grads, new_buffers, loss, metrics)``: forward and backward, averaged over micro-batches and ranks."""
+    def gradients(
+        params: dict, buffers: dict, batch: Any, shards: Shards | None
+    ) -> tuple[dict, dict, torch.Tensor, dict]:
+        """``(grads, new_buffers, loss, metrics)``: forward and backward, averaged over micro-batches and ranks.
+
+        Sharded, the gradients are this rank's chunks of the average (a reduce-scatter).
+        """
         # functional_call writes running statistics into the buffers it is given.
         new_buffers = {k: v.clone() for k, v in buffers.items()}
         if accumulate == 1:
@@ -204,7 +213,10 @@ def _kernel(
             loss = torch.stack(losses).mean()
             metrics = {k: torch.stack([m[k] for m in parts]).float().mean() for k in parts[0]}
         group = _group()
-        if group is not None:  # data parallel: every rank gets the same averages, inside the graph
+        if group is not None and shards is not None:
+            grads = scattered(grads, shards, group)
+            _, loss, metrics, new_buffers = _averaged({}, loss, metrics, new_buffers, group)
+        elif group is not None:  # data parallel: every rank gets the same averages, inside the graph
             grads, loss, metrics, new_buffers = _averaged(grads, loss, metrics, new_buffers, group)
         return grads, new_buffers, loss, metrics
 
@@ -212,19 +224,67 @@ def _kernel(
         # Fixed learning rates are recorded as the numbers they are, outside the graph (TrainStep.fixed).
         return {k: v for k, v in learning_rates(optimizer, iteration).items() if isinstance(v, torch.Tensor)}
 
-    def update(params: dict, buffers: dict, opt_state: Any, iteration: torch.Tensor, batch: Any) -> Stepped:
-        grads, new_buffers, loss, metrics = gradients(params, buffers, batch)
+    def update(
+        params: dict,
+        buffers: dict,
+        opt_state: Any,
+        iteration: torch.Tensor,
+        batch: Any,
+        shards: Shards | None = None,
+    ) -> Stepped:
+        if shards is not None:
+            return sharded_update(params, buffers, opt_state, iteration, batch, shards)
+        grads, new_buffers, loss, metrics = gradients(params, buffers, batch, None)
         with _matching(fixed):
             trained, new_opt_state = optimizer.update(grads, opt_state, _trained(params, fixed), iteration)
         new_params = {k: v if k in fixed else trained[k] for k, v in params.items()}
         finite = _all_finite(loss, grads, eager)
         return Stepped(new_params, new_buffers, new_opt_state, loss, finite, {**rates(iteration), **metrics})
 
-    def in_place(params: dict, buffers: dict, opt_state: Any, iteration: torch.Tensor, batch: Any) -> Any:
+    def sharded_update(
+        params: dict, buffers: dict, opt_state: Any, iteration: torch.Tensor, batch: Any, shards: Shards
+    ) -> Stepped:
+        # The forward and backward on the whole parameters, the update on this rank's chunks.
+        group = _group()
+        split = shards.names
+        if shards.params:
+            whole, mine = (gathered(params, shards, group) if group is not None else params), params
+        else:
+            whole, mine = params, {k: chunk(v, shards, k) if k in split else v for k, v in params.items()}
+        grads, new_buffers, loss, metrics = gradients(whole, buffers, batch, shards)
+        across = over_shards(lambda t: summed(t, group)) if group is not None else contextlib.nullcontext()
+        with _matching(fixed), across:
+            trained, new_opt_state = optimizer.update(grads, opt_state, _trained(mine, fixed), iteration)
+        if shards.params or group is None:
+            new_params = {k: v if k in fixed else trained[k] for k, v in params.items()}
+        else:  # the parameters are whole on every rank: every rank's updated chunks, put together
+            new = gathered({k: trained[k] for k in params if k not in fixed}, shards, group)
+            new_params = {k: v if k in fixed else new[k] for k, v in params.items()}
+        finite = _all_finite(loss, grads, eager)
+        if group is not None:  # each rank saw its own chunks of the gradients
+            finite = all_ranks(finite, group)
+        return Stepped(new_params, new_buffers, new_opt_state, loss, finite, {**rates(iteration), **metrics})
+
+    def in_place(
+        params: dict,
+        buffers: dict,
+        opt_state: Any,
+        iteration: torch.Tensor,
+        batch: Any,
+        shards: Shards | None = None,
+    ) -> Any:
         # Eager, on a state the step owns: whether the step is finite is read on the host (free on a
         # CPU; one sync per step on a GPU), and a finite one updates params and optimizer state in
         # place (the optimizer's update_): no second copy of the state is made, as torch.optim makes none.
-        grads, new_buffers, loss, metrics = gradients(params, buffers, batch)
+        if shards is not None:  # the pure step, its results written into the state it was given
+            stepped = sharded_update(params, buffers, opt_state, iteration, batch, shards)
+            if stepped.finite:
+                old = [*params.values(), *buffers.values(), *pytree.tree_leaves(opt_state)]
+                for before, after in zip(old, _state(stepped)):
+                    if after is not before:
+                        before.copy_(after)
+            return stepped.loss, stepped.finite, stepped.metrics
+        grads, new_buffers, loss, metrics = gradients(params, buffers, batch, None)
         finite = _all_finite(loss, grads, eager)
         if finite:
             with _matching(fixed):

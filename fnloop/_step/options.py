@@ -15,7 +15,7 @@ SMALL_LOOP = 400
 
 
 def default_options(
-    leaves: Sequence[torch.Tensor], loops: bool, ops: int, recomputes: bool = False
+    leaves: Sequence[torch.Tensor], loops: bool, ops: int, recomputes: bool = False, shards: bool = False
 ) -> dict[str, Any]:
     """fnloop's inductor settings for a graph of ``ops`` ops on ``leaves``, with a loop or not; options given win.
 
@@ -26,7 +26,10 @@ def default_options(
       then runs the loop in C++ (the tiny MLP's 128 steps a call: 20.0 us a
       step against 38.1 with Python's), but it writes the loop's body into its
       own source, whose build grows faster than the body: a 2-layer GPT-2's
-      loop took 106 s against 18 s, a ResNet-18's twelve minutes.
+      loop took 106 s against 18 s, a ResNet-18's twelve minutes. Never for
+      a sharded step's graph (``shards``: it all-gathers and reduce-scatters),
+      which the wrapper cannot build on torch 2.13 ("arg type Any is not yet
+      supported by custom_op_wrapper").
     - ``layout_optimization`` off on the CPU: inductor turns convolution
       weights channels-last inside the graph, so their gradients come out
       channels-last beside parameters that are not, and the fused optimizer
@@ -45,7 +48,7 @@ def default_options(
         >>> default_options([torch.zeros(2)], loops=True, ops=1_000)
         {'cpp_wrapper': False, 'layout_optimization': False}
     """
-    defaults: dict[str, Any] = {"cpp_wrapper": not loops or ops <= SMALL_LOOP}
+    defaults: dict[str, Any] = {"cpp_wrapper": not shards and (not loops or ops <= SMALL_LOOP)}
     if all(leaf.device.type == "cpu" for leaf in leaves):
         defaults["layout_optimization"] = False
     if recomputes:

@@ -11,6 +11,7 @@ from torch.utils import _pytree as pytree
 
 from fnloop._core.failure import StepFailed, unwrapped
 from fnloop._core.metrics import Scalar
+from fnloop._core.shards import Shards
 from fnloop._core.state import TrainState, unchecked
 from fnloop._core.steps import Applied
 from fnloop._step.batching import flatten_batch
@@ -41,6 +42,7 @@ from fnloop._step.kernel import (
 )
 from fnloop._step.pool import ScalarPool
 from fnloop._step.seeding import _seeded, step_seed
+from fnloop.distributed import world_size
 from fnloop.optim import Optimizer
 
 __all__ = ["TrainStep"]
@@ -144,6 +146,7 @@ class TrainStep(Applied):
         if not self.model.training:
             self.model.train()
         i = state.iteration
+        shards = _layout(state, self.rank)
         device = leaves[0].device if leaves else _device(params)
         iteration = self._iteration(device)
         iteration.fill_(i)
@@ -153,10 +156,12 @@ class TrainStep(Applied):
         try:
             if jit is None:
                 with _seeded(device, state.rng, i, self.rank):
-                    loss, finite, metrics = self.function(params, buffers, opt_state, iteration, batch)
+                    loss, finite, metrics = self.function(
+                        params, buffers, opt_state, iteration, batch, shards
+                    )
             else:
                 tensors, batch_structure = flatten_batch(batch)
-                structure = (tuple(params), tuple(buffers), ospec, batch_structure)
+                structure = (tuple(params), tuple(buffers), ospec, batch_structure, shards)
                 seed = self._seed(device)
                 seed.fill_(step_seed(state.rng, i, self.rank))  # what the graph's random ops draw from
                 flat = [*donated, iteration, seed, *tensors]
@@ -249,7 +254,16 @@ class TrainStep(Applied):
         versions = [t._version for t in donated]
         try:
             tensors, batch_structure = _stacked(batches, i)
-            structure = (tuple(params), tuple(buffers), ospec, batch_structure, n, not self.skip_nonfinite)
+            shards = _layout(state, self.rank)
+            structure = (
+                tuple(params),
+                tuple(buffers),
+                ospec,
+                batch_structure,
+                n,
+                not self.skip_nonfinite,
+                shards,
+            )
             seeds = torch.tensor(
                 [step_seed(state.rng, i + j, self.rank) for j in range(n)], dtype=torch.int64, device=device
             )
@@ -310,6 +324,22 @@ class TrainStep(Applied):
 
     def __repr__(self) -> str:
         return f"train_step({type(self.model).__name__}, {getattr(self.loss_fn, '__name__', self.loss_fn)!r}, {self.optimizer!r})"
+
+
+def _layout(state: TrainState, rank: int) -> Shards | None:
+    """The state's ``Shards``, checked against the process group this process is in."""
+    shards = state.shards
+    if shards is None:
+        return None
+    world = world_size()
+    if shards.world != world or shards.rank != rank:
+        raise ValueError(
+            f"the state is rank {shards.rank}'s part of a state sharded over {shards.world} rank(s), "
+            f"but this process is rank {rank} of {world}. A sharded state trains on the ranks it was "
+            "built for: build it with fnloop.init(..., shard=...) on each rank, or load a checkpoint "
+            "with a template built so (fnloop.checkpoint.resume reshards it to this world size)."
+        )
+    return shards
 
 
 def _wrote(tensors: list[torch.Tensor], versions: list[int]) -> bool:

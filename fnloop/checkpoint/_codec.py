@@ -183,9 +183,16 @@ def encode(tree: Any, path: str = "state") -> tuple[Any, dict[str, torch.Tensor]
         >>> list(tensors)
         ["state['w']"]
     """
+    skeleton, tensors, _ = encode_keyed(tree, path)
+    return skeleton, tensors
+
+
+def encode_keyed(tree: Any, path: str = "state") -> tuple[Any, dict[str, torch.Tensor], dict[int, str]]:
+    """``encode``, and the key each of the tree's own tensors is stored under (``id(tensor) -> key``)."""
     encoder = _Encoder()
     try:
-        return encoder.node(tree, path), encoder.tensors
+        skeleton = encoder.node(tree, path)
+        return skeleton, encoder.tensors, {i: key for i, (key, _) in encoder.seen.items()}
     except RecursionError:
         where = _deepest(tree, path)
     raise TypeError(

@@ -21,13 +21,17 @@ from fnloop.checkpoint._codec import (
     CheckpointError,
     DamagedCheckpoint,
 )
-from fnloop.checkpoint._reading import read
+from fnloop.checkpoint._reading import _check, _opened, _streamed, read
 from fnloop.checkpoint._safetensors import (
     FORMAT_VERSION,
+    INDEX,
     PLACEHOLDER,
+    covered,
     header,
     layout,
+    read_header,
 )
+from fnloop.checkpoint._sharded import Index, index_of, load_sharded, reshard, save_sharded
 from fnloop.checkpoint._state_codec import encode_state, fill_state
 from fnloop.checkpoint._transfer import _bytes, _digest, _pwrite, _transfer
 
@@ -123,23 +127,33 @@ def save(state: TrainState, path: StrPath) -> Path:
             "code, which a checkpoint does not hold. Save from an effect (the fold performs effects on "
             "the state with its effects cleared), or drop them: attrs.evolve(state, effects=())."
         )
+    if state.shards is not None:
+        return save_sharded(state, Path(path), write_file)
     skeleton, tensors = encode_state(state)
+    write_file(Path(path), skeleton, tensors)
+    return Path(path)
+
+
+def write_file(path: Path, skeleton: Any, tensors: dict[str, Any], index: str | None = None) -> str:
+    """Write a checkpoint file of ``skeleton`` and ``tensors`` atomically (and ``index``); its checksum."""
     text = json.dumps(skeleton, separators=(",", ":"), allow_nan=False)
+    covers = text if index is None else covered({"fnloop.skeleton": text, INDEX: index})
     entries = layout(tensors)
     views = [_bytes(tensors[key]) for key in entries]
-    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_leftovers(path.parent)
+    written: list[str] = []
 
     def write(fd: int) -> None:
         # The tensors first, so their checksum is known when the header is written in front of them.
-        start = len(header(text, entries, PLACEHOLDER))
+        start = len(header(text, entries, PLACEHOLDER, index))
         crcs = _transfer(fd, views, start, _pwrite)
-        checksum = _digest(text, zip(entries, entries.values(), crcs), FORMAT_VERSION)
-        _pwrite(fd, memoryview(header(text, entries, checksum)), 0)
+        checksum = _digest(covers, zip(entries, entries.values(), crcs), FORMAT_VERSION)
+        _pwrite(fd, memoryview(header(text, entries, checksum, index)), 0)
+        written.append(checksum)
 
     write_atomically(path, write)
-    return path
+    return written[0]
 
 
 def load(path: StrPath, *, like: TrainState) -> TrainState:
@@ -182,8 +196,22 @@ def load(path: StrPath, *, like: TrainState) -> TrainState:
         raise TypeError(
             f"load() expected like= a fnloop.TrainState, got {like!r:.80} (a {type(like).__name__})."
         )
+    index = _index(path)
+    if index is not None or like.shards is not None:
+        return load_sharded(Path(path), like, index)
     _, raw = read(path, like)
     return fill_state(raw, like, f"{path}: state")
+
+
+def _index(path: StrPath) -> Index | None:
+    """The index of the sharded checkpoint ``path`` (its header alone is read), or ``None``."""
+    with _opened(path) as file:
+        metadata, start, entries = read_header(file, str(path))
+        try:
+            return index_of(metadata, str(path))
+        except DamagedCheckpoint:  # a malformed index: said as a checksum mismatch if the bytes changed
+            _check(_streamed(file, start, entries, str(path)), metadata, entries, str(path))
+            raise
 
 
 def latest(directory: StrPath, *, like: TrainState) -> TrainState | None:
@@ -289,5 +317,6 @@ def read_raw(path: StrPath) -> tuple[dict[str, str], Any]:
         >>> meta["fnloop.format"], tree["max_iter"], tree["extra"]
         ('2', 3, (1, 2.5))
     """
-    metadata, raw = read(path)
+    index = _index(path)
+    metadata, raw = read(path) if index is None else reshard(Path(path), index, None)
     return {k: v for k, v in metadata.items() if k != "fnloop.skeleton"}, raw

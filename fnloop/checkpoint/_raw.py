@@ -17,6 +17,7 @@ import torch
 
 from fnloop.checkpoint import CheckpointError, Record, checkpoints, read_raw
 from fnloop.checkpoint._reading import read_streamed
+from fnloop.checkpoint._transfer import _bytes
 
 __all__ = [
     "Elided",
@@ -59,14 +60,38 @@ def read(name: str, *, summarized: bool = False) -> tuple[Path, dict[str, str], 
     of one piece, so that a file of any size is read in little memory.
     """
     path = _resolve(name)
-    if summarized:
+    if summarized and not _sharded(path):
         metadata, tree = read_streamed(path, Summary)
         metadata = {k: v for k, v in metadata.items() if k != "fnloop.skeleton"}
-    else:
+    else:  # a sharded checkpoint's tensors put together whole from its parts
         metadata, tree = read_raw(path)
+        if summarized:
+            tree = _summarized(tree)
     if type(tree) is not Record:
         raise CheckpointError(f"{path}: the file holds no TrainState record")
     return path, metadata, tree
+
+
+def _sharded(path: Path) -> bool:
+    from fnloop.checkpoint._files import _index
+
+    return _index(path) is not None
+
+
+def _summarized(node: Any) -> Any:
+    """The raw tree with each tensor replaced by its ``Summary``."""
+    if isinstance(node, torch.Tensor):
+        summary = Summary(node.dtype, node.shape)
+        if node.numel():
+            summary.add(_bytes(node.contiguous()))
+        return summary
+    if type(node) is Record:
+        return Record({k: _summarized(v) for k, v in node.items()}, kind=node.kind, type=node.type)
+    if isinstance(node, dict):
+        return {k: _summarized(v) for k, v in node.items()}
+    if isinstance(node, (list, tuple)):
+        return type(node)(_summarized(v) for v in node)
+    return node
 
 
 def children(node: Any) -> list[tuple[str, Any]] | None:

@@ -23,7 +23,7 @@ import torch
 
 from fnloop._core.state import TrainState
 from fnloop.checkpoint._codec import DTYPES, CheckpointError, CheckpointMismatch, DamagedCheckpoint, decode
-from fnloop.checkpoint._safetensors import Entry, check_format, damaged, read_header
+from fnloop.checkpoint._safetensors import Entry, check_format, covered, damaged, read_header
 from fnloop.checkpoint._state_codec import fill_state
 from fnloop.checkpoint._transfer import _bytes, _digest, _pread, _stream, _transfer
 
@@ -184,7 +184,7 @@ def _check(crcs: list[list[int]], metadata: dict[str, str], entries: list[Entry]
         for (key, dtype, shape, _, _), c in zip(entries, crcs)
     ]
     stored = metadata.get("fnloop.checksum")
-    if _digest(metadata["fnloop.skeleton"], found, metadata["fnloop.format"]) != stored:
+    if _digest(covered(metadata), found, metadata["fnloop.format"]) != stored:
         raise damaged(
             name,
             f"checksum mismatch (stored {stored!r:.40}): its bytes changed after it "

@@ -83,7 +83,9 @@ def layout(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
     return entries
 
 
-def header(skeleton: str, entries: dict[str, dict[str, Any]], checksum: str) -> bytes:
+def header(
+    skeleton: str, entries: dict[str, dict[str, Any]], checksum: str, index: str | None = None
+) -> bytes:
     """The bytes in front of the tensors: the header's length, then the header, padded to 8 bytes.
 
     Examples:
@@ -95,10 +97,21 @@ def header(skeleton: str, entries: dict[str, dict[str, Any]], checksum: str) -> 
         "fnloop.version": _version(),
         "fnloop.checksum": checksum,
         "fnloop.skeleton": skeleton,
+        **({} if index is None else {INDEX: index}),
     }
     text = json.dumps({"__metadata__": metadata, **entries}, separators=(",", ":")).encode()
     text += b" " * (-(8 + len(text)) % 8)  # tensors start 8-byte aligned, as safetensors does
     return len(text).to_bytes(8, "little") + text
+
+
+INDEX = "fnloop.shards"
+"""The metadata entry of a sharded checkpoint's index (rank 0's part): its layout and the other parts."""
+
+
+def covered(metadata: dict[str, str]) -> str:
+    """What the checksum covers besides the tensors: the skeleton, and a sharded checkpoint's index."""
+    index = metadata.get(INDEX)
+    return metadata["fnloop.skeleton"] if index is None else f"{metadata['fnloop.skeleton']}\n{INDEX}={index}"
 
 
 def _version() -> str:

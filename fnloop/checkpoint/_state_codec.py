@@ -17,13 +17,14 @@ import torch
 
 from fnloop._core.metrics import Metrics
 from fnloop._core.state import TrainState, Unclaimed
-from fnloop.checkpoint._codec import Record, encode
+from fnloop.checkpoint._codec import Record, encode_keyed
 from fnloop.checkpoint._fill import as_plain, describe, fill, mismatch
 
-__all__ = ["STATE_FIELDS", "encode_state", "fill_state"]
+__all__ = ["STATE_FIELDS", "encode_state", "encode_state_keyed", "fill_state"]
 
-STATE_FIELDS = tuple(f.name for f in attrs.fields(TrainState) if f.name not in ("effects", "clock"))
-"""The fields of TrainState a checkpoint holds: all but ``effects``, which carry code, and ``clock``."""
+STATE_FIELDS = tuple(f.name for f in attrs.fields(TrainState) if f.name not in ("effects", "clock", "shards"))
+"""The fields of TrainState a checkpoint's entries hold: all but ``effects``, which carry code, ``clock``,
+and ``shards``, which a sharded checkpoint's index holds (``fnloop.checkpoint._sharded``)."""
 
 _DROPPED = ("time",)
 """Entries files of earlier versions hold and this one reads past: the clock's ``time`` was saved then."""
@@ -31,7 +32,13 @@ _DROPPED = ("time",)
 
 def encode_state(state: TrainState) -> tuple[Any, dict[str, torch.Tensor]]:
     """The skeleton and tensors of ``state`` (``encode`` of its fields but ``effects``)."""
-    return encode(
+    skeleton, tensors, _ = encode_state_keyed(state)
+    return skeleton, tensors
+
+
+def encode_state_keyed(state: TrainState) -> tuple[Any, dict[str, torch.Tensor], dict[int, str]]:
+    """``encode_state``, and the key each of the state's own tensors is stored under (``id -> key``)."""
+    return encode_keyed(
         Record({n: getattr(state, n) for n in STATE_FIELDS}, kind="record", type="fnloop.TrainState")
     )
 
@@ -69,7 +76,7 @@ def fill_state(raw: Any, like: TrainState, where: str) -> TrainState:
         else:
             values[name] = fill(raw[name], getattr(like, name), at)
     try:
-        return TrainState(**values)
+        return TrainState(**values, shards=like.shards)
     except (TypeError, ValueError) as exc:
         raise mismatch(where, f"the saved fields do not make a TrainState: {exc}") from exc
 

@@ -27,6 +27,7 @@ from fnloop.checkpoint._raw import (
     table,
     tensor_stats,
 )
+from fnloop.checkpoint._safetensors import INDEX
 
 __all__ = ["run"]
 
@@ -65,6 +66,8 @@ def _inspect_json(path: Path, metadata: dict[str, str], tree: Record) -> dict[st
             "checksum": metadata.get("fnloop.checksum"),
         }
     }
+    if INDEX in metadata:
+        out["file"]["shards"] = json.loads(metadata[INDEX])
     for name, value in tree.items():
         if name == "metrics" and (found := _metric_rows(value)) is not None:
             window, entries = found
@@ -153,6 +156,10 @@ def _inspect_text(path: Path, metadata: dict[str, str], tree: Record) -> list[st
         ),
         ("iteration", f"{short(tree.get('iteration'))} / {short(tree.get('max_iter'))}"),
     ]
+    index = metadata.get(INDEX)
+    if index is not None:
+        layout = json.loads(index)
+        head.insert(2, ("shards", f"{layout['world']} parts ({layout['mode']}), shown whole"))
     head += [(name, short(tree[name])) for name in _HEAD_FIELDS if name in tree]
     lines = table(head, indent="")
     for name, value in tree.items():

@@ -23,6 +23,7 @@ from fnloop._core.phase import Phase
 from fnloop._core.state import TrainState, request
 from fnloop._core.stateful import stateful
 from fnloop.checkpoint import CheckpointWarning, checkpoints, path_for, save
+from fnloop.checkpoint._sharded import orphans, parts_of
 from fnloop.hooks._unrecorded import MetricNeverRecorded, WarnNonFinite, never_recorded
 
 __all__ = [
@@ -99,14 +100,25 @@ class Checkpoint:
             # next iteration starts from (iteration == i + 1).
             if self.background:
                 return request(
-                    state, _Do(self, "hand_over"), f"checkpoint into {self.directory}, in the background"
+                    state,
+                    _Do(self, "hand_over"),
+                    f"checkpoint into {self.directory}, in the background",
+                    everywhere=_sharded(state),
                 )
-            return request(state, _Do(self, "save"), f"checkpoint into {self.directory}")
+            return request(
+                state, _Do(self, "save"), f"checkpoint into {self.directory}", everywhere=_sharded(state)
+            )
         if phase is Phase.AFTER_TRAIN:
             # The run ended, by success, failure or signal: save the state it
             # ended with, as the fold entered AFTER_TRAIN (before any hook's
             # end-of-run changes), unless that iteration is saved already.
-            return request(state, _Do(self, "finish"), f"final checkpoint into {self.directory}", start=True)
+            return request(
+                state,
+                _Do(self, "finish"),
+                f"final checkpoint into {self.directory}",
+                start=True,
+                everywhere=_sharded(state),
+            )
         return state
 
     def claim(self, state: TrainState) -> None:
@@ -121,7 +133,7 @@ class Checkpoint:
         """
         directory = Path(self.directory)
         try:
-            if holds(directory):
+            if holds(directory) or _a_part(state):
                 self.save_once(state)
         finally:
             release(directory)
@@ -167,6 +179,8 @@ class Checkpoint:
         return self._write(state)[1]
 
     def _write(self, state: TrainState) -> tuple[Path, list[Warning]]:
+        if _a_part(state):  # another rank's part of a sharded checkpoint: rank 0 holds and prunes
+            return save(state, path_for(self.directory, state.iteration)), []
         with holding(Path(self.directory)):
             return self._save(state)
 
@@ -182,6 +196,8 @@ class Checkpoint:
                 aside = other.with_name(other.name + ".abandoned")
                 try:
                     other.replace(aside)
+                    for part in parts_of(other):
+                        part.replace(part.with_name(part.name + ".abandoned"))
                 except FileNotFoundError:
                     continue
                 said.append(
@@ -197,6 +213,13 @@ class Checkpoint:
             for old in older[self.keep - 1 :] + _abandoned(self.directory)[self.keep :]:
                 with contextlib.suppress(FileNotFoundError):
                     old.unlink()
+                for part in parts_of(old):
+                    with contextlib.suppress(FileNotFoundError):
+                        part.unlink()
+        if state.shards is not None:
+            for part in orphans(Path(self.directory), iteration):
+                with contextlib.suppress(FileNotFoundError):
+                    part.unlink()
         return path, said
 
     def save_once(self, state: TrainState) -> Path:
@@ -207,6 +230,16 @@ class Checkpoint:
     def __repr__(self) -> str:
         more = ", background=True" if self.background else ""
         return f"checkpoint({self.directory!r}, keep={self.keep!r}{more})"
+
+
+def _sharded(state: TrainState) -> bool:
+    """Whether every rank saves ``state``: it is sharded, and each rank writes its part."""
+    return state.shards is not None
+
+
+def _a_part(state: TrainState) -> bool:
+    """Whether this process saves another rank's part than rank 0's (which is the index)."""
+    return state.shards is not None and state.shards.rank != 0
 
 
 def _iteration_of(path: Path) -> int:
@@ -377,14 +410,17 @@ class _BestUpdate:
             ), best
         if not _improves(self.mode, value, best.value):
             return state, best
-        return request(state, _Do(self, "save"), f"best {self.metric} into {self.directory}"), Best(
-            value, iteration
-        )
+        return request(
+            state, _Do(self, "save"), f"best {self.metric} into {self.directory}", everywhere=_sharded(state)
+        ), Best(value, iteration)
 
     def claim(self, state: TrainState) -> None:
         claim(Path(self.directory))
 
     def save(self, state: TrainState) -> None:
+        if _a_part(state):  # another rank's part of a sharded checkpoint: rank 0 holds the directory
+            save(state, Path(self.directory) / "best.safetensors")
+            return
         with holding(Path(self.directory)):
             save(state, Path(self.directory) / "best.safetensors")
 

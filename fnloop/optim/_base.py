@@ -10,8 +10,9 @@ be traced by ``torch.compile(fullgraph=True)``: states are dicts, tuples and
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple, Protocol, TypeAlias, runtime_checkable
 
 import attrs
@@ -150,6 +151,30 @@ def update_in_place(
         torch._foreach_copy_(old, new)
     # What a transformation of one's own returns may share storage with its state: a copy is safe to write into.
     return {k: u.clone() for k, u in new_updates.items()}
+
+
+_SUMMING: list[Callable[[torch.Tensor], torch.Tensor]] = []
+
+
+@contextlib.contextmanager
+def over_shards(sum_: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+    """For the block, the updates a transformation sees are one rank's shards, and ``sum_`` sums over the ranks.
+
+    A sharded step (``fnloop.init(..., shard=...)``) updates each rank's shards
+    only; a transformation that reduces over the whole model (a global norm)
+    asks ``summing_over_shards()`` for the sum, which the step traces into its
+    graph as an all-reduce.
+    """
+    _SUMMING.append(sum_)
+    try:
+        yield
+    finally:
+        _SUMMING.pop()
+
+
+def summing_over_shards() -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The sum over ranks of a value computed from one rank's shards, inside ``over_shards``; else ``None``."""
+    return _SUMMING[-1] if _SUMMING else None
 
 
 def check_keys(what: str, got: Mapping[str, Any], params: Mapping[str, Any], fix: str) -> None:

@@ -23,6 +23,7 @@ from fnloop.optim._base import (
     check_keys,
     describe,
     first_device,
+    summing_over_shards,
     zero_count,
 )
 
@@ -56,6 +57,15 @@ def _norm_dtype(params: Params) -> torch.dtype:
     return functools.reduce(torch.promote_types, dtypes) if dtypes else torch.float32
 
 
+def _global_norm(updates: Params) -> torch.Tensor:
+    """The L2 norm of all ``updates`` together: of the whole model's, when they are one rank's shards."""
+    first = next(iter(updates.values())).device
+    norms = [torch.linalg.vector_norm(u).to(first) for u in updates.values()]
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    summed = summing_over_shards()
+    return total if summed is None else torch.sqrt(summed(total.square()))
+
+
 @attrs.frozen(repr=False)
 class _ClipByGlobalNorm:
     max_norm: float
@@ -70,9 +80,7 @@ class _ClipByGlobalNorm:
         if not updates:
             return updates, state
         # The same arithmetic as torch.nn.utils.clip_grad_norm_, coefficient clamp included.
-        first = next(iter(updates.values())).device
-        norms = [torch.linalg.vector_norm(u).to(first) for u in updates.values()]
-        total = torch.linalg.vector_norm(torch.stack(norms))
+        total = _global_norm(updates)
         coef = torch.clamp(self.max_norm / (total + 1e-6), max=1.0)
         return {k: u * coef for k, u in updates.items()}, ClipByGlobalNormState(total)
 
@@ -81,9 +89,7 @@ class _ClipByGlobalNorm:
     ) -> Params:
         if not updates:
             return updates
-        first = next(iter(updates.values())).device
-        norms = [torch.linalg.vector_norm(u).to(first) for u in updates.values()]
-        total = torch.linalg.vector_norm(torch.stack(norms))
+        total = _global_norm(updates)
         torch._foreach_mul_(list(updates.values()), torch.clamp(self.max_norm / (total + 1e-6), max=1.0))
         state.global_norm.copy_(total)
         return updates

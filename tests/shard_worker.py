@@ -1,0 +1,162 @@
+"""A small sharded run for the sharding tests; the same script on one process or under torchrun.
+
+    torchrun --standalone --nproc_per_node=N tests/shard_worker.py RESULTS [options]
+
+It trains an MLP whose first dimensions do not divide by the world size
+(the chunks are padded) with AdamW behind a global-norm clip, on fixed data
+(global batch 8), and saves what the tests compare into ``RESULTS/rank{r}.pt``:
+the whole parameters (``fl.state_dict``, gathered), the loss and global-norm
+history, the bytes of the state this rank holds, and the number of compiled
+graphs.
+
+Options:
+    --shard MODE       None (data parallel), full or optimizer
+    --max-iter N       steps in all (default 50)
+    --compile          compile the step (default: eager)
+    --steps-per-call K train_step(..., steps_per_call=K)
+    --checkpoint DIR   resume from DIR, and checkpoint into it every --every steps
+    --every N          (default 10)
+    --background       checkpoint(..., background=True): saves off the training path
+    --die-at I         every rank ends its process at once (os._exit) after step I
+    --kill-in-save R:I:WHEN
+                       rank R SIGKILLs itself while saving the checkpoint of iteration I, WHEN
+                       "before" or "after" writing its own file (rank 0's is the index), in the
+                       launcher's first attempt only
+    --sigterm-at I     rank 0 sends SIGTERM to its launcher (torchrun forwards it to every rank) at
+                       AFTER_STEP of step I: a preemption
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+from pathlib import Path
+
+import torch
+from torch.utils import _pytree as pytree
+
+import fnloop as fl
+from fnloop import Phase
+
+BATCH = 8
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 17), torch.nn.Tanh(), torch.nn.Linear(17, 3))
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(64, 6, generator=g), torch.randint(0, 3, (64,), generator=g)
+
+
+def loss_fn(forward, batch):
+    x, y = batch
+    return torch.nn.functional.cross_entropy(forward(x), y)
+
+
+def optimizer() -> fl.optim.Optimizer:
+    # A small max_norm, so that the clip acts at every step and its global norm matters.
+    return fl.optim.chain(fl.optim.clip_by_global_norm(0.05), fl.optim.adamw(lr=fl.optim.cosine(3e-2, 60)))
+
+
+def held_bytes(state: fl.TrainState) -> int:
+    tensors = [*state.params.values(), *pytree.tree_leaves(state.opt_state)]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+class _Preempt:
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def __call__(self, state, phase, /):
+        if phase is Phase.AFTER_STEP and state.iteration == self.at and fl.distributed.rank() == 0:
+            os.kill(os.getppid(), signal.SIGTERM)
+        return state
+
+
+class _Die:
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def __call__(self, state, phase, /):
+        if phase is Phase.AFTER_STEP and state.iteration == self.at:
+            os._exit(3)
+        return state
+
+
+def _kill_in_save(rank: int, iteration: int, when: str) -> None:
+    """Make rank ``rank`` SIGKILL itself before or after it writes its file of the sharded save of ``iteration``."""
+    from fnloop.checkpoint import _files
+
+    real = _files.write_file
+
+    def write_file(path, skeleton, tensors, index=None):
+        mine = fl.distributed.rank() == rank and f"ckpt-{iteration:08d}." in path.name
+        first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if mine and first and when == "before":
+            os.kill(os.getpid(), signal.SIGKILL)
+        checksum = real(path, skeleton, tensors, index)
+        if mine and first and when == "after":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return checksum
+
+    _files.write_file = write_file
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("results")
+    parser.add_argument("--shard", default="None")
+    parser.add_argument("--max-iter", type=int, default=50)
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--steps-per-call", type=int, default=1)
+    parser.add_argument("--checkpoint")
+    parser.add_argument("--every", type=int, default=10)
+    parser.add_argument("--background", action="store_true")
+    parser.add_argument("--die-at", type=int)
+    parser.add_argument("--kill-in-save")
+    parser.add_argument("--sigterm-at", type=int)
+    args = parser.parse_args()
+    if args.kill_in_save:
+        r, i, when = args.kill_in_save.split(":")
+        _kill_in_save(int(r), int(i), when)
+    shard = None if args.shard == "None" else args.shard
+    torch.set_num_threads(1)
+    net, opt = model(), optimizer()
+    state = fl.init(net, opt, seed=0, max_iter=args.max_iter, shard=shard)
+    hooks: list = []
+    if args.checkpoint:
+        state = fl.checkpoint.resume(args.checkpoint, like=state)
+        saving = fl.hooks.checkpoint(args.checkpoint, keep=None, background=args.background)
+        hooks.append(fl.every(args.every, saving))
+    if args.die_at is not None:
+        hooks.append(_Die(args.die_at))
+    if args.sigterm_at is not None:
+        hooks.append(_Preempt(args.sigterm_at))
+    step = fl.train_step(net, loss_fn, opt, compile=args.compile, steps_per_call=args.steps_per_call)
+    batches = fl.data.batches(data(), batch_size=BATCH, seed=0)
+    final = fl.run(state, step, batches, hooks)
+    whole = fl.state_dict(final)
+    rank = fl.distributed.rank()
+    out = Path(args.results)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(
+        {
+            "params": {k: v.clone() for k, v in whole.items()},
+            "losses": [float(v) for _, v in final.metrics.series["loss"]],
+            "norms": [float(fl.unshard(final).opt_state[0].global_norm)] if final.iteration else [],
+            "held": held_bytes(final),
+            "iteration": final.iteration,
+            "data": final.data,
+            "compiles": step.compiles,
+            "shards": None if final.shards is None else (final.shards.world, final.shards.rank),
+        },
+        out / f"rank{rank}.pt",
+    )
+
+
+if __name__ == "__main__":
+    main()
