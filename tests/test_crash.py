@@ -47,7 +47,7 @@ worker = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(worker)
 MAX_ITER = 200
 KILLS = 20
-TEMP = re.compile(r"\.ckpt-(\d+)\.safetensors\.\d+\.[0-9a-f]{8}\.tmp")
+TEMP = re.compile(r"\.ckpt-(\d+)\.safetensors\.\d+(?:@[A-Za-z0-9_-]*)?\.[0-9a-f]{8}\.tmp")
 
 
 class Lines:
