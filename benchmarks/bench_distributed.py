@@ -1,6 +1,6 @@
 """Data parallel and sharded training on this CPU (torchrun, gloo), against 1 process.
 
-Run: python benchmarks/bench_distributed.py [--part speed|sharded|all] [--repeats R] [--steps N]
+Run: python benchmarks/bench_distributed.py [--part speed|sharded|stall|all] [--repeats R] [--steps N]
 
 Part ``speed``: data parallel, 2 ranks against 1 process, same global batches.
 
@@ -26,8 +26,11 @@ optimizer state the state holds between steps (gradients live only inside the
 step), the peak resident memory over the timed steps above the memory before
 them (``VmHWM``, reset through ``/proc/self/clear_refs``), which counts the
 step's whole gradients and gathered parameters too, and milliseconds per
-global step. Ratios are against data parallel at the same world size. The
-background-save stall is ``benchmarks/bench_background_save.py``'s.
+global step. Ratios are against data parallel at the same world size.
+
+Part ``stall``: the training stall of a background checkpoint save against a
+synchronous one, on a 200 MB state (``benchmarks/bench_background_save.py``,
+run as it is and its table printed).
 """
 
 from __future__ import annotations
@@ -196,6 +199,15 @@ def sharded(repeats: int, steps: int) -> None:
             )
 
 
+def stall() -> None:
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_background_save.py")
+    print("\nbackground saves (benchmarks/bench_background_save.py):")
+    done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=1800)
+    if done.returncode:
+        raise RuntimeError(done.stderr[-3000:])
+    print(done.stdout)
+
+
 def launch(workload: str, variant: str, steps: int) -> float:
     me = [os.path.abspath(__file__), "--worker", workload, "--steps", str(steps)]
     if variant == "2 ranks x 1 thread":
@@ -217,7 +229,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--worker")
     parser.add_argument("--sharded-worker")
-    parser.add_argument("--part", choices=("speed", "sharded", "all"), default="all")
+    parser.add_argument("--part", choices=("speed", "sharded", "stall", "all"), default="all")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--steps", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3)
@@ -230,6 +242,9 @@ def main() -> None:
         return
     if args.part == "sharded":
         sharded(args.repeats, args.steps or 5)
+        return
+    if args.part == "stall":
+        stall()
         return
     print(f"torch {torch.__version__}, {os.cpu_count()} cores; ms per global step, median of {args.repeats}")
     print(f"| workload | {' | '.join(VARIANTS)} |")
@@ -247,6 +262,7 @@ def main() -> None:
         print(f"| {workload} | {' | '.join(cells)} |")
     if args.part == "all":
         sharded(args.repeats, args.steps or 5)
+        stall()
 
 
 if __name__ == "__main__":

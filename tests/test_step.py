@@ -517,12 +517,12 @@ def test_a_step_cut_while_writing_in_place_leaves_no_torn_state_anywhere(tmp_pat
     real = step.function
     calls = []
 
-    def cut_midway(params, buffers, opt_state, iteration, batch):
+    def cut_midway(params, buffers, opt_state, iteration, batch, shards):
         calls.append(int(iteration))
         if len(calls) == 3:  # the third step: write one tensor, then stop, as a kernel boundary would
             params["weight"].add_(1.0)
             raise KeyboardInterrupt
-        return real(params, buffers, opt_state, iteration, batch)
+        return real(params, buffers, opt_state, iteration, batch, shards)
 
     object.__setattr__(step, "function", cut_midway)
     state = fl.init(model, opt, seed=0, max_iter=5)
@@ -539,10 +539,10 @@ def test_a_step_that_fails_before_writing_keeps_the_last_consistent_state():
     step = fl.train_step(model, mse, opt, compile=False)
     real = step.function
 
-    def fail_early(params, buffers, opt_state, iteration, batch):
+    def fail_early(params, buffers, opt_state, iteration, batch, shards):
         if int(iteration) == 2:
             raise ValueError("bad batch")
-        return real(params, buffers, opt_state, iteration, batch)
+        return real(params, buffers, opt_state, iteration, batch, shards)
 
     object.__setattr__(step, "function", fail_early)
     state = fl.init(model, opt, seed=0, max_iter=5)

@@ -232,34 +232,16 @@ def _kernel(
         batch: Any,
         shards: Shards | None = None,
     ) -> Stepped:
-        if shards is not None:
-            return sharded_update(params, buffers, opt_state, iteration, batch, shards)
-        grads, new_buffers, loss, metrics = gradients(params, buffers, batch, None)
-        with _matching(fixed):
-            trained, new_opt_state = optimizer.update(grads, opt_state, _trained(params, fixed), iteration)
-        new_params = {k: v if k in fixed else trained[k] for k, v in params.items()}
-        finite = _all_finite(loss, grads, eager)
-        return Stepped(new_params, new_buffers, new_opt_state, loss, finite, {**rates(iteration), **metrics})
-
-    def sharded_update(
-        params: dict, buffers: dict, opt_state: Any, iteration: torch.Tensor, batch: Any, shards: Shards
-    ) -> Stepped:
-        # The forward and backward on the whole parameters, the update on this rank's chunks.
-        group = _group()
-        split = shards.names
-        if shards.params:
-            whole, mine = (gathered(params, shards, group) if group is not None else params), params
-        else:
-            whole, mine = params, {k: chunk(v, shards, k) if k in split else v for k, v in params.items()}
+        # Sharded, the forward and backward run on the whole parameters, the update on this rank's chunks.
+        group = _group() if shards is not None else None
+        whole, mine = (params, params) if shards is None else _sharded_views(params, shards, group)
         grads, new_buffers, loss, metrics = gradients(whole, buffers, batch, shards)
         across = over_shards(lambda t: summed(t, group)) if group is not None else contextlib.nullcontext()
         with _matching(fixed), across:
             trained, new_opt_state = optimizer.update(grads, opt_state, _trained(mine, fixed), iteration)
-        if shards.params or group is None:
-            new_params = {k: v if k in fixed else trained[k] for k, v in params.items()}
-        else:  # the parameters are whole on every rank: every rank's updated chunks, put together
-            new = gathered({k: trained[k] for k in params if k not in fixed}, shards, group)
-            new_params = {k: v if k in fixed else new[k] for k, v in params.items()}
+        if shards is not None and not shards.params and group is not None:
+            trained = gathered(trained, shards, group)  # whole on every rank: every rank's chunks, together
+        new_params = {k: v if k in fixed else trained[k] for k, v in params.items()}
         finite = _all_finite(loss, grads, eager)
         if group is not None:  # each rank saw its own chunks of the gradients
             finite = all_ranks(finite, group)
@@ -277,7 +259,7 @@ def _kernel(
         # CPU; one sync per step on a GPU), and a finite one updates params and optimizer state in
         # place (the optimizer's update_): no second copy of the state is made, as torch.optim makes none.
         if shards is not None:  # the pure step, its results written into the state it was given
-            stepped = sharded_update(params, buffers, opt_state, iteration, batch, shards)
+            stepped = update(params, buffers, opt_state, iteration, batch, shards)
             if stepped.finite:
                 old = [*params.values(), *buffers.values(), *pytree.tree_leaves(opt_state)]
                 for before, after in zip(old, _state(stepped)):
@@ -294,6 +276,14 @@ def _kernel(
         return loss, finite, {**rates(iteration), **metrics}
 
     return update, in_place
+
+
+def _sharded_views(params: dict[str, torch.Tensor], shards: Shards, group: Any) -> tuple[dict, dict]:
+    """``(whole, mine)``: the parameters a sharded step runs the model on, and the ones it updates."""
+    if shards.params:
+        return (params if group is None else gathered(params, shards, group)), params
+    split = shards.names
+    return params, {k: chunk(v, shards, k) if k in split else v for k, v in params.items()}
 
 
 def frozen(model: torch.nn.Module, where: str) -> frozenset[str]:
