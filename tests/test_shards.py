@@ -232,3 +232,30 @@ def test_a_module_wrapped_by_fully_shard_is_refused_with_the_fix(tmp_path: Path)
             fl.init(net, optimizer(), seed=0, max_iter=1)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_checkpoint_of_four_ranks_loads_at_two(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    state = trained("full")
+    path = fl.checkpoint.path_for(tmp_path, state.iteration)
+    save_by_ranks([split(state, 4, r) for r in range(4)], path, monkeypatch)
+    assert len(_sharded.parts_of(path)) == 3
+    for rank in range(2):
+        like = split(fl.init(model(), optimizer(), seed=0, max_iter=3, shard="full"), 2, rank)
+        assert same(fl.load(path, like=like), split(state, 2, rank))
+
+
+def test_diff_compares_sharded_checkpoints_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    from fnloop.cli import main
+
+    state = trained("full")
+    two = fl.checkpoint.path_for(tmp_path / "two", state.iteration)
+    three = fl.checkpoint.path_for(tmp_path / "three", state.iteration)
+    save_by_ranks([split(state, 2, r) for r in range(2)], two, monkeypatch)
+    save_by_ranks([split(state, 3, r) for r in range(3)], three, monkeypatch)
+    assert main(["diff", str(two), str(three)]) == 0  # the same state, split two ways
+    nudged = attrs.evolve(state, params={**state.params, "2.bias": state.params["2.bias"] + 1})
+    save_by_ranks([split(nudged, 3, r) for r in range(3)], three, monkeypatch)
+    assert main(["diff", str(two), str(three)]) != 0
+    assert "state.params['2.bias']" in capsys.readouterr().out
