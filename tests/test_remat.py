@@ -137,8 +137,8 @@ def test_a_graph_that_recomputes_is_built_without_inductors_locality_reordering(
     seen = []
     real = jit.default_options
 
-    def recording(leaves, loops, ops, recomputes=False):
-        options = real(leaves, loops, ops, recomputes)
+    def recording(leaves, loops, ops, recomputes=False, shards=False):
+        options = real(leaves, loops, ops, recomputes, shards)
         seen.append(options.get("reorder_for_locality", True))
         return options
 

@@ -61,9 +61,20 @@ def gathered(chunks: Mapping[str, torch.Tensor], shards: Shards, group: Any) -> 
     gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # the newer name
     split = shards.names
     return {
-        name: gather(t.contiguous(), 0, group)[: shards.whole(name)] if name in split else t
+        name: _done(gather(t.contiguous(), 0, group))[: shards.whole(name)] if name in split else t
         for name, t in chunks.items()
     }
+
+
+def _done(tensor: torch.Tensor) -> torch.Tensor:
+    """The collective's result, waited for when it runs eagerly (traced, the graph waits where it is used).
+
+    An eager collective left pending would outlive the Python reference to its
+    input (a chunk the step is about to replace), which gloo may still be reading.
+    """
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return tensor.wait() if isinstance(tensor, AsyncCollectiveTensor) else tensor
 
 
 def scattered(wholes: Mapping[str, torch.Tensor], shards: Shards, group: Any) -> dict[str, torch.Tensor]:
@@ -78,9 +89,11 @@ def scattered(wholes: Mapping[str, torch.Tensor], shards: Shards, group: Any) ->
     out = {}
     for name in [n for n in wholes if n in split]:  # in the dict's order: the same on every rank
         padded = _padded(wholes[name], world * shards.rows_per_rank(name)).contiguous()
-        out[name] = scatter(padded, "sum", 0, group) / world
+        out[name] = _done(scatter(padded, "sum", 0, group)) / world
     for names in _by_dtype({n: t for n, t in wholes.items() if n not in split}).values():
-        flat = funcol.all_reduce(torch.cat([wholes[n].reshape(-1) for n in names]), "sum", group) / world
+        flat = (
+            _done(funcol.all_reduce(torch.cat([wholes[n].reshape(-1) for n in names]), "sum", group)) / world
+        )
         for n, part in zip(names, flat.split([wholes[n].numel() for n in names])):
             out[n] = part.view(wholes[n].shape)
     return {name: out[name] for name in wholes}

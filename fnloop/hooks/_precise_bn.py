@@ -16,6 +16,7 @@ from fnloop._core.messages import got
 from fnloop._core.phase import Phase
 from fnloop._core.state import TrainState
 from fnloop._core.stateful import stateful
+from fnloop._step.export import whole_params
 from fnloop._step.seeding import _seeded
 from fnloop.data import Batches
 from fnloop.hooks._evaluate import due
@@ -81,7 +82,7 @@ class _PreciseBN:
                         "Give precise_bn the model the state was built from (fnloop.init(model, ...))."
                     )
                 buffers[prefix + key] = fresh(buffers[prefix + key])
-        params = dict(state.params)
+        params = whole_params(state)  # a sharded state's, gathered: the model runs on all of them
 
         def model(*args: Any, **kwargs: Any) -> Any:
             return functional_call(self.model, (params, buffers), args, kwargs)
