@@ -259,3 +259,15 @@ def test_diff_compares_sharded_checkpoints_whole(
     save_by_ranks([split(nudged, 3, r) for r in range(3)], three, monkeypatch)
     assert main(["diff", str(two), str(three)]) != 0
     assert "state.params['2.bias']" in capsys.readouterr().out
+
+
+def test_an_index_naming_a_part_elsewhere_is_damage(checkpoint_of_three) -> None:
+    path, _ = checkpoint_of_three
+    index = _sharded.Index
+    data = {"mode": "full", "world": 2, "rows": [["w", 2]], "chunks": {}, "parts": []}
+    for file in ("../ckpt-00000003.part-00001-of-00002.safetensors", "/etc/passwd", "x.safetensors"):
+        with pytest.raises(fl.checkpoint.DamagedCheckpoint, match="malformed"):
+            index({**data, "parts": [{"file": file, "checksum": "crc32:0"}]}, str(path))
+    index(
+        {**data, "parts": [{"file": "ckpt-00000003.part-00001-of-00002.safetensors", "checksum": "c"}]}, "x"
+    )

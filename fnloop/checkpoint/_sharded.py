@@ -100,6 +100,8 @@ class Index:
             self.chunks: dict[str, str] = {str(k): str(v) for k, v in data["chunks"].items()}
             self.parts: list[tuple[str, str]] = [(str(p["file"]), str(p["checksum"])) for p in data["parts"]]
             ok = self.mode in MODES and type(self.world) is int and len(self.parts) == self.world - 1
+            # A part is a file beside the index, named as a part: never a path elsewhere.
+            ok = ok and all(_PART.fullmatch(file) for file, _ in self.parts)
         except (KeyError, TypeError, ValueError):
             ok = False
         if not ok or not all(v in self.rows for v in self.chunks.values()):
