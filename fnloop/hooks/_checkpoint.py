@@ -274,7 +274,10 @@ def checkpoint(
       since the last period is lost.
 
     Files are ``ckpt-{iteration:08d}.safetensors``, written atomically; the
-    newest ``keep`` stay (``None`` keeps all). Resume with
+    newest ``keep`` stay (``None`` keeps all). A sharded state
+    (``fnloop.init(..., shard=...)``) is saved by every rank, each its part
+    beside that file, which rank 0 writes last as the index (see
+    ``docs/distributed.md#sharded-checkpoints``). Resume with
     ``fnloop.checkpoint.latest(directory, like=state)``.
 
     The run holds the directory from ``BEFORE_TRAIN`` to the end of
