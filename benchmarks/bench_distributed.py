@@ -19,8 +19,8 @@ of each variant over 1 process, 1 thread.
 Part ``sharded``: a model whose state dominates (4 layers of ``Linear(2048,
 2048)``, AdamW, global batch 16), on 2 and 4 ranks, unsharded (data parallel),
 ``shard="optimizer"`` and ``shard="full"``, and the reference: torch's FSDP2
-(``fully_shard`` on each layer and the root, ``torch.optim.AdamW(foreach=True)``,
-eager). Each launch runs one of them
+(``fully_shard`` on each layer and the root, ``torch.optim.AdamW`` with
+``foreach=True`` and with ``fused=True``, both measured, eager). Each launch runs one of them
 (memory is a process's own); reported per rank: the bytes of parameters and
 optimizer state the state holds between steps (gradients live only inside the
 step); the working peak: the peak resident memory over the timed steps above
@@ -101,8 +101,8 @@ def sharded_worker(shard: str, steps: int) -> None:
 
     batch = 16 // fl.distributed.world_size()
     data = torch.randn(16 * 4, 2048, generator=torch.Generator().manual_seed(1))
-    if shard == "fsdp2":
-        _fsdp2(model, data[:batch], steps)
+    if shard.startswith("fsdp2"):
+        _fsdp2(model, data[:batch], steps, fused=shard.endswith("fused"))
         return
     step = fl.train_step(model, loss_fn, opt)
     stream = fl.data.batches(data, batch_size=16, seed=0)
@@ -124,8 +124,11 @@ def sharded_worker(shard: str, steps: int) -> None:
     )
 
 
-def _fsdp2(model: torch.nn.Module, batch: torch.Tensor, steps: int) -> None:
-    """The reference: torch's own FSDP2 (``fully_shard`` per layer and at the root) and ``torch.optim.AdamW``, eager."""
+def _fsdp2(model: torch.nn.Module, batch: torch.Tensor, steps: int, fused: bool) -> None:
+    """The reference: torch's own FSDP2 (``fully_shard`` per layer and at the root) and ``torch.optim.AdamW``, eager.
+
+    ``fused``: ``AdamW(fused=True)``, else ``foreach=True``; both are measured, and the faster is the reference.
+    """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -134,7 +137,7 @@ def _fsdp2(model: torch.nn.Module, batch: torch.Tensor, steps: int) -> None:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if fused else {"foreach": True}))
 
     def one() -> None:
         model(batch).square().mean().backward()
@@ -171,7 +174,7 @@ def sharded(repeats: int, steps: int) -> None:
     )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for ranks in (2, 4):
-        modes = ("none", "optimizer", "full", "fsdp2")
+        modes = ("none", "optimizer", "full", "fsdp2-foreach", "fsdp2-fused")
         found: dict[str, list[tuple[int, int, float]]] = {m: [] for m in modes}
         for _ in range(repeats):
             for mode in found:
