@@ -22,7 +22,6 @@ checking each part's checksum through a small buffer. Nothing is unpickled.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import re
@@ -39,13 +38,15 @@ from fnloop.checkpoint._reading import _check, _opened, _skeleton, _streamed, re
 from fnloop.checkpoint._safetensors import INDEX, Entry, damaged, read_header
 from fnloop.checkpoint._state_codec import encode_state_keyed, fill_state
 from fnloop.checkpoint._transfer import _bytes, _pread
+from fnloop.distributed import DEFAULT_TIMEOUT
 
 __all__ = ["Index", "index_of", "orphans", "part_path", "parts_of", "reshard", "save_sharded"]
 
 _PART = re.compile(r"(ckpt-(\d{8,}))\.part-(\d{5,})-of-(\d{5,})\.safetensors(\.abandoned)?")
 
-TIMEOUT = datetime.timedelta(minutes=5)
-"""How long rank 0 waits for the other ranks' parts, and they for its index, before the save fails."""
+TIMEOUT = DEFAULT_TIMEOUT
+"""How long rank 0 waits for the other ranks' parts, and they for its index, before the save fails:
+as long as a collective waits for the other ranks (``fnloop.distributed.DEFAULT_TIMEOUT``)."""
 
 _saves: dict[tuple[str, int], int] = {}
 """(path, rank) -> how many sharded saves of it this process made: the same on every rank."""
