@@ -14,6 +14,7 @@ from fnloop._core.combinators import (
 )
 from fnloop._core.metrics import Metrics
 from fnloop._core.phase import Phase
+from fnloop._core.population import PerMember, Population
 from fnloop._core.schedule import Schedule
 from fnloop._core.shards import Shards
 from fnloop._core.state import (
@@ -27,6 +28,7 @@ from fnloop._core.state import (
     with_hook_state,
 )
 from fnloop._core.stateful import stateful
+from fnloop._population import member, members, population
 from fnloop._run import BatchesExhausted, Preempted, Step, UnclaimedHookState, run, scan
 from fnloop._step.build import (
     CompileError,
@@ -52,7 +54,9 @@ __all__ = [
     "Hook",
     "Metrics",
     "NonFiniteLoss",
+    "PerMember",
     "Phase",
+    "Population",
     "Preempted",
     "Schedule",
     "RecompileError",
@@ -75,8 +79,11 @@ __all__ = [
     "init",
     "load",
     "load_state_dict",
+    "member",
+    "members",
     "on",
     "optim",
+    "population",
     "once",
     "record",
     "replay",

@@ -11,6 +11,7 @@ import torch
 
 from fnloop._core.messages import got, non_negative_int
 from fnloop._core.metrics import Metrics, Scalar
+from fnloop._core.population import Population
 from fnloop._core.shards import Shards
 
 _new = object.__new__
@@ -71,6 +72,14 @@ def _shards(instance: object, attribute: attrs.Attribute, value: object) -> None
         raise TypeError(
             f"'{attribute.name}' must be a fnloop.Shards or None ({got(value)}); fnloop.init(..., "
             "shard=...) builds a sharded state."
+        )
+
+
+def _population(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if value is not None and type(value) is not Population:
+        raise TypeError(
+            f"'{attribute.name}' must be a fnloop.Population or None ({got(value)}); "
+            "fnloop.population(...) builds a population's state."
         )
 
 
@@ -218,6 +227,9 @@ class TrainState:
         shards: how the state is split across ranks (a ``Shards``), or ``None``
             for a whole state. ``fnloop.init(..., shard=...)`` sets it; a
             checkpoint records it in its index, not in the state's entries.
+        population: for a population's state (``fnloop.population``), its
+            members (a ``Population``): the tensors then hold every member's,
+            stacked on a new first dimension. ``None`` for a single run.
         clock: what the fold's clock read for the current phase (a ``Clock``:
             ``time``, ``data_time``, ``step_time``, also readable as
             ``state.time`` and so on). Like ``effects``, never saved: a
@@ -243,6 +255,7 @@ class TrainState:
     hooks: Mapping[str, Any] = attrs.field(factory=dict, validator=_str_mapping)
     extra: Any = None
     shards: Shards | None = attrs.field(default=None, validator=_shards)
+    population: Population | None = attrs.field(default=None, validator=_population)
     clock: Clock = attrs.field(default=_STOPPED, validator=_clock)
     effects: tuple[Effect, ...] = attrs.field(default=(), validator=_effects)
 

@@ -13,7 +13,7 @@ from fnloop._core.messages import got
 from fnloop._core.shards import MODES, Shards
 from fnloop._core.state import TrainState
 from fnloop._core.steps import Applied, Step
-from fnloop._step.compiler import compile_step, compile_steps
+from fnloop._step.compiler import compile_population, compile_step, compile_steps
 from fnloop._step.errors import (
     CompileError,
     GraphBreakError,
@@ -27,6 +27,7 @@ from fnloop._step.kernel import (
     _trained,
     frozen,
 )
+from fnloop._step.members import population_kernel
 from fnloop._step.sharding import chunk
 from fnloop._step.train import TrainStep
 from fnloop.distributed import broadcast_tensors, rank, world_size
@@ -256,6 +257,11 @@ def train_step(
     if compile and steps_per_call > 1:
         multi = compile_steps(update, steps_per_call, 1 + recompiles, options)
     fixed = fixed_learning_rates(optimizer)
+    members = None
+    if compile:  # traced when a population's state first comes
+        members = compile_population(
+            population_kernel(model, loss_fn, optimizer, accumulate, autocast), 1 + recompiles, options
+        )
     step = TrainStep(
         model,
         loss_fn,
@@ -268,6 +274,7 @@ def train_step(
         rank(),
         steps_per_call,
         multi,
+        members,
     )
     return step if donate else _Undonated(step)
 

@@ -38,9 +38,10 @@ from fnloop._step.batching import unflatten_batch
 from fnloop._step.errors import _RANDOM_STEPS
 from fnloop._step.jit import Flat, Jit, _decompositions
 from fnloop._step.kernel import Update, _kept, _state
+from fnloop._step.members import PopulationUpdate, kept_rows
 from fnloop._step.seeding import drawing_from
 
-__all__ = ["UNROLL", "compile_step", "compile_steps"]
+__all__ = ["UNROLL", "compile_population", "compile_step", "compile_steps"]
 
 
 def compile_step(update: Update, budget: int, options: Mapping[str, Any] | None) -> Jit:
@@ -66,6 +67,41 @@ def compile_step(update: Update, budget: int, options: Mapping[str, Any] | None)
             with drawing_from(seed):
                 new = update(params, buffers, opt_state, iteration, batch, shards)
             for old, value in zip(leaves[:c], _kept(new.finite, list(leaves[:c]), _state(new))):
+                if value is not old:
+                    old.copy_(value)
+            names[:] = new.metrics
+            return [new.loss, new.finite, *new.metrics.values()]
+
+        return flat, names
+
+    return Jit(make, budget, options)
+
+
+def compile_population(update: PopulationUpdate, budget: int, options: Mapping[str, Any] | None) -> Jit:
+    """A population's step as a function of flat tensors: the members' stacked state, then
+    the iteration, the members' seeds (1-d int64), which members train (1-d bool), and the batch.
+
+    It writes the new state into the input tensors, row by row for the
+    members that train and whose step was finite, and returns ``loss,
+    finite, *metrics``, each one value per member.
+    """
+
+    def make(structure: Any) -> tuple[Flat, list[str]]:
+        pkeys, bkeys, ospec, bstructure, _members, shared = structure
+        names: list[str] = []
+        a, b = len(pkeys), len(pkeys) + len(bkeys)
+        c = b + ospec.num_leaves
+
+        def flat(*leaves: torch.Tensor) -> list[torch.Tensor]:
+            params = dict(zip(pkeys, leaves[:a]))
+            buffers = dict(zip(bkeys, leaves[a:b]))
+            opt_state = pytree.tree_unflatten(list(leaves[b:c]), ospec)
+            iteration, seeds, training = leaves[c], leaves[c + 1], leaves[c + 2]
+            batch = unflatten_batch(leaves[c + 3 :], bstructure)
+            with drawing_from(seeds):
+                new = update(params, buffers, opt_state, iteration, batch, shared)
+            keep = new.finite & training
+            for old, value in zip(leaves[:c], kept_rows(keep, list(leaves[:c]), _state(new))):
                 if value is not old:
                     old.copy_(value)
             names[:] = new.metrics

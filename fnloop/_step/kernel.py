@@ -220,9 +220,11 @@ def _kernel(
             grads, loss, metrics, new_buffers = _averaged(grads, loss, metrics, new_buffers, group)
         return grads, new_buffers, loss, metrics
 
-    def rates(iteration: torch.Tensor) -> dict[str, torch.Tensor]:
-        # Fixed learning rates are recorded as the numbers they are, outside the graph (TrainStep.fixed).
-        return {k: v for k, v in learning_rates(optimizer, iteration).items() if isinstance(v, torch.Tensor)}
+    def rates(iteration: torch.Tensor, opt_state: Any) -> dict[str, torch.Tensor]:
+        # Fixed learning rates are recorded as the numbers they are, outside the graph (TrainStep.fixed);
+        # an injected one is the state's (fnloop.optim.inject).
+        found = learning_rates(optimizer, iteration, opt_state)
+        return {k: v for k, v in found.items() if isinstance(v, torch.Tensor)}
 
     def update(
         params: dict,
@@ -245,7 +247,7 @@ def _kernel(
         finite = _all_finite(loss, grads, eager)
         if group is not None:  # each rank saw its own chunks of the gradients
             finite = all_ranks(finite, group)
-        return Stepped(new_params, new_buffers, new_opt_state, loss, finite, {**rates(iteration), **metrics})
+        return Stepped(new_params, new_buffers, new_opt_state, loss, finite, {**rates(iteration, opt_state), **metrics})
 
     def in_place(
         params: dict,
@@ -273,7 +275,7 @@ def _kernel(
                 optimizer.update_(grads, opt_state, _trained(params, fixed), iteration)
             if buffers:
                 torch._foreach_copy_(list(buffers.values()), [new_buffers[k] for k in buffers])
-        return loss, finite, {**rates(iteration), **metrics}
+        return loss, finite, {**rates(iteration, opt_state), **metrics}
 
     return update, in_place
 

@@ -149,10 +149,16 @@ def _replaying(drawing: _Drawing) -> Iterator[None]:
 
 @torch.library.custom_op("fnloop::drawn", mutates_args=())
 def _drawn_op(seed: torch.Tensor, size: list[int], mode: str) -> torch.Tensor:
-    generator = torch.Generator(device=seed.device)
-    generator.manual_seed(int(seed))
+    # A 1-d seed (a population's, one per member) draws each row of the first dimension from its own.
     draw = torch.rand if mode == "rand" else torch.randn
-    return draw(size, generator=generator, device=seed.device)
+    rows = [seed] if seed.ndim == 0 else list(seed.unbind(0))
+    shape = size if seed.ndim == 0 else size[1:]
+    out = []
+    for row in rows:
+        generator = torch.Generator(device=seed.device)
+        generator.manual_seed(int(row))
+        out.append(draw(shape, generator=generator, device=seed.device))
+    return out[0] if seed.ndim == 0 else torch.stack(out)
 
 
 @_drawn_op.register_fake
@@ -164,10 +170,18 @@ def _draw(shape: Sequence[int], device: torch.device, mode: str) -> torch.Tensor
     if not _DRAWING:
         return None
     seed = _DRAWING[-1].next_seed().to(device)
+    if seed.ndim == 1 and (not shape or shape[0] != seed.shape[0]):
+        raise ValueError(
+            f"a random op of a population's step draws a tensor of shape {tuple(shape)}, whose first "
+            f"dimension is not the {seed.shape[0]} members; only the model's own random ops (run "
+            "under the step's vmap, one draw per member) can draw in a population's step"
+        )
     if device.type == "cpu":
         return torch.ops.fnloop.drawn(seed, list(shape), mode)
     from torch._inductor import inductor_prims
 
+    if seed.ndim == 1:  # a population: each member's rows from its own seed
+        return torch.stack([inductor_prims.random(list(shape[1:]), s, mode) for s in seed.unbind(0)])
     return inductor_prims.random(list(shape), seed, mode)
 
 

@@ -11,6 +11,7 @@ from torch.utils import _pytree as pytree
 
 from fnloop._core.failure import StepFailed, unwrapped
 from fnloop._core.metrics import Scalar
+from fnloop._core.population import PerMember, Population, member_metric
 from fnloop._core.shards import Shards
 from fnloop._core.state import TrainState, unchecked
 from fnloop._core.steps import Applied
@@ -77,9 +78,12 @@ class TrainStep(Applied):
     """How many iterations the fold runs in one call (``steps``), at call boundaries."""
     multi: Jit | None = None
     """The kernel run ``steps_per_call`` times in one compiled graph, when compiled and ``steps_per_call > 1``."""
+    members: Jit | None = None
+    """The population's kernel (every member at once, vmapped), traced and compiled, when ``compiled``."""
     _counters: dict[torch.device, torch.Tensor] = attrs.field(factory=dict)
     _seeds: dict[torch.device, torch.Tensor] = attrs.field(factory=dict)
     _layout: list[Any] = attrs.field(factory=list)
+    _training: dict[Any, torch.Tensor] = attrs.field(factory=dict)
     # The recorded loss and metrics live in long-lived homes: see fnloop/_step/pool.py.
     _pool: ScalarPool = attrs.field(factory=ScalarPool)
 
@@ -142,6 +146,8 @@ class TrainStep(Applied):
         self, state: TrainState, batch: Any, leaves: list[torch.Tensor], ospec: pytree.TreeSpec, mine: bool
     ) -> TrainState:
         """One step writing into ``state``'s tensors (the caller's own when ``mine``, else copies)."""
+        if state.population is not None:
+            return self._members(state, batch, leaves, ospec, mine)
         params, buffers, opt_state = state.params, state.buffers, state.opt_state
         if not self.model.training:
             self.model.train()
@@ -189,11 +195,87 @@ class TrainStep(Applied):
             raise StepFailed(NonFiniteLoss(_nonfinite_message(i, loss), i))
         return unchecked(state, metrics=state.metrics.record(i, recorded))
 
-    def _skipped(self, state: TrainState, finite: torch.Tensor) -> torch.Tensor:
+    def _skipped(self, state: TrainState, finite: torch.Tensor, name: str = "skipped") -> torch.Tensor:
         # The running count lives in the metrics (saved with the state), so it survives a resume.
-        series = state.metrics.series.get("skipped")
+        series = state.metrics.series.get(name)
         before = series[-1][1] if series else 0
         return (~finite).to(torch.int64) + before
+
+    def _members(
+        self, state: TrainState, batch: Any, leaves: list[torch.Tensor], ospec: pytree.TreeSpec, mine: bool
+    ) -> TrainState:
+        """One step of every member of a population that still trains (see ``fnloop/_step/members.py``)."""
+        population = _population_of(state, self.rank)
+        params, buffers, opt_state = state.params, state.buffers, state.opt_state
+        if not self.model.training:
+            self.model.train()
+        i, size, training = state.iteration, population.size, population.training
+        shared = type(batch) is not PerMember
+        inner = batch if shared else batch.batch
+        device = leaves[0].device if leaves else _device(params)
+        iteration = self._iteration(device)
+        iteration.fill_(i)
+        donated = [*params.values(), *buffers.values(), *leaves]
+        versions = [t._version for t in donated]
+        results: list[tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]] | None] = []
+        try:
+            if self.members is None:  # eager: each member's own step on its rows, as its solo run steps
+                for m, seed in enumerate(population.seeds):
+                    if not training[m]:
+                        results.append(None)
+                        continue
+                    rows = _rows(params, m), _rows(buffers, m), _rows(opt_state, m)
+                    own = inner if shared else _rows(inner, m)
+                    with _seeded(device, seed, i, self.rank):
+                        results.append(self.function(*rows, iteration, own, None))
+            else:
+                tensors, batch_structure = flatten_batch(inner)
+                structure = (tuple(params), tuple(buffers), ospec, batch_structure, size, shared)
+                seeds = torch.tensor(
+                    [step_seed(s, i, self.rank) for s in population.seeds], dtype=torch.int64, device=device
+                )
+                flat = [*donated, iteration, seeds, self._trains(device, training), *tensors]
+                entry = self._entry(self.members, structure, flat, i)
+                outputs = entry.compiled(*flat)
+                loss, finite, columns = outputs[0], outputs[1], outputs[2:]
+                results = [
+                    (loss[m], finite[m], {n: c[m] for n, c in zip(entry.context, columns)})
+                    if training[m]
+                    else None
+                    for m in range(size)
+                ]
+        except BaseException as exc:  # noqa: BLE001 - re-raised, wrapped for the fold
+            raise StepFailed(exc, torn=mine and _wrote(donated, versions)) from None
+        keep = self._pool.keep
+        recorded: dict[str, Scalar] = {}
+        bad = []
+        for m, result in enumerate(results):
+            if result is None:  # a stopped member records nothing more
+                continue
+            loss_m, finite_m, metrics_m = result
+            recorded[member_metric("loss", m)] = keep(loss_m)
+            recorded.update({member_metric(k, m): v for k, v in self.fixed.items()})
+            recorded.update({member_metric(k, m): keep(v) for k, v in metrics_m.items()})
+            if self.skip_nonfinite:
+                name = member_metric("skipped", m)
+                recorded[name] = keep(self._skipped(state, finite_m, name))
+            elif not finite_m.item():
+                bad.append((m, loss_m))
+        if bad:
+            m, loss_m = bad[0]
+            message = _nonfinite_message(i, loss_m)
+            raise StepFailed(
+                NonFiniteLoss(f"member {m} ({population.labels[m]}) of the population: {message}", i)
+            )
+        return unchecked(state, metrics=state.metrics.record(i, recorded))
+
+    def _trains(self, device: torch.device, training: tuple[bool, ...]) -> torch.Tensor:
+        # One tensor per pattern of members still training, kept: a run has very few.
+        key = (device, training)
+        tensor = self._training.get(key)
+        if tensor is None:
+            tensor = self._training[key] = torch.tensor(training, dtype=torch.bool, device=device)
+        return tensor
 
     def _entry(self, jit: Jit, structure: Any, flat: list[torch.Tensor], iteration: int) -> Entry:
         try:
@@ -233,7 +315,7 @@ class TrainStep(Applied):
         params, buffers, opt_state = state.params, state.buffers, state.opt_state
         i, n = state.iteration, len(batches)
         multi = self.multi
-        if multi is None:  # eager: the steps one by one, each seeded as a single step is
+        if multi is None or state.population is not None:  # the steps one by one, each seeded as alone
             leaves, spec = pytree.tree_flatten(opt_state)
             for j, batch in enumerate(batches):
                 at = unchecked(state, iteration=i + j) if j else state
@@ -340,6 +422,24 @@ def _layout(state: TrainState, rank: int) -> Shards | None:
             "with a template built so (fnloop.checkpoint.resume reshards it to this world size)."
         )
     return shards
+
+
+def _population_of(state: TrainState, rank: int) -> Population:
+    """The state's ``Population``, refused where a population's step does not run yet."""
+    population = state.population
+    assert population is not None
+    if state.shards is not None or world_size() > 1:
+        raise ValueError(
+            "a population's step runs in a single process: its members are the batch of one step, "
+            "not shards or replicas of one another. Train the population without torchrun and "
+            "without fnloop.init(..., shard=...)."
+        )
+    return population
+
+
+def _rows(tree: Any, m: int) -> Any:
+    """Member ``m``'s rows of a stacked tree: views, so an eager step writing into them writes the population's."""
+    return pytree.tree_map(lambda t: t[m] if isinstance(t, torch.Tensor) else t, tree)
 
 
 def _wrote(tensors: list[torch.Tensor], versions: list[int]) -> bool:

@@ -29,6 +29,9 @@ and ``shards``, which a sharded checkpoint's index holds (``fnloop.checkpoint._s
 _DROPPED = ("time",)
 """Entries files of earlier versions hold and this one reads past: the clock's ``time`` was saved then."""
 
+_ADDED = {"population": None}
+"""Entries files of earlier versions lack, and the value they stand for there."""
+
 
 def encode_state(state: TrainState) -> tuple[Any, dict[str, torch.Tensor]]:
     """The skeleton and tensors of ``state`` (``encode`` of its fields but ``effects``)."""
@@ -55,7 +58,7 @@ def fill_state(raw: Any, like: TrainState, where: str) -> TrainState:
     """
     if type(raw) is not Record or raw.kind != "record":
         raise mismatch(where, f"expected a TrainState record, got {describe(raw)}")
-    missing = [n for n in STATE_FIELDS if n not in raw]
+    missing = [n for n in STATE_FIELDS if n not in raw and n not in _ADDED]
     unexpected = [n for n in raw if n not in STATE_FIELDS and n not in _DROPPED]
     if missing or unexpected:
         first = (missing or unexpected)[0]
@@ -73,6 +76,8 @@ def fill_state(raw: Any, like: TrainState, where: str) -> TrainState:
             values[name] = _hooks(raw[name], like.hooks, at)
         elif name == "data" and type(like.data) is int:
             values[name] = _cursor(raw[name], at)
+        elif name not in raw:  # an entry files of earlier versions lack
+            values[name] = fill(_ADDED[name], getattr(like, name), at)
         else:
             values[name] = fill(raw[name], getattr(like, name), at)
     try:

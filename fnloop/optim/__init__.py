@@ -28,6 +28,7 @@ from fnloop.optim._base import (
     learning_rates,
 )
 from fnloop.optim._combining import chain, partition
+from fnloop.optim._inject import InjectedState, inject
 from fnloop.optim._learning_rate import scale_by_learning_rate
 from fnloop.optim._optimizers import adam, adamw, exclude_bias_and_norm, sgd
 from fnloop.optim._schedules import (
@@ -54,6 +55,7 @@ __all__ = [
     "EmptyState",
     "GradientTransformation",
     "InPlaceTransformation",
+    "InjectedState",
     "LearningRate",
     "OptState",
     "Optimizer",
@@ -70,6 +72,7 @@ __all__ = [
     "constant",
     "cosine",
     "exclude_bias_and_norm",
+    "inject",
     "join",
     "learning_rates",
     "linear_warmup",

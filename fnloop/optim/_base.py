@@ -225,14 +225,15 @@ def apply_updates(params: Params, updates: Params) -> Params:
 
 
 def learning_rates(
-    transform: GradientTransformation | Optimizer, iteration: torch.Tensor
+    transform: GradientTransformation | Optimizer, iteration: torch.Tensor, state: OptState = None
 ) -> dict[str, torch.Tensor | float]:
     """The learning rates ``transform`` applies at step ``iteration``: a float, or a schedule's 0-d tensor.
 
     ``{"lr": ...}`` for a transformation with one ``scale_by_learning_rate``
     stage; ``{"lr/<group>": ...}`` per group of a ``partition``; ``{}`` for a
     transformation that has no learning rate or does not say (one of your own
-    can by offering a ``learning_rates(iteration)`` method). A fixed learning
+    can by offering a ``learning_rates(iteration)`` method); with ``state``, an
+    ``inject``ed optimizer's rates, which its state holds. A fixed learning
     rate is the float it is; a schedule's value is computed with torch ops, so
     ``train_step`` records it from inside its compiled graph.
 
@@ -246,7 +247,11 @@ def learning_rates(
     if isinstance(transform, Optimizer):
         transform = transform.transform
     rates = getattr(transform, "learning_rates", None)
-    return dict(rates(iteration)) if callable(rates) else {}
+    if not callable(rates):
+        return {}
+    if state is not None and getattr(transform, "rates_in_state", False):  # inject's: its state's rates
+        return dict(rates(iteration, state))
+    return dict(rates(iteration))
 
 
 def fixed_learning_rates(transform: GradientTransformation | Optimizer) -> dict[str, float]:
@@ -363,8 +368,31 @@ class Optimizer:
         return f"Optimizer({self.transform!r})"
 
 
+_INJECTING: list[bool] = []
+
+
+@contextlib.contextmanager
+def injecting() -> Iterator[None]:
+    """For the block, settings may be 0-d tensors (a state's hyperparameters, see ``inject``), taken as they are."""
+    _INJECTING.append(True)
+    try:
+        yield
+    finally:
+        _INJECTING.pop()
+
+
+def injected(value: object) -> bool:
+    """Whether ``value`` is a hyperparameter tensor given by ``inject`` (inside ``injecting``)."""
+    return bool(_INJECTING) and isinstance(value, torch.Tensor) and value.ndim == 0
+
+
 def _number(name: str, value: object, *, low: float = 0.0, below: float | None = None) -> float:
-    """``value`` as a float, checked to lie in ``[low, below)``; the error names ``name``."""
+    """``value`` as a float, checked to lie in ``[low, below)``; the error names ``name``.
+
+    Inside ``injecting``, a 0-d tensor is returned as it is: ``inject`` checked its value as a float.
+    """
+    if injected(value):
+        return value  # type: ignore[return-value]
     if type(value) not in (int, float) or not math.isfinite(value):  # type: ignore[arg-type]
         raise TypeError(f"'{name}' must be a finite float ({got(value)}).")
     value = float(value)  # type: ignore[arg-type]

@@ -19,6 +19,7 @@ from fnloop.optim._base import (
     LearningRate,
     Params,
     _number,
+    injected,
 )
 
 __all__ = ["check_lr", "scale_by_learning_rate"]
@@ -66,10 +67,13 @@ def check_lr(lr: object) -> LearningRate:
     """``lr`` as a float or a schedule; raise if it is neither or is negative."""
     if (mistake := _torch_lr_mistake(lr)) is not None:
         raise TypeError(mistake)
+    if injected(lr):
+        return lr  # type: ignore[return-value]
     if isinstance(lr, torch.Tensor):
         raise TypeError(
             f"'lr' must be a float or a schedule, not a tensor (got {lr!r}). A tensor would "
-            "be baked into the compiled graph; use a float, or fnloop.optim.constant(value)."
+            "be baked into the compiled graph; use a float, or fnloop.optim.constant(value); a learning rate that differs by member of a "
+            "population is fnloop.optim.inject(...)'s."
         )
     return lr if callable(lr) else _number("lr", lr)  # type: ignore[return-value]
 

@@ -43,7 +43,8 @@ def exclude_bias_and_norm(name: str, tensor: torch.Tensor) -> bool:
 
 
 def _decay(weight_decay: float, decay_mask: DecayMask | None) -> list[GradientTransformation]:
-    if _number("weight_decay", weight_decay) == 0.0:
+    value = _number("weight_decay", weight_decay)
+    if not isinstance(value, torch.Tensor) and value == 0.0:  # an injected one may vary: always decay
         return []
     return [add_decayed_weights(weight_decay, decay_mask=decay_mask)]
 
@@ -85,7 +86,8 @@ def sgd(
     """
     step = scale_by_learning_rate(lr)
     momentum, dampening = _number("momentum", momentum), _number("dampening", dampening)
-    moving = [trace(momentum, dampening=dampening, nesterov=nesterov)] if momentum or nesterov else []
+    moves = isinstance(momentum, torch.Tensor) or momentum or nesterov  # an injected momentum may vary
+    moving = [trace(momentum, dampening=dampening, nesterov=nesterov)] if moves else []
     return Optimizer(chain(*_decay(weight_decay, decay_mask), *moving, step))
 
 

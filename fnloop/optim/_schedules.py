@@ -16,7 +16,7 @@ import attrs
 import torch
 
 from fnloop._core.messages import got
-from fnloop.optim._base import Schedule
+from fnloop.optim._base import Schedule, injected
 
 __all__ = ["constant", "cosine", "join", "linear_warmup", "multistep", "warmup", "warmup_multistep"]
 
@@ -26,6 +26,8 @@ def _as_iteration(iteration: torch.Tensor | int) -> torch.Tensor:
 
 
 def _float(name: str, value: object) -> float:
+    if injected(value):  # a state's hyperparameter (fnloop.optim.inject), checked as a float there
+        return value  # type: ignore[return-value]
     if type(value) not in (int, float) or not math.isfinite(value):  # type: ignore[arg-type]
         raise TypeError(f"'{name}' must be a finite float ({got(value)}).")
     if value < 0:  # type: ignore[operator]
@@ -56,7 +58,10 @@ class _Constant:
     value: float
 
     def __call__(self, iteration: torch.Tensor | int) -> torch.Tensor:
-        return torch.full((), self.value, dtype=torch.float64, device=_as_iteration(iteration).device)
+        device = _as_iteration(iteration).device
+        if isinstance(self.value, torch.Tensor):  # injected: a state's hyperparameter
+            return self.value.to(torch.float64, device)
+        return torch.full((), self.value, dtype=torch.float64, device=device)
 
     def __repr__(self) -> str:
         return f"constant({self.value!r})"
