@@ -34,6 +34,7 @@ from fnloop._atomic import claim_file, write_atomically
 from fnloop._atomic import release as release_claim
 from fnloop._core.messages import a_path
 from fnloop._core.metrics import Metrics, Scalar, to_floats
+from fnloop._core.population import split_member_metric
 
 __all__ = ["Line", "Writer", "console", "csv", "jsonl", "mlflow", "tensorboard"]
 
@@ -54,6 +55,8 @@ class Line:
             a stream writer (the console) skips it.
         first: the first metrics index this write covers: entries recorded at
             ``first`` or later are new since the previous write.
+        members: a population's member labels (``state.population.labels``),
+            whose metrics are named ``<name>/<member>``; empty for a single run.
     """
 
     iteration: int
@@ -62,6 +65,7 @@ class Line:
     names: tuple[str, ...]
     resumed: bool = False
     first: int = 0
+    members: tuple[str, ...] = ()
     _recent: dict[str, list[float]] = attrs.field(init=False, factory=dict, eq=False, repr=False)
 
     def recent(self) -> dict[str, list[float]]:
@@ -507,22 +511,50 @@ class Tensorboard:
         """Open the event file with ``purge_step=iteration``: TensorBoard hides older events from there on."""
         self.close()
         _LIVE[(os.getpid(), self.logdir)] = _summary_writer(self.logdir, iteration)
+        _STARTS[(os.getpid(), self.logdir)] = iteration
 
     def write(self, line: Line) -> None:
-        """Add each value as a scalar named as its metric, at step ``line.iteration``; flush."""
-        key = (os.getpid(), self.logdir)
+        """Add each value as a scalar named as its metric, at step ``line.iteration``; flush.
+
+        A population member's metric (``loss/3``) goes, named as the metric
+        (``loss``), into the member's own directory (``member-3 lr=0.001``):
+        TensorBoard draws one curve per member in one chart.
+        """
+        used = []
+        for name, value in line.values().items():
+            split = split_member_metric(name, len(line.members)) if line.members else None
+            where = "" if split is None else _member_dir(split[1], line.members[split[1]])
+            writer = self._writer(where)
+            writer.add_scalar(name if split is None else split[0], value, line.iteration)
+            if writer not in used:
+                used.append(writer)
+        for writer in used:
+            writer.flush()
+
+    def _writer(self, member: str) -> Any:
+        logdir = os.path.join(self.logdir, member) if member else self.logdir
+        key = (os.getpid(), logdir)
         writer = _LIVE.get(key)
         if writer is None:
-            writer = _LIVE[key] = _summary_writer(self.logdir, None)
-        for name, value in line.values().items():
-            writer.add_scalar(name, value, line.iteration)
-        writer.flush()
+            writer = _LIVE[key] = _summary_writer(logdir, _STARTS.get((os.getpid(), self.logdir)))
+        return writer
 
     def close(self) -> None:
-        """Close the event file, if this process has it open."""
-        writer = _LIVE.pop((os.getpid(), self.logdir), None)
-        if writer is not None:
-            writer.close()
+        """Close the event files, if this process has them open."""
+        pid = os.getpid()
+        for key in [
+            k for k in _LIVE if k[0] == pid and (k[1] == self.logdir or os.path.dirname(k[1]) == self.logdir)
+        ]:
+            _LIVE.pop(key).close()
+
+
+_STARTS: dict[tuple[int, str], int] = {}
+"""(process id, logdir) -> the iteration the run started from: a member's file opened later purges from it too."""
+
+
+def _member_dir(member: int, label: str) -> str:
+    """The directory of member ``member``'s events: its index and label, as TensorBoard names the curve."""
+    return f"member-{member} {label}".replace(os.sep, "_")
 
 
 def tensorboard(logdir: str | os.PathLike[str]) -> Tensorboard:
@@ -532,7 +564,9 @@ def tensorboard(logdir: str | os.PathLike[str]) -> Tensorboard:
     same number as the JSON line's). The ``SummaryWriter`` is opened when the
     run starts, with ``purge_step`` set to the run's first iteration, so that a
     resumed run hides the events the crashed one wrote past its checkpoint; it
-    is flushed after each write and closed when the run ends.
+    is flushed after each write and closed when the run ends. A population's
+    member metrics (``loss/3``) are written as ``loss`` into one directory per
+    member, ``logdir/member-3 <label>``, so one chart shows every member's curve.
 
     Raises:
         ImportError: tensorboard is not installed (``pip install "fnloop[tensorboard]"``).

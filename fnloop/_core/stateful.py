@@ -12,9 +12,26 @@ from fnloop._core.messages import describe, non_empty_str
 from fnloop._core.phase import Phase
 from fnloop._core.state import TrainState, Unclaimed, unchecked
 
-__all__ = ["Stateful", "recall", "remember", "stateful"]
+__all__ = ["EachMember", "Stateful", "recall", "remember", "stateful"]
 
 _ABSENT: Any = object()
+
+
+@attrs.frozen
+class EachMember:
+    """A hook's starting memory that a population's state keeps once per member: a tuple of ``init``.
+
+    Given as ``stateful``'s ``init``: a single run's memory starts as
+    ``init``, a population's as ``(init,) * members`` (and a checkpoint's is
+    checked against that), so the hook can act for each member on its own.
+    """
+
+    init: Any
+
+    def start(self, state: TrainState) -> Any:
+        """The starting memory for ``state``."""
+        population = state.population
+        return self.init if population is None else (self.init,) * population.size
 
 
 def recall(state: TrainState, name: str, init: Any, like: Any = _ABSENT) -> Any:
@@ -24,6 +41,9 @@ def recall(state: TrainState, name: str, init: Any, like: Any = _ABSENT) -> Any:
     is built like ``like`` (by default ``init``) and checked against it. Every
     memoryful hook of the library reads its memory through here.
     """
+    if type(init) is EachMember:
+        init = init.start(state)
+        like = init if like is _ABSENT else like
     memory = state.hooks.get(name, _ABSENT)
     if memory is _ABSENT:
         return init

@@ -10,6 +10,7 @@ import attrs
 import torch
 from torch.func import functional_call
 
+from fnloop._core.population import member_metric
 from fnloop._core.state import TrainState
 from fnloop._step.batching import flatten_batch, unflatten_batch
 from fnloop._step.export import whole_params
@@ -62,14 +63,23 @@ class EvalStep:
             with torch.no_grad():
                 # A sharded state's parameters, whole: evaluation runs the model on all of them.
                 params, buffers = whole_params(state), state.buffers
+                population = state.population
+                size = None if population is None else population.size
                 if self.jit is None:
-                    return self.function(params, buffers, batch)
-                tensors, structure = flatten_batch(batch)
-                outputs, names = self.jit(
-                    (tuple(params), tuple(buffers), structure),
-                    [*params.values(), *buffers.values(), *tensors],
-                )
-                return dict(zip(names, outputs))
+                    out = (self.function if size is None else _each_member(self.function))(
+                        params, buffers, batch
+                    )
+                else:
+                    tensors, structure = flatten_batch(batch)
+                    outputs, names = self.jit(
+                        (tuple(params), tuple(buffers), structure, size),
+                        [*params.values(), *buffers.values(), *tensors],
+                    )
+                    out = dict(zip(names, outputs))
+                if size is None:
+                    return out
+                # A population's: every member evaluated at once, each value recorded under its own name.
+                return {member_metric(k, m): v[m] for k, v in out.items() for m in range(size)}
         finally:
             if was_training:
                 self.model.train()
@@ -114,13 +124,14 @@ def eval_step(
         return dict(out) if isinstance(out, Mapping) else {"value": out}
 
     def make(structure: Any) -> tuple[Flat, list[str]]:
-        pkeys, bkeys, batch_structure = structure
+        pkeys, bkeys, batch_structure, members = structure
         names: list[str] = []
         a, b = len(pkeys), len(pkeys) + len(bkeys)
+        evaluation = kernel if members is None else _each_member(kernel)
 
         def flat(*leaves: torch.Tensor) -> list[torch.Tensor]:
             params, buffers = dict(zip(pkeys, leaves[:a])), dict(zip(bkeys, leaves[a:b]))
-            out = kernel(params, buffers, unflatten_batch(leaves[b:], batch_structure))
+            out = evaluation(params, buffers, unflatten_batch(leaves[b:], batch_structure))
             names[:] = out
             return list(out.values())
 
@@ -128,6 +139,28 @@ def eval_step(
 
     jit = Jit(make, options=options) if compile else None
     return EvalStep(model, kernel, jit, (fn, compile, None if options is None else dict(options)))
+
+
+def _each_member(kernel: Callable[..., dict[str, torch.Tensor]]) -> Callable[..., dict[str, torch.Tensor]]:
+    """``kernel`` over a population's stacked members, ``vmap``ped: each value one per member."""
+    from torch.func import vmap
+
+    def each(params: dict, buffers: dict, batch: Any) -> dict[str, torch.Tensor]:
+        out = vmap(lambda p, b: _tensors(kernel(p, b, batch)), in_dims=(0, 0))(params, buffers)
+        return dict(out)
+
+    return each
+
+
+def _tensors(out: dict[str, Any]) -> dict[str, torch.Tensor]:
+    for name, value in out.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"eval_step on a population: the metric {name!r} is {type(value).__name__}, not a "
+                "tensor; each member's metrics come out of one vmapped call, so return tensors "
+                "(for example the loss itself, or torch.tensor(x))."
+            )
+    return out
 
 
 def _rebuild(

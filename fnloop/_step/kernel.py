@@ -247,7 +247,9 @@ def _kernel(
         finite = _all_finite(loss, grads, eager)
         if group is not None:  # each rank saw its own chunks of the gradients
             finite = all_ranks(finite, group)
-        return Stepped(new_params, new_buffers, new_opt_state, loss, finite, {**rates(iteration, opt_state), **metrics})
+        return Stepped(
+            new_params, new_buffers, new_opt_state, loss, finite, {**rates(iteration, opt_state), **metrics}
+        )
 
     def in_place(
         params: dict,

@@ -387,9 +387,11 @@ class TrainStep(Applied):
 
     @property
     def compiles(self) -> int:
-        """How many graphs the step has compiled: 1 over a healthy run, 0 when not compiled."""
-        single = 0 if self.jit is None else self.jit.compiles
-        return single + (0 if self.multi is None else self.multi.compiles)
+        """How many graphs the step has compiled: 1 over a healthy run, 0 when not compiled.
+
+        A step that has trained both single runs and a population has compiled one graph for each.
+        """
+        return sum(0 if jit is None else jit.compiles for jit in (self.jit, self.multi, self.members))
 
     def _iteration(self, device: torch.device) -> torch.Tensor:
         # One 0-d tensor per device, refilled each step: the compiled graph reads it only.

@@ -7,6 +7,16 @@ with the next batch.
 
 from fnloop._core.stream import DataRestarts
 from fnloop.data._batches import Batch, Batches, batches
+from fnloop.data._members import PerMemberBatches, per_member
 from fnloop.data._resumable import Resumable, resumable
 
-__all__ = ["Batch", "Batches", "DataRestarts", "Resumable", "batches", "resumable"]
+__all__ = [
+    "Batch",
+    "Batches",
+    "DataRestarts",
+    "PerMemberBatches",
+    "Resumable",
+    "batches",
+    "per_member",
+    "resumable",
+]

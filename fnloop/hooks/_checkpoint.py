@@ -20,8 +20,10 @@ from fnloop._core.background import BackgroundFailed
 from fnloop._core.combinators import Hook
 from fnloop._core.messages import a_path, got
 from fnloop._core.phase import Phase
+from fnloop._core.population import member_metric
 from fnloop._core.state import TrainState, request
-from fnloop._core.stateful import stateful
+from fnloop._core.stateful import EachMember, stateful
+from fnloop._population import member as population_member
 from fnloop.checkpoint import CheckpointWarning, checkpoints, path_for, save
 from fnloop.checkpoint._sharded import orphans, parts_of
 from fnloop.hooks._unrecorded import MetricNeverRecorded, WarnNonFinite, never_recorded
@@ -353,6 +355,12 @@ def best_checkpoint(
     ``metric`` never recorded warns (``MetricNeverRecorded``), naming the
     metrics that were.
 
+    On a population's state (``fnloop.population``) it keeps each member's
+    best on that member's own values (``val_loss/3``): member ``m``'s best is
+    saved as the plain state of its own run (``fnloop.member``) into
+    ``directory/member-<m>/best.safetensors``, and the memory is a tuple of
+    ``Best``, one per member.
+
     Args:
         directory: where ``best.safetensors`` goes.
         metric: the name of a recorded metric.
@@ -377,7 +385,8 @@ def best_checkpoint(
         raise ValueError(f"best_checkpoint() mode must be 'min' or 'max' (got {mode!r}).")
     folder = _directory("best_checkpoint()", directory)
     update = _BestUpdate(os.fspath(folder), metric, mode, os.fspath(directory))
-    return stateful(name or f"best:{metric}", Best(math.inf if mode == "min" else -math.inf), update)
+    start = Best(math.inf if mode == "min" else -math.inf)
+    return stateful(name or f"best:{metric}", EachMember(start), update)
 
 
 @attrs.frozen(repr=False)
@@ -397,22 +406,40 @@ class _BestUpdate:
             return request(state, _Do(self, "claim"), f"hold {self.directory}", claim=True), best
         if phase is Phase.AFTER_TRAIN:
             # Warn only after success: a run that failed early may not have reached its first evaluation.
-            ended = state.iteration == state.max_iter and best.iteration < 0
+            bests = best if state.population is not None else (best,)
+            ended = state.iteration == state.max_iter and all(b.iteration < 0 for b in bests)
             return request(
                 state, _Do(self, "finish" if ended else "release"), f"release {self.directory}"
             ), best
-        if phase is not Phase.AFTER_STEP or self.metric not in state.metrics.series:
+        if phase is not Phase.AFTER_STEP:
+            return state, best
+        if state.population is not None:  # each member's best: its own metric, its own file
+            bests = list(best)
+            for m, alive in enumerate(state.population.training):
+                if alive:
+                    state, bests[m] = self._looked(state, bests[m], member_metric(self.metric, m), m)
+            return state, tuple(bests)
+        return self._looked(state, best, self.metric, None)
+
+    def _looked(
+        self, state: TrainState, best: Best, metric: str, member: int | None
+    ) -> tuple[TrainState, Best]:
+        if metric not in state.metrics.series:
             return state, best
         # The index first, the value (a host sync) only for a value recorded in this step.
-        if state.metrics.latest(self.metric)[0] != state.iteration:
+        if state.metrics.latest(metric)[0] != state.iteration:
             return state, best
-        iteration, value = state.metrics.latest_float(self.metric)
+        iteration, value = state.metrics.latest_float(metric)
         if not math.isfinite(value):  # never the best: -inf would be one never beaten
             return request(
-                state, WarnNonFinite(repr(self), self.metric, iteration, value), "warn: not finite"
+                state, WarnNonFinite(repr(self), metric, iteration, value), "warn: not finite"
             ), best
         if not _improves(self.mode, value, best.value):
             return state, best
+        if member is not None:
+            return request(state, _SaveMember(self, member), f"best {metric} into {self.directory}"), Best(
+                value, iteration
+            )
         return request(
             state, _Do(self, "save"), f"best {self.metric} into {self.directory}", everywhere=_sharded(state)
         ), Best(value, iteration)
@@ -427,17 +454,36 @@ class _BestUpdate:
         with holding(Path(self.directory)):
             save(state, Path(self.directory) / "best.safetensors")
 
+    def save_member(self, state: TrainState, m: int) -> None:
+        folder = Path(self.directory) / f"member-{m}"
+        with holding(Path(self.directory)):
+            folder.mkdir(exist_ok=True)
+            save(population_member(state, m), folder / "best.safetensors")
+
     def release(self, state: TrainState) -> None:
         release(Path(self.directory))
 
     def finish(self, state: TrainState) -> None:
         release(Path(self.directory))
-        if self.metric not in state.metrics.series:
-            message = never_recorded("best_checkpoint()", self.metric, state)
+        population = state.population
+        looked_for = self.metric if population is None else member_metric(self.metric, 0)
+        if looked_for not in state.metrics.series:
+            message = never_recorded("best_checkpoint()", looked_for, state)
             warnings.warn(message, MetricNeverRecorded, stacklevel=2)
 
     def __repr__(self) -> str:
         return f"best_checkpoint({self.given!r}, {self.metric!r}, {self.mode!r})"
+
+
+@attrs.frozen
+class _SaveMember:
+    """The effect saving member ``member`` of a population as its own run, into ``member-<m>/best.safetensors``."""
+
+    hook: _BestUpdate
+    member: int
+
+    def __call__(self, state: TrainState) -> None:
+        self.hook.save_member(state, self.member)
 
 
 @attrs.frozen

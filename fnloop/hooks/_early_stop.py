@@ -12,8 +12,9 @@ from fnloop._core.combinators import Hook
 from fnloop._core.messages import got
 from fnloop._core.metrics import to_floats
 from fnloop._core.phase import Phase
+from fnloop._core.population import member_metric
 from fnloop._core.state import TrainState, request
-from fnloop._core.stateful import stateful
+from fnloop._core.stateful import EachMember, stateful
 from fnloop.hooks._unrecorded import MetricNeverRecorded, WarnNonFinite, never_recorded
 
 __all__ = ["EarlyStopState", "early_stop"]
@@ -81,20 +82,65 @@ class _EarlyStop:
     def __call__(
         self, state: TrainState, phase: Phase, memory: EarlyStopState
     ) -> tuple[TrainState, EarlyStopState]:
+        if phase is Phase.BEFORE_TRAIN and state.population is not None:
+            if min(state.population.stopped) >= 0:  # a population whose every member stopped stays stopped
+                return attrs.evolve(state, max_iter=state.iteration), memory
+            return state, memory
         if phase is Phase.BEFORE_TRAIN and 0 <= memory.stopped_at < state.iteration:
             # A stopped run stays stopped: resumed under a template with the original max_iter
             # (fnloop.checkpoint.resume), it ends at once instead of training on.
             return attrs.evolve(state, max_iter=state.iteration), memory
         if phase is Phase.AFTER_TRAIN:
-            never = memory.seen < 0 and self.metric not in state.metrics.series
+            names = state.metrics.series
+            never = (
+                all(m.seen < 0 for m in memory) and member_metric(self.metric, 0) not in names
+                if state.population is not None
+                else memory.seen < 0 and self.metric not in names
+            )
             if never and state.iteration == state.max_iter:
                 return request(
                     state, _Warn(repr(self), self.metric), f"warn: {self.metric} never recorded"
                 ), memory
             return state, memory
+        if state.population is not None:
+            return self._members(state, phase, memory)
         if phase is not Phase.AFTER_STEP or self.metric not in state.metrics.series:
             return state, memory
-        history = state.metrics.history(self.metric)
+        state, memory = self._looked(state, memory, self.metric)
+        if memory.bad < self.patience:
+            return state, memory
+        # Ends the run after this step, as a success: AFTER_TRAIN sees iteration == max_iter.
+        stopped = attrs.evolve(state, max_iter=min(state.max_iter, state.iteration + 1))
+        return stopped, attrs.evolve(memory, stopped_at=state.iteration)
+
+    def _members(
+        self, state: TrainState, phase: Phase, memory: tuple[EarlyStopState, ...]
+    ) -> tuple[TrainState, tuple[EarlyStopState, ...]]:
+        """A population's: each member stops on its own metric (``val_loss/3``); the run ends once all have."""
+        population = state.population
+        assert population is not None
+        if phase is not Phase.AFTER_STEP:
+            return state, memory
+        stopped, memories = list(population.stopped), list(memory)
+        for m, alive in enumerate(population.training):
+            name = member_metric(self.metric, m)
+            if not alive or name not in state.metrics.series:
+                continue
+            state, memories[m] = self._looked(state, memories[m], name)
+            if memories[m].bad >= self.patience:  # this member's tensors stop changing after this step
+                stopped[m] = state.iteration + 1
+                memories[m] = attrs.evolve(memories[m], stopped_at=state.iteration)
+        if stopped != list(population.stopped):
+            state = attrs.evolve(state, population=attrs.evolve(population, stopped=tuple(stopped)))
+            if min(stopped) >= 0:  # every member has stopped: the run ends after this step
+                state = attrs.evolve(state, max_iter=min(state.max_iter, state.iteration + 1))
+        return state, tuple(memories)
+
+    def _looked(
+        self, state: TrainState, memory: EarlyStopState, metric: str
+    ) -> tuple[TrainState, EarlyStopState]:
+        """``memory`` with the values of ``metric`` recorded since it last looked counted."""
+        history = state.metrics.history(metric)
         if history[-1][0] <= memory.seen:
             # Nothing new: no host sync in this step.
             return state, memory
@@ -102,12 +148,8 @@ class _EarlyStop:
         for (i, _), value in zip(new, to_floats(v for _, v in new)):
             memory = self._count(memory, i, value)
             if not math.isfinite(value):
-                state = request(state, WarnNonFinite(repr(self), self.metric, i, value), "warn: not finite")
-        if memory.bad < self.patience:
-            return state, memory
-        # Ends the run after this step, as a success: AFTER_TRAIN sees iteration == max_iter.
-        stopped = attrs.evolve(state, max_iter=min(state.max_iter, state.iteration + 1))
-        return stopped, attrs.evolve(memory, stopped_at=state.iteration)
+                state = request(state, WarnNonFinite(repr(self), metric, i, value), "warn: not finite")
+        return state, memory
 
     def _count(self, memory: EarlyStopState, index: int, value: float) -> EarlyStopState:
         if self.mode == "min":
@@ -142,6 +184,13 @@ def early_stop(
     new ones; wrapped in ``every(n, ...)`` it looks less often and still
     counts every value recorded since (those still in the metrics window).
 
+    On a population's state (``fnloop.population``) each member stops on its
+    own values (``val_loss/3`` for member 3): once it has waited ``patience``
+    values, its tensors stop changing after the current step (its entry in
+    ``state.population.stopped`` is set) while the others train on, and the
+    run ends when every member has stopped. The memory is then a tuple of
+    ``EarlyStopState``, one per member.
+
     Its memory (``state.hooks[name]``, an ``EarlyStopState``) says why the run
     stopped and survives a resume. A run it stopped stays stopped: resumed
     (say by ``fnloop.checkpoint.resume`` under the template's larger
@@ -175,4 +224,4 @@ def early_stop(
     update = _EarlyStop(
         metric, _patience(patience), mode, _min_delta(min_delta), name or f"early_stop:{metric}"
     )
-    return stateful(update.name, start, update)
+    return stateful(update.name, EachMember(start), update)

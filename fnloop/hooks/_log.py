@@ -52,7 +52,14 @@ class _Write:
                 try:
                     names = since(state.metrics, self.first)
                     if names:
-                        line = Line(state.iteration, state.max_iter, state.metrics, names, first=self.first)
+                        line = Line(
+                            state.iteration,
+                            state.max_iter,
+                            state.metrics,
+                            names,
+                            first=self.first,
+                            members=_members(state),
+                        )
                         for writer in self.writers:
                             writer.write(line)
                 finally:
@@ -63,6 +70,10 @@ class _Write:
             if self.end:
                 for writer in self.writers:
                     release(writer, self.writers)  # the claim of BEFORE_TRAIN, if it was this log's
+
+
+def _members(state: TrainState) -> tuple[str, ...]:
+    return () if state.population is None else state.population.labels
 
 
 @attrs.frozen
@@ -111,7 +122,13 @@ class _Start:
             names = since(state.metrics, self.again)
             if names:
                 line = Line(
-                    state.iteration, state.max_iter, state.metrics, names, resumed=True, first=self.again
+                    state.iteration,
+                    state.max_iter,
+                    state.metrics,
+                    names,
+                    resumed=True,
+                    first=self.again,
+                    members=_members(state),
                 )
                 for writer in self.writers:
                     writer.write(line)
