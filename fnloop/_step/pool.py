@@ -36,6 +36,16 @@ def _baseline() -> int:
 _FREE = _baseline()
 
 
+def _row_baseline() -> int:
+    # A row held by the pool's tuple alone, counted as `keep_rows` counts it.
+    rows = [(torch.zeros(()),)]
+    row = rows[0][0]
+    return sys.getrefcount(row)
+
+
+_FREE_ROW = _row_baseline()
+
+
 class ScalarPool:
     """Homes for recorded scalars; ``keep(value)`` returns one holding ``value``'s value.
 
@@ -50,6 +60,8 @@ class ScalarPool:
     def __init__(self) -> None:
         self._homes: list[torch.Tensor] = []
         self._next = 0
+        self._rows: list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = []
+        self._next_rows = 0
 
     def keep(self, value: torch.Tensor) -> torch.Tensor:
         """A tensor nobody else holds, now holding ``value`` (same dtype, shape and device)."""
@@ -69,3 +81,29 @@ class ScalarPool:
         homes.insert(self._next, home)
         self._next = (self._next + 1) % len(homes)
         return home
+
+    def keep_rows(self, value: torch.Tensor) -> list[torch.Tensor]:
+        """``value``'s rows (a population's values, one per member), in a home: views nobody else holds.
+
+        One copy for all the rows; the home is reused once no metrics value
+        holds any of its rows (a row's view does not count as a reference to
+        the home itself, so each row is counted).
+        """
+        homes = self._rows
+        for _ in range(min(_LOOK_AHEAD, len(homes))):
+            index = self._next_rows
+            self._next_rows = (index + 1) % len(homes)
+            home, rows = homes[index]
+            if (
+                home.dtype == value.dtype
+                and home.shape == value.shape
+                and home.device == value.device
+                and all(sys.getrefcount(row) <= _FREE_ROW for row in rows)
+            ):
+                home.copy_(value)
+                return list(rows)  # a list of the caller's own: what it keeps of it is counted
+        home = value.detach().clone()
+        rows = home.unbind(0)
+        homes.insert(self._next_rows, (home, rows))
+        self._next_rows = (self._next_rows + 1) % len(homes)
+        return list(rows)

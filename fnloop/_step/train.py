@@ -84,6 +84,7 @@ class TrainStep(Applied):
     _seeds: dict[torch.device, torch.Tensor] = attrs.field(factory=dict)
     _layout: list[Any] = attrs.field(factory=list)
     _training: dict[Any, torch.Tensor] = attrs.field(factory=dict)
+    _names: dict[tuple[str, int], str] = attrs.field(factory=dict)
     # The recorded loss and metrics live in long-lived homes: see fnloop/_step/pool.py.
     _pool: ScalarPool = attrs.field(factory=ScalarPool)
 
@@ -217,57 +218,70 @@ class TrainStep(Applied):
         iteration.fill_(i)
         donated = [*params.values(), *buffers.values(), *leaves]
         versions = [t._version for t in donated]
-        results: list[tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]] | None] = []
+        columns: dict[str, list[Any]] = {}  # name -> each member's value (None: stopped)
         try:
             if self.members is None:  # eager: each member's own step on its rows, as its solo run steps
                 for m, seed in enumerate(population.seeds):
                     if not training[m]:
-                        results.append(None)
                         continue
                     rows = _rows(params, m), _rows(buffers, m), _rows(opt_state, m)
                     own = inner if shared else _rows(inner, m)
                     with _seeded(device, seed, i, self.rank):
-                        results.append(self.function(*rows, iteration, own, None))
+                        loss, finite, metrics = self.function(*rows, iteration, own, None)
+                    for name, value in {"loss": loss, "finite": finite, **metrics}.items():
+                        columns.setdefault(name, [None] * size)[m] = value
+                finite_all = torch.stack([f for f in columns["finite"] if f is not None])
             else:
                 tensors, batch_structure = flatten_batch(inner)
                 structure = (tuple(params), tuple(buffers), ospec, batch_structure, size, shared)
                 seeds = torch.tensor(
                     [step_seed(s, i, self.rank) for s in population.seeds], dtype=torch.int64, device=device
                 )
-                flat = [*donated, iteration, seeds, self._trains(device, training), *tensors]
+                trains = self._trains(device, training)
+                flat = [*donated, iteration, seeds, trains, *tensors]
                 entry = self._entry(self.members, structure, flat, i)
                 outputs = entry.compiled(*flat)
-                loss, finite, columns = outputs[0], outputs[1], outputs[2:]
-                results = [
-                    (loss[m], finite[m], {n: c[m] for n, c in zip(entry.context, columns)})
-                    if training[m]
-                    else None
-                    for m in range(size)
-                ]
+                finite_all = outputs[1] | ~trains
+                # Each value of the graph's (one per member) in one home, recorded row by row.
+                keep_rows = self._pool.keep_rows
+                for name, column in zip(("loss", "finite", *entry.context), outputs):
+                    columns[name] = keep_rows(column) if name != "finite" else list(column.unbind(0))
         except BaseException as exc:  # noqa: BLE001 - re-raised, wrapped for the fold
             raise StepFailed(exc, torn=mine and _wrote(donated, versions)) from None
-        keep = self._pool.keep
-        recorded: dict[str, Scalar] = {}
-        bad = []
-        for m, result in enumerate(results):
-            if result is None:  # a stopped member records nothing more
-                continue
-            loss_m, finite_m, metrics_m = result
-            recorded[member_metric("loss", m)] = keep(loss_m)
-            recorded.update({member_metric(k, m): v for k, v in self.fixed.items()})
-            recorded.update({member_metric(k, m): keep(v) for k, v in metrics_m.items()})
-            if self.skip_nonfinite:
-                name = member_metric("skipped", m)
-                recorded[name] = keep(self._skipped(state, finite_m, name))
-            elif not finite_m.item():
-                bad.append((m, loss_m))
-        if bad:
-            m, loss_m = bad[0]
-            message = _nonfinite_message(i, loss_m)
+        finite_column = columns.pop("finite")
+        if not self.skip_nonfinite and not finite_all.all().item():  # one flag read for every member
+            m = next(m for m, f in enumerate(finite_column) if training[m] and not f.item())
+            message = _nonfinite_message(i, columns["loss"][m])
             raise StepFailed(
                 NonFiniteLoss(f"member {m} ({population.labels[m]}) of the population: {message}", i)
             )
+        names = self._member_names(size)
+        recorded: dict[str, Scalar] = {}
+        keep = self._pool.keep
+        for m in range(size):
+            if not training[m]:  # a stopped member records nothing more
+                continue
+            recorded.update({names(k, m): v for k, v in self.fixed.items()})
+            for name, column in columns.items():
+                value = column[m]
+                recorded[names(name, m)] = keep(value) if self.members is None else value
+            if self.skip_nonfinite:
+                skipped = names("skipped", m)
+                recorded[skipped] = keep(self._skipped(state, finite_column[m], skipped))
         return unchecked(state, metrics=state.metrics.record(i, recorded))
+
+    def _member_names(self, size: int) -> Callable[[str, int], str]:
+        # A population's metric names (loss/3), made once: a step records every member's.
+        cache = self._names
+
+        def name(metric: str, m: int) -> str:
+            key = (metric, m)
+            found = cache.get(key)
+            if found is None:
+                found = cache[key] = member_metric(metric, m)
+            return found
+
+        return name
 
     def _trains(self, device: torch.device, training: tuple[bool, ...]) -> torch.Tensor:
         # One tensor per pattern of members still training, kept: a run has very few.
