@@ -19,8 +19,9 @@ round trains ``--steps`` iterations of
 The table gives the median over ``--repeats`` rounds of the milliseconds per
 iteration of the whole population (a population's iteration is P members'
 steps). Memory, each loop in a fresh process: the bytes of the state (params
-and optimizer state) and the peak RSS over the timed steps above the RSS
-before them (the step's working memory), for the population and for one member.
+and optimizer state) and the peak RSS of a few steps above the RSS before the
+first (the step's working memory; the compiled graph is read from the cache the
+speed run filled), for the population and for one member.
 
 Workloads: ``tiny``, the tiny MLP of ``bench_steps.py`` (32->64->10, batch 32,
 SGD); ``gpt2``, the GPT-2 of ``bench_models.py`` (2 layers, 128 wide, 128
@@ -186,7 +187,8 @@ def memory_probe(job: Job, members: int, which: str, steps: int) -> dict[str, fl
     held = state_bytes(state)
     train = fnloop_runs(job, step, [state])
     del state
-    train(2)  # compile and warm up
+    # From before the first step: once warm, glibc keeps the freed blocks of earlier steps in the
+    # RSS, so a peak taken over later steps alone sees only what a step adds to them.
     before = _rss_mb()
     reset_peak_rss()
     train(steps)
@@ -217,7 +219,7 @@ def table(job: Job, members: int, ms: dict[str, float], mem: dict[str, dict[str,
         "|---|---:|---:|---:|",
         f"| state (params + optimizer) | {one['state_mb']:.2f} MB | {pop['state_mb']:.2f} MB | "
         f"{pop['state_mb'] / one['state_mb']:.2f} |",
-        f"| working peak of the steps | {one['working_mb']:.1f} MB | {pop['working_mb']:.1f} MB | "
+        f"| working peak of the steps (RSS) | {one['working_mb']:.1f} MB | {pop['working_mb']:.1f} MB | "
         f"{pop['working_mb'] / max(one['working_mb'], 1e-9):.2f} |",
     ]
     return "\n".join(rows)

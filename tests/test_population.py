@@ -310,3 +310,41 @@ def test_inject_gives_the_numbers_of_the_optimizer_it_builds() -> None:
     assert all(torch.equal(p1[k], p2[k]) for k in params)
     with pytest.raises(TypeError, match="expects a number"):
         fl.optim.inject(fl.optim.sgd, lr=fl.optim.cosine(0.1, 10))
+
+
+def test_a_model_vmap_cannot_batch_or_activation_checkpointing_is_refused_with_the_fix() -> None:
+    class Recurrent(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lstm, self.head = torch.nn.LSTM(5, 8, batch_first=True), torch.nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.head(self.lstm(x)[0][:, -1])
+
+    class Checkpointed(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body, self.head = (
+                torch.nn.Sequential(torch.nn.Linear(5, 16), torch.nn.ReLU()),
+                torch.nn.Linear(16, 3),
+            )
+
+        def forward(self, x):
+            return self.head(torch.utils.checkpoint.checkpoint(self.body, x[:, 0], use_reentrant=False))
+
+    batch = (torch.randn(8, 4, 5), torch.randint(0, 3, (8,)))
+    for build, match in [
+        (Recurrent, "vmap cannot batch aten::lstm"),
+        (Checkpointed, "cannot checkpoint activations"),
+    ]:
+
+        def init(seed: int, build=build) -> fl.TrainState:
+            torch.manual_seed(seed)
+            return fl.init(build(), optimizer(), seed=seed, max_iter=1)
+
+        pop = fl.population(init, seeds=[0, 1])
+        with pytest.raises(TypeError, match=match) as raised:
+            fl.train_step(build(), loss_fn, optimizer())(pop, batch)
+        assert "compile=False" in str(raised.value)
+        eager = fl.train_step(build(), loss_fn, optimizer(), compile=False)(pop, batch)  # the fix works
+        assert eager.metrics.names == ("loss/0", "lr/0", "acc/0", "loss/1", "lr/1", "acc/1")

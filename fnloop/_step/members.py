@@ -18,7 +18,7 @@ with a 1-d seed), so a member's dropout masks are those of its solo run.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -37,7 +37,7 @@ from fnloop._step.kernel import (
 )
 from fnloop.optim import Optimizer, learning_rates
 
-__all__ = ["PopulationUpdate", "population_kernel"]
+__all__ = ["PopulationUnbatchable", "PopulationUpdate", "population_kernel"]
 
 PopulationUpdate = Callable[..., Stepped]
 """``update(params, buffers, opt_state, iteration, batch, shared) -> Stepped``, pure, on stacked members;
@@ -70,10 +70,11 @@ def population_kernel(
     def gradients(leaves: dict, buffers: dict, batch: Any, shared: bool) -> tuple[dict, torch.Tensor, dict]:
         forward = vmap(member_loss, in_dims=(0, 0, None if shared else 0), randomness="different")
         wanted = [v for v in leaves.values() if v.requires_grad]
-        with torch.enable_grad():
+        with torch.enable_grad(), _batchable():
             losses, metrics = forward(leaves, buffers, batch)
             # Members share nothing: the gradient of the sum, for each member's tensors, is its own loss's.
-            found = iter(torch.autograd.grad(losses.sum(), wanted, allow_unused=True) if wanted else ())
+            with _not_recomputed():
+                found = iter(torch.autograd.grad(losses.sum(), wanted, allow_unused=True) if wanted else ())
         grads = {}
         for k, v in leaves.items():
             if k in fixed:
@@ -116,6 +117,48 @@ def population_kernel(
         return Stepped(new_params, new_buffers, new_opt_state, loss, finite, {**rates, **metrics})
 
     return update
+
+
+class PopulationUnbatchable(TypeError):
+    """The model runs an op ``torch.func.vmap`` has no batching rule for, so a population's graph cannot hold it."""
+
+
+@contextlib.contextmanager
+def _batchable() -> Iterator[None]:
+    """The model's forward under ``vmap``; an op it cannot batch is refused with the fix."""
+    try:
+        yield
+    except RuntimeError as exc:
+        text = str(exc)
+        if "Batching rule not implemented" not in text:
+            raise
+        op = text.split("for ")[1].split(".")[0:2] if "for " in text else ["an op"]
+        raise PopulationUnbatchable(
+            f"a population's compiled step runs the model once for every member, under "
+            f"torch.func.vmap, and vmap cannot batch {'.'.join(op).strip()} (torch: {text.splitlines()[0]}). "
+            "Train this population with train_step(..., compile=False): each member then steps in "
+            "turn, with the numbers of its solo run; or replace the op with one vmap batches (for "
+            "an LSTM, a loop over time of torch.nn.LSTMCell)."
+        ) from None
+
+
+@contextlib.contextmanager
+def _not_recomputed() -> Iterator[None]:
+    """The backward; activation checkpointing, which would run the forward again outside vmap, refused."""
+    from torch.utils.checkpoint import CheckpointError
+
+    try:
+        yield
+    except (CheckpointError, ValueError) as exc:
+        if isinstance(exc, ValueError) and "random op of a population" not in str(exc):
+            raise
+        raise PopulationUnbatchable(
+            "a population's compiled step cannot checkpoint activations: torch.utils.checkpoint "
+            "runs the checkpointed part of the forward again in the backward, outside the vmap "
+            "over the members, where it sees one member's shapes. Train the population without "
+            "activation checkpointing (its members are small models, or it would not fit), or with "
+            f"train_step(..., compile=False), where each member steps in turn. (torch: {str(exc).splitlines()[0]})"
+        ) from None
 
 
 def _micro_split(batch: Any, n: int, dim: int) -> list[Any]:
