@@ -21,7 +21,8 @@ iteration of the whole population (a population's iteration is P members'
 steps). Memory, each loop in a fresh process: the bytes of the state (params
 and optimizer state) and the peak RSS of a few steps above the RSS before the
 first (the step's working memory; the compiled graph is read from the cache the
-speed run filled), for the population and for one member.
+speed run filled; glibc's mmap threshold pinned, so that freed blocks leave the
+RSS), for the population and for one member.
 
 Workloads: ``tiny``, the tiny MLP of ``bench_steps.py`` (32->64->10, batch 32,
 SGD); ``gpt2``, the GPT-2 of ``bench_models.py`` (2 layers, 128 wide, 128
@@ -249,7 +250,9 @@ def main(argv: list[str] | None = None) -> None:
         for which in ("member", "population"):
             command = [sys.executable, __file__, "--probe", name, which, "--members", str(args.members)]
             command += ["--quick"] if args.quick else []
-            done = subprocess.run(command, capture_output=True, text=True, check=True)
+            # glibc's mmap threshold pinned, so that blocks a step frees leave the RSS (as bench_remat.py).
+            env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+            done = subprocess.run(command, capture_output=True, text=True, check=True, env=env)
             mem[which] = json.loads(done.stdout.strip().splitlines()[-1])
         print(table(job, args.members, ms, mem), flush=True)
         print()

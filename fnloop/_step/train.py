@@ -262,8 +262,8 @@ class TrainStep(Applied):
             if not training[m]:  # a stopped member records nothing more
                 continue
             recorded.update({names(k, m): v for k, v in self.fixed.items()})
-            for name, column in columns.items():
-                value = column[m]
+            for name, values in columns.items():
+                value = values[m]
                 recorded[names(name, m)] = keep(value) if self.members is None else value
             if self.skip_nonfinite:
                 skipped = names("skipped", m)

@@ -68,12 +68,15 @@ def plot(final: fl.TrainState, path: Path) -> None:
     """Each member's training loss (smoothed) and validation accuracy, one curve per member."""
     import matplotlib
 
+    population = final.population
+    assert population is not None
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    colors = plt.get_cmap("viridis")(torch.linspace(0, 1, final.population.size).tolist())
-    for m, label in enumerate(final.population.labels):
+    colors = plt.get_cmap("viridis")(torch.linspace(0, 1, population.size).tolist())
+    for m, label in enumerate(population.labels):
         metrics = fl.member(final, m).metrics
         losses = metrics.floats("loss")
         smooth = [statistics.fmean(losses[max(0, i - 19) : i + 1]) for i in range(len(losses))]
@@ -83,7 +86,7 @@ def plot(final: fl.TrainState, path: Path) -> None:
     left.set(xlabel="step", ylabel="training loss (mean of 20 steps)", yscale="log", title="Training loss")
     right.set(xlabel="step", ylabel="validation accuracy", title="Validation accuracy", ylim=(0, 1))
     right.legend(fontsize=7, loc="lower right")
-    figure.suptitle(f"Eight learning rates, one run: a population of {final.population.size} MLPs")
+    figure.suptitle(f"Eight learning rates, one run: a population of {population.size} MLPs")
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=110)

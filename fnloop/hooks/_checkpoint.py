@@ -10,7 +10,7 @@ import os
 import re
 import warnings
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import attrs
 
@@ -401,7 +401,8 @@ class _BestUpdate:
     mode: str
     given: str  # the directory as given, for the repr
 
-    def __call__(self, state: TrainState, phase: Phase, best: Best) -> tuple[TrainState, Best]:
+    def __call__(self, state: TrainState, phase: Phase, best: Any) -> tuple[TrainState, Any]:
+        # `best`: a Best, or a population's tuple of them (one per member).
         if phase is Phase.BEFORE_TRAIN:
             return request(state, _Do(self, "claim"), f"hold {self.directory}", claim=True), best
         if phase is Phase.AFTER_TRAIN:

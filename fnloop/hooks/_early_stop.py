@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import attrs
 
@@ -79,9 +79,8 @@ class _EarlyStop:
     min_delta: float
     name: str
 
-    def __call__(
-        self, state: TrainState, phase: Phase, memory: EarlyStopState
-    ) -> tuple[TrainState, EarlyStopState]:
+    def __call__(self, state: TrainState, phase: Phase, memory: Any) -> tuple[TrainState, Any]:
+        # `memory`: an EarlyStopState, or a population's tuple of them (one per member).
         if phase is Phase.BEFORE_TRAIN and state.population is not None:
             if min(state.population.stopped) >= 0:  # a population whose every member stopped stays stopped
                 return attrs.evolve(state, max_iter=state.iteration), memory
