@@ -287,7 +287,13 @@ def test_members_that_do_not_fit_one_graph_or_an_init_that_is_not_a_function_of_
 
 
 def test_a_non_finite_member_is_named_or_skipped_alone() -> None:
-    huge = population(2, lrs=[1e-2, 1e30, 1e-3])
+    huge = population(3, lrs=[1e-2, 1e30, 1e-3])
+    with pytest.raises(fl.NonFiniteLoss, match=r"member 1 \(lr=1e") as raised:
+        fl.run(huge, step(True), stream(), [])
+    # Compiled, the step left every member as it was: the run's last state is whole, at iteration 1.
+    last = raised.value.state
+    assert last.iteration == 1
+    assert furthest(fl.member(last, 0), fl.run(init(0, 1e-2, 0.0, 1), step(True), stream(), [])) < 1e-6
     with pytest.raises(fl.NonFiniteLoss, match=r"member 1 \(lr=1e"):
         fl.run(huge, step(False), stream(), [])
     skipping = fl.train_step(model(), loss_fn, optimizer(), compile=False, skip_nonfinite=True)

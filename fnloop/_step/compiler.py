@@ -83,11 +83,13 @@ def compile_population(update: PopulationUpdate, budget: int, options: Mapping[s
 
     It writes the new state into the input tensors, row by row for the
     members that train and whose step was finite, and returns ``loss,
-    finite, *metrics``, each one value per member.
+    finite, *metrics``, each one value per member. When the structure says
+    ``stop`` (the step raises on a non-finite loss), one non-finite member
+    leaves every member as it was, as a single run's non-finite step does.
     """
 
     def make(structure: Any) -> tuple[Flat, list[str]]:
-        pkeys, bkeys, ospec, bstructure, _members, shared = structure
+        pkeys, bkeys, ospec, bstructure, _members, shared, stop = structure
         names: list[str] = []
         a, b = len(pkeys), len(pkeys) + len(bkeys)
         c = b + ospec.num_leaves
@@ -101,6 +103,8 @@ def compile_population(update: PopulationUpdate, budget: int, options: Mapping[s
             with drawing_from(seeds):
                 new = update(params, buffers, opt_state, iteration, batch, shared)
             keep = new.finite & training
+            if stop:  # a non-finite member stops the run: the step then leaves every member as it was
+                keep = keep & (new.finite | ~training).all()
             for old, value in zip(leaves[:c], kept_rows(keep, list(leaves[:c]), _state(new))):
                 if value is not old:
                     old.copy_(value)

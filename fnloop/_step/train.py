@@ -211,6 +211,8 @@ class TrainStep(Applied):
         if not self.model.training:
             self.model.train()
         i, size, training = state.iteration, population.size, population.training
+        if not any(training):  # every member has stopped: nothing trains, nothing is recorded
+            return state
         shared = type(batch) is not PerMember
         inner = batch if shared else batch.batch
         device = leaves[0].device if leaves else _device(params)
@@ -233,7 +235,15 @@ class TrainStep(Applied):
                 finite_all = torch.stack([f for f in columns["finite"] if f is not None])
             else:
                 tensors, batch_structure = flatten_batch(inner)
-                structure = (tuple(params), tuple(buffers), ospec, batch_structure, size, shared)
+                structure = (
+                    tuple(params),
+                    tuple(buffers),
+                    ospec,
+                    batch_structure,
+                    size,
+                    shared,
+                    not self.skip_nonfinite,
+                )
                 seeds = torch.tensor(
                     [step_seed(s, i, self.rank) for s in population.seeds], dtype=torch.int64, device=device
                 )
@@ -252,9 +262,11 @@ class TrainStep(Applied):
         if not self.skip_nonfinite and not finite_all.all().item():  # one flag read for every member
             m = next(m for m, f in enumerate(finite_column) if training[m] and not f.item())
             message = _nonfinite_message(i, columns["loss"][m])
-            raise StepFailed(
-                NonFiniteLoss(f"member {m} ({population.labels[m]}) of the population: {message}", i)
-            )
+            error = NonFiniteLoss(f"member {m} ({population.labels[m]}) of the population: {message}", i)
+            # Compiled, the graph left every member as it was. Eager, the members before this one
+            # were written: a state the step owned is torn.
+            torn = self.members is None and mine and _wrote(donated, versions)
+            raise StepFailed(error, torn=torn)
         names = self._member_names(size)
         recorded: dict[str, Scalar] = {}
         keep = self._pool.keep
