@@ -354,3 +354,13 @@ def test_a_model_vmap_cannot_batch_or_activation_checkpointing_is_refused_with_t
         assert "compile=False" in str(raised.value)
         eager = fl.train_step(build(), loss_fn, optimizer(), compile=False)(pop, batch)  # the fix works
         assert eager.metrics.names == ("loss/0", "lr/0", "acc/0", "loss/1", "lr/1", "acc/1")
+
+
+def test_fnloop_inspect_shows_a_population_checkpoint_s_members(tmp_path: Path, capsys) -> None:
+    from fnloop.cli import main
+
+    fl.save(population(), tmp_path / "pop.safetensors")
+    assert main(["inspect", str(tmp_path / "pop.safetensors")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2] == "population  3 members, 0 stopped: lr=0.01, wd=0; lr=0.003, wd=0.1; lr=0.03, wd=0.01"
+    assert "params: 4 tensors, 441 elements, 1.8 kB" in lines

@@ -160,10 +160,15 @@ def _inspect_text(path: Path, metadata: dict[str, str], tree: Record) -> list[st
     if index is not None:
         layout = json.loads(index)
         head.insert(2, ("shards", f"{layout['world']} parts ({layout['mode']}), shown whole"))
+    population = tree.get("population")
+    if isinstance(population, dict) and population.get("labels"):
+        labels, stopped = population["labels"], population.get("stopped", ())
+        done = sum(1 for s in stopped if isinstance(s, int) and s >= 0)
+        head.insert(2, ("population", f"{len(labels)} members, {done} stopped: {'; '.join(labels)}"))
     head += [(name, short(tree[name])) for name in _HEAD_FIELDS if name in tree]
     lines = table(head, indent="")
     for name, value in tree.items():
-        if name in ("iteration", "max_iter", *_HEAD_FIELDS):
+        if name in ("iteration", "max_iter", "population", *_HEAD_FIELDS):
             continue
         lines.append("")
         if name == "metrics" and (found := _metric_rows(value)) is not None:
