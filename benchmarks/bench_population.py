@@ -3,6 +3,7 @@
     python benchmarks/bench_population.py                 # both workloads, P=8
     python benchmarks/bench_population.py --only tiny     # one workload
     python benchmarks/bench_population.py --quick         # small sizes, few steps: a smoke run
+    python benchmarks/bench_population.py --device cuda   # on a GPU (memory: the allocator's peak)
 
 Speed, in one process, one thread, the loops taking turns (interleaved): each
 round trains ``--steps`` iterations of
@@ -38,6 +39,7 @@ import statistics
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +65,13 @@ class Job:
     lrs: tuple[float, ...]
 
 
+DEVICE = torch.device("cpu")
+
+
+def _on_device(build: Callable[[], torch.nn.Module]) -> Callable[[], torch.nn.Module]:
+    return lambda: build().to(DEVICE)
+
+
 def jobs(members: int, quick: bool) -> dict[str, Job]:
     from workloads import TINY, loss
 
@@ -70,8 +79,8 @@ def jobs(members: int, quick: bool) -> dict[str, Job]:
     tiny = Job(
         "tiny",
         "tiny MLP 32→64→10, batch 32, SGD",
-        TINY.build,
-        TINY.batches(),
+        _on_device(TINY.build),
+        pytree.tree_map(lambda t: t.to(DEVICE), TINY.batches()),
         loss,
         lambda lr: fl.optim.inject(fl.optim.sgd, lr=lr),
         lambda params, lr: torch.optim.SGD(params, lr=lr, foreach=True),
@@ -83,8 +92,8 @@ def jobs(members: int, quick: bool) -> dict[str, Job]:
     gpt2 = Job(
         "gpt2",
         gpt.label + ", AdamW",
-        gpt.build,
-        gpt.batches(torch.device("cpu")),
+        _on_device(gpt.build),
+        gpt.batches(DEVICE),
         gpt.loss,
         lambda lr: fl.optim.inject(fl.optim.adamw, lr=lr, weight_decay=0.01),
         lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=0.01, foreach=True),
@@ -164,10 +173,17 @@ def speed(job: Job, members: int, steps: int, repeats: int) -> dict[str, float]:
     times: dict[str, list[float]] = {name: [] for name in built}
     for _ in range(repeats):
         for name, train in built.items():
+            _sync()
             start = time.perf_counter()
             train(steps)
+            _sync()
             times[name].append((time.perf_counter() - start) / steps * 1e3)
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
 
 
 def state_bytes(state: fl.TrainState) -> int:
@@ -190,6 +206,16 @@ def memory_probe(job: Job, members: int, which: str, steps: int) -> dict[str, fl
     del state
     # From before the first step: once warm, glibc keeps the freed blocks of earlier steps in the
     # RSS, so a peak taken over later steps alone sees only what a step adds to them.
+    if DEVICE.type == "cuda":  # the caching allocator's peak above what was allocated before
+        _sync()
+        allocated = torch.cuda.memory_allocated(DEVICE)
+        torch.cuda.reset_peak_memory_stats(DEVICE)
+        train(steps)
+        _sync()
+        return {
+            "state_mb": held / 2**20,
+            "working_mb": (torch.cuda.max_memory_allocated(DEVICE) - allocated) / 2**20,
+        }
     before = _rss_mb()
     reset_peak_rss()
     train(steps)
@@ -220,7 +246,7 @@ def table(job: Job, members: int, ms: dict[str, float], mem: dict[str, dict[str,
         "|---|---:|---:|---:|",
         f"| state (params + optimizer) | {one['state_mb']:.2f} MB | {pop['state_mb']:.2f} MB | "
         f"{pop['state_mb'] / one['state_mb']:.2f} |",
-        f"| working peak of the steps (RSS) | {one['working_mb']:.1f} MB | {pop['working_mb']:.1f} MB | "
+        f"| working peak of the steps ({'allocated' if DEVICE.type == 'cuda' else 'RSS'}) | {one['working_mb']:.1f} MB | {pop['working_mb']:.1f} MB | "
         f"{pop['working_mb'] / max(one['working_mb'], 1e-9):.2f} |",
     ]
     return "\n".join(rows)
@@ -233,9 +259,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--probe", nargs=2, metavar=("JOB", "WHICH"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    warnings.simplefilter("ignore", fl.data.DataRestarts)  # each round's runs go on over fresh batches
     torch.set_num_threads(1)
+    global DEVICE
+    DEVICE = torch.device(args.device)
     built = jobs(args.members, args.quick)
     if args.probe:
         name, which = args.probe
@@ -249,6 +279,7 @@ def main(argv: list[str] | None = None) -> None:
         mem = {}
         for which in ("member", "population"):
             command = [sys.executable, __file__, "--probe", name, which, "--members", str(args.members)]
+            command += ["--device", args.device]
             command += ["--quick"] if args.quick else []
             # glibc's mmap threshold pinned, so that blocks a step frees leave the RSS (as bench_remat.py).
             env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}

@@ -136,6 +136,8 @@ def _check_fits(first: TrainState, other: TrainState, m: int) -> None:
     for name in ("max_iter", "iteration", "data"):
         if getattr(first, name) != getattr(other, name):
             problems.append(f"{name} ({getattr(other, name)!r} against {getattr(first, name)!r})")
+    if not _equal(first.extra, other.extra):
+        problems.append("extra (the user's data of the state is shared by the members, not stacked)")
     if other.hooks or first.hooks or other.metrics.series or first.metrics.series:
         problems.append("a fresh start: a member's state must have no hook states and no metrics yet")
     if problems:
@@ -144,6 +146,16 @@ def _check_fits(first: TrainState, other: TrainState, m: int) -> None:
             + "; ".join(problems)
             + ". Members may differ in their tensors' values and their seeds only."
         )
+
+
+def _equal(a: Any, b: Any) -> bool:
+    left, right = pytree.tree_flatten(a), pytree.tree_flatten(b)
+    if left[1] != right[1]:
+        return False
+    return all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) else x == y
+        for x, y in zip(left[0], right[0])
+    )
 
 
 def _same_tensors(a: TrainState, b: TrainState) -> bool:

@@ -25,6 +25,7 @@ import logging
 import math
 import os
 import statistics
+import time
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -490,7 +491,29 @@ def _summary_writer(logdir: str, purge_step: int | None) -> Any:
     _require_tensorboard()
     from torch.utils.tensorboard import SummaryWriter
 
+    _after_older_files(logdir)
     return SummaryWriter(logdir, purge_step=purge_step)
+
+
+def _after_older_files(logdir: str) -> None:
+    """Wait, if need be, until a new event file's name sorts after every one already in ``logdir``.
+
+    TensorBoard reads a directory's event files in the order of their names,
+    ``events.out.tfevents.<seconds>.<host>.<pid>.<n>``, and a purge applies to
+    the files before it. Two files of one second sort by ``n``, a counter of the
+    process, as text: the tenth writer a process opens (``...10``) sorts before
+    the ninth, and a resumed run's purge would come first. A file of the second
+    before sorts first, so a writer opened in a second that already has a file
+    waits for the next one (at most a second, and only then).
+    """
+    try:
+        names = os.listdir(logdir)
+    except OSError:
+        return
+    prefix = f"events.out.tfevents.{int(time.time()):010d}."
+    while any(name.startswith(prefix) for name in names):
+        time.sleep(0.05)
+        prefix = f"events.out.tfevents.{int(time.time()):010d}."
 
 
 @attrs.frozen

@@ -162,12 +162,20 @@ def attrs_evolve(state, **changes):
     return attrs.evolve(state, **changes)
 
 
-@pytest.mark.parametrize("at", [1, 3, 6])
-def test_a_population_checkpoint_resumes_bit_exact_at_any_iteration(trained, tmp_path: Path, at: int) -> None:
-    directory = tmp_path / "ckpt"
-    saving = [fl.every(1, fl.hooks.checkpoint(directory, keep=None))]
-    fl.run(population(), step(True), stream(), saving)
-    resumed_from = fl.load(directory / f"ckpt-{at:08d}.safetensors", like=population())
+@pytest.fixture(scope="module")
+def every_step(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The compiled population's run, checkpointed after every step."""
+    directory = tmp_path_factory.mktemp("every") / "ckpt"
+    fl.run(population(), step(True), stream(), [fl.every(1, fl.hooks.checkpoint(directory, keep=None))])
+    return directory
+
+
+@settings(max_examples=5, deadline=None)
+@given(at=st.integers(1, STEPS - 1))
+def test_property_a_population_checkpoint_resumes_bit_exact_at_any_iteration(
+    trained, every_step, at: int
+) -> None:
+    resumed_from = fl.load(every_step / f"ckpt-{at:08d}.safetensors", like=population())
     assert resumed_from.iteration == at and resumed_from.population == population().population
     final = fl.run(resumed_from, step(True), stream(), [])
     assert all(torch.equal(final.params[k], trained.params[k]) for k in trained.params)
