@@ -372,3 +372,15 @@ def test_fnloop_inspect_shows_a_population_checkpoint_s_members(tmp_path: Path, 
     lines = capsys.readouterr().out.splitlines()
     assert lines[2] == "population  3 members, 0 stopped: lr=0.01, wd=0; lr=0.003, wd=0.1; lr=0.03, wd=0.01"
     assert "params: 4 tensors, 441 elements, 1.8 kB" in lines
+
+
+def test_the_step_never_writes_into_the_population_it_is_given_and_donation_changes_no_bit(trained) -> None:
+    pop = population()
+    before = {k: v.clone() for k, v in pop.params.items()}
+    after = step(True)(pop, next(iter(stream())))  # a call from outside the fold: out of place
+    assert all(torch.equal(pop.params[k], before[k]) for k in before)
+    assert not all(torch.equal(after.params[k], before[k]) for k in before)
+    kept = fl.train_step(model(), loss_fn, optimizer(), donate=False)
+    undonated = fl.run(population(), kept, stream(), [])  # the fold's own states, never written into
+    assert all(torch.equal(undonated.params[k], trained.params[k]) for k in trained.params)
+    assert all(losses(undonated, f"loss/{m}") == losses(trained, f"loss/{m}") for m in range(P))
