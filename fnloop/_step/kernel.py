@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -112,6 +112,23 @@ def _gradients(loss: torch.Tensor, wanted: list[torch.Tensor]) -> tuple[torch.Te
         ) from None
 
 
+def _by_name(
+    leaves: dict[str, torch.Tensor], fixed: frozenset[str], found: Iterable[torch.Tensor | None]
+) -> dict[str, torch.Tensor]:
+    """Each trained parameter's gradient by name, from ``found`` (those of the leaves that require grad, in order).
+
+    A parameter autograd found no gradient for (unused, or not floating) gets zeros; frozen ones none.
+    """
+    found = iter(found)
+    grads = {}
+    for k, v in leaves.items():
+        if k in fixed:
+            continue
+        g = next(found) if v.requires_grad else None
+        grads[k] = torch.zeros_like(v) if g is None else g
+    return grads
+
+
 class Stepped(NamedTuple):
     """What one step computes: the new params, buffers and optimizer state, before the guard.
 
@@ -182,14 +199,8 @@ def _kernel(
         with torch.enable_grad(), _holding(model, {**leaves, **buffers}):
             loss, metrics = loss_of(leaves, batch)
             wanted = [v for v in leaves.values() if v.requires_grad]
-            found = iter(_gradients(loss, wanted) if wanted else ())
-        grads = {}
-        for k, v in leaves.items():
-            if k in fixed:
-                continue
-            g = next(found) if v.requires_grad else None
-            grads[k] = torch.zeros_like(v) if g is None else g
-        return grads, loss.detach(), {k: v.detach() for k, v in metrics.items()}
+            found = _gradients(loss, wanted) if wanted else ()
+        return _by_name(leaves, fixed, found), loss.detach(), {k: v.detach() for k, v in metrics.items()}
 
     def gradients(
         params: dict, buffers: dict, batch: Any, shards: Shards | None

@@ -28,6 +28,7 @@ from fnloop._step.kernel import (
     LossFn,
     Stepped,
     _all_finite,
+    _by_name,
     _holding,
     _matching,
     _micro_batches,
@@ -74,14 +75,8 @@ def population_kernel(
             losses, metrics = forward(leaves, buffers, batch)
             # Members share nothing: the gradient of the sum, for each member's tensors, is its own loss's.
             with _not_recomputed():
-                found = iter(torch.autograd.grad(losses.sum(), wanted, allow_unused=True) if wanted else ())
-        grads = {}
-        for k, v in leaves.items():
-            if k in fixed:
-                continue
-            g = next(found) if v.requires_grad else None
-            grads[k] = torch.zeros_like(v) if g is None else g
-        return grads, losses.detach(), {k: v.detach() for k, v in metrics.items()}
+                found = torch.autograd.grad(losses.sum(), wanted, allow_unused=True) if wanted else ()
+        return _by_name(leaves, fixed, found), losses.detach(), {k: v.detach() for k, v in metrics.items()}
 
     def member_update(grads: dict, opt_state: Any, params: dict, iteration: torch.Tensor) -> tuple:
         with _matching(fixed):

@@ -28,6 +28,7 @@ __all__ = [
     "LearningRate",
     "OptState",
     "Optimizer",
+    "RatesInState",
     "Params",
     "Schedule",
     "apply_updates",
@@ -125,6 +126,17 @@ class InPlaceTransformation(Protocol):
     def update_(
         self, updates: Params, state: OptState, params: Params, iteration: torch.Tensor, /
     ) -> Params: ...
+
+
+@runtime_checkable
+class RatesInState(Protocol):
+    """A transformation whose learning rates its state holds (``inject``'s): known with the state only.
+
+    ``learning_rates(transform, iteration, state)`` asks it
+    ``state_learning_rates(iteration, state)``; without a state, it has none to give.
+    """
+
+    def state_learning_rates(self, iteration: torch.Tensor, state: OptState, /) -> Mapping[str, Any]: ...
 
 
 def update_in_place(
@@ -247,11 +259,9 @@ def learning_rates(
     if isinstance(transform, Optimizer):
         transform = transform.transform
     rates = getattr(transform, "learning_rates", None)
-    if not callable(rates):
-        return {}
-    if state is not None and getattr(transform, "rates_in_state", False):  # inject's: its state's rates
-        return dict(rates(iteration, state))
-    return dict(rates(iteration))
+    if isinstance(transform, RatesInState):  # inject's: the rates its state holds, known with the state
+        return {} if state is None else dict(transform.state_learning_rates(iteration, state))
+    return dict(rates(iteration)) if callable(rates) else {}
 
 
 def fixed_learning_rates(transform: GradientTransformation | Optimizer) -> dict[str, float]:

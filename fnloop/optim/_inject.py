@@ -47,8 +47,6 @@ class _Injected:
     make: Callable[..., Optimizer]
     defaults: tuple[tuple[str, float], ...]
 
-    rates_in_state = True  # learning_rates(iteration, state)
-
     def built(self, hyperparams: Mapping[str, torch.Tensor]) -> GradientTransformation:
         with injecting():
             return self.make(**hyperparams).transform
@@ -69,11 +67,9 @@ class _Injected:
     ) -> Params:
         return update_in_place(self.built(state.hyperparams), updates, state.inner, params, iteration)
 
-    def learning_rates(
-        self, iteration: torch.Tensor, state: InjectedState | None = None, /
-    ) -> dict[str, Any]:
-        # The rates are the state's: without it (before a step) none is known.
-        return {} if state is None else learning_rates(self.built(state.hyperparams), iteration)
+    def state_learning_rates(self, iteration: torch.Tensor, state: InjectedState, /) -> dict[str, Any]:
+        # The rates are the state's (fnloop.optim._base.RatesInState): learning_rates asks with the state.
+        return learning_rates(self.built(state.hyperparams), iteration)
 
     def __repr__(self) -> str:
         settings = ", ".join(f"{k}={v!r}" for k, v in self.defaults)
