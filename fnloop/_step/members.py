@@ -36,6 +36,7 @@ from fnloop._step.kernel import (
     _trained,
     frozen,
 )
+from fnloop._step.seeding import DrawOutsideMembers
 from fnloop.optim import Optimizer, learning_rates
 
 __all__ = ["PopulationUnbatchable", "PopulationUpdate", "population_kernel"]
@@ -144,9 +145,7 @@ def _not_recomputed() -> Iterator[None]:
 
     try:
         yield
-    except (CheckpointError, ValueError) as exc:
-        if isinstance(exc, ValueError) and "random op of a population" not in str(exc):
-            raise
+    except (CheckpointError, DrawOutsideMembers) as exc:
         raise PopulationUnbatchable(
             "a population's compiled step cannot checkpoint activations: torch.utils.checkpoint "
             "runs the checkpointed part of the forward again in the backward, outside the vmap "

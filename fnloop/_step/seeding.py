@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["drawing_from", "drawn_decompositions", "recomputations", "step_seed"]
+__all__ = ["DrawOutsideMembers", "drawing_from", "drawn_decompositions", "recomputations", "step_seed"]
 
 
 _MASK = (1 << 64) - 1
@@ -166,12 +166,16 @@ def _drawn_fake(seed: torch.Tensor, size: list[int], mode: str) -> torch.Tensor:
     return torch.empty(size, device=seed.device)
 
 
+class DrawOutsideMembers(ValueError):
+    """A random op of a population's traced step draws outside the vmap over its members (one member's shape)."""
+
+
 def _draw(shape: Sequence[int], device: torch.device, mode: str) -> torch.Tensor | None:
     if not _DRAWING:
         return None
     seed = _DRAWING[-1].next_seed().to(device)
     if seed.ndim == 1 and (not shape or shape[0] != seed.shape[0]):
-        raise ValueError(
+        raise DrawOutsideMembers(
             f"a random op of a population's step draws a tensor of shape {tuple(shape)}, whose first "
             f"dimension is not the {seed.shape[0]} members; only the model's own random ops (run "
             "under the step's vmap, one draw per member) can draw in a population's step"
