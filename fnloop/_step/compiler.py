@@ -28,7 +28,7 @@ Behind this interface, on private torch APIs:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -55,13 +55,10 @@ def compile_step(update: Update, budget: int, options: Mapping[str, Any] | None)
     def make(structure: Any) -> tuple[Flat, list[str]]:
         pkeys, bkeys, ospec, bstructure, shards = structure
         names: list[str] = []
-        a, b = len(pkeys), len(pkeys) + len(bkeys)
-        c = b + ospec.num_leaves
+        c = len(pkeys) + len(bkeys) + ospec.num_leaves
 
         def flat(*leaves: torch.Tensor) -> list[torch.Tensor]:
-            params = dict(zip(pkeys, leaves[:a]))
-            buffers = dict(zip(bkeys, leaves[a:b]))
-            opt_state = pytree.tree_unflatten(list(leaves[b:c]), ospec)
+            params, buffers, opt_state = _unflattened(leaves[:c], pkeys, bkeys, ospec)
             iteration, seed = leaves[c], leaves[c + 1]
             batch = unflatten_batch(leaves[c + 2 :], bstructure)
             with drawing_from(seed):
@@ -91,13 +88,10 @@ def compile_population(update: PopulationUpdate, budget: int, options: Mapping[s
     def make(structure: Any) -> tuple[Flat, list[str]]:
         pkeys, bkeys, ospec, bstructure, _members, shared, stop = structure
         names: list[str] = []
-        a, b = len(pkeys), len(pkeys) + len(bkeys)
-        c = b + ospec.num_leaves
+        c = len(pkeys) + len(bkeys) + ospec.num_leaves
 
         def flat(*leaves: torch.Tensor) -> list[torch.Tensor]:
-            params = dict(zip(pkeys, leaves[:a]))
-            buffers = dict(zip(bkeys, leaves[a:b]))
-            opt_state = pytree.tree_unflatten(list(leaves[b:c]), ospec)
+            params, buffers, opt_state = _unflattened(leaves[:c], pkeys, bkeys, ospec)
             iteration, seeds, training = leaves[c], leaves[c + 1], leaves[c + 2]
             batch = unflatten_batch(leaves[c + 3 :], bstructure)
             with drawing_from(seeds):
@@ -156,8 +150,7 @@ def compile_steps(update: Update, n: int, budget: int, options: Mapping[str, Any
     def make(structure: Any) -> tuple[Flat, list[str]]:
         pkeys, bkeys, ospec, bstructure, n, stop, shards = structure
         names: list[str] = []
-        a, b = len(pkeys), len(pkeys) + len(bkeys)
-        c = b + ospec.num_leaves
+        c = len(pkeys) + len(bkeys) + ospec.num_leaves
         unroll = UNROLL if scan_op is not None and n > UNROLL and n % UNROLL == 0 else n
 
         def steps(
@@ -170,9 +163,7 @@ def compile_steps(update: Update, n: int, budget: int, options: Mapping[str, Any
             # `unroll` steps from `state`, the j-th on the rows xs[:][j] with seed seeds[j].
             out: list[torch.Tensor] = []
             for j in range(unroll):
-                params = dict(zip(pkeys, state[:a]))
-                buffers = dict(zip(bkeys, state[a:b]))
-                opt_state = pytree.tree_unflatten(list(state[b:c]), ospec)
+                params, buffers, opt_state = _unflattened(state[:c], pkeys, bkeys, ospec)
                 batch = unflatten_batch([x[j] for x in xs], bstructure)
                 with drawing_from(seeds[j]):
                     new = update(params, buffers, opt_state, iteration + j, batch, shards)
@@ -230,6 +221,18 @@ def compile_steps(update: Update, n: int, budget: int, options: Mapping[str, Any
         return flat, names
 
     return Jit(make, budget, options, no_random=_RANDOM_STEPS.format(n=n))
+
+
+def _unflattened(
+    state: Sequence[torch.Tensor], pkeys: tuple[str, ...], bkeys: tuple[str, ...], ospec: pytree.TreeSpec
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], Any]:
+    """``(params, buffers, opt_state)`` from a graph's flat state inputs, in that order."""
+    a, b = len(pkeys), len(pkeys) + len(bkeys)
+    return (
+        dict(zip(pkeys, state[:a])),
+        dict(zip(bkeys, state[a:b])),
+        pytree.tree_unflatten(list(state[b:]), ospec),
+    )
 
 
 def _lifted(body: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
