@@ -193,7 +193,7 @@ def state_bytes(state: fl.TrainState) -> int:
 
 def memory_probe(job: Job, members: int, which: str, steps: int) -> dict[str, float]:
     """In a fresh process: the state's bytes and the peak RSS of ``steps`` steps above the RSS before them."""
-    from peers import peak_rss_mb, reset_peak_rss
+    from peers import peak_rss_mb, reset_peak_rss, rss_mb
 
     torch.manual_seed(0)
     step = fl.train_step(job.build(), job.loss, job.optimizer(job.lrs[0]))
@@ -216,18 +216,10 @@ def memory_probe(job: Job, members: int, which: str, steps: int) -> dict[str, fl
             "state_mb": held / 2**20,
             "working_mb": (torch.cuda.max_memory_allocated(DEVICE) - allocated) / 2**20,
         }
-    before = _rss_mb()
+    before = rss_mb()
     reset_peak_rss()
     train(steps)
     return {"state_mb": held / 2**20, "working_mb": peak_rss_mb() - before}
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def table(job: Job, members: int, ms: dict[str, float], mem: dict[str, dict[str, float]]) -> str:

@@ -35,6 +35,15 @@ def reset_peak_rss() -> None:
         f.write("5")
 
 
+def rss_mb() -> float:
+    """This process's resident memory now (Linux), in MB."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 def peak_rss_mb() -> float:
     with open("/proc/self/status") as status:
         for line in status:
