@@ -33,6 +33,7 @@ import sys
 from pathlib import Path
 
 import torch
+from worker_exit import leave
 
 import fnloop as fl
 from fnloop import Phase, TrainState
@@ -161,6 +162,7 @@ def main() -> None:
         },
         results / f"rank{fl.distributed.rank()}.pt",
     )
+    leave(fl.distributed.rank())
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 
 import torch
+from worker_exit import leave
 
 import fnloop as fl
 from fnloop import Phase, TrainState
@@ -146,6 +147,7 @@ def main() -> None:
         },
         results / f"rank{fl.distributed.rank()}.pt",
     )
+    leave(fl.distributed.rank())
 
 
 if __name__ == "__main__":

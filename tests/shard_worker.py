@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 from torch.utils import _pytree as pytree
+from worker_exit import leave
 
 import fnloop as fl
 from fnloop import Phase
@@ -156,27 +157,7 @@ def main() -> None:
         },
         out / f"rank{rank}.pt",
     )
-    _leave()
-
-
-def _leave() -> None:
-    """End the process once its results are written, without the interpreter's teardown of gloo.
-
-    What these tests judge is written by then. A 2-rank launch was once seen to
-    abort in a CI run ("terminate called without an active exception", rank 0,
-    SIGABRT) and never again in 30 repetitions here; the marker on stderr tells,
-    next time, whether it came after the results (at teardown) or before.
-    """
-    import sys
-
-    import torch.distributed as dist
-
-    rank = fl.distributed.rank()
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    print(f"shard_worker: rank {rank} done", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(0)
+    leave(rank)
 
 
 if __name__ == "__main__":
