@@ -25,3 +25,7 @@ settings.register_profile(
 )
 settings.register_profile("hunt", max_examples=2000, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# The torchrun workers are scripts launched by path (their own folder first on sys.path), not modules:
+# `--doctest-modules` would import them as `tests.<name>`, where their sibling imports do not resolve.
+collect_ignore_glob = ["tests/*_worker.py"]
