@@ -14,8 +14,9 @@ round trains ``--steps`` iterations of
 * ``one after another``: ``fnloop.run`` of each member's own state, the P runs
   one after the other, with the same compiled solo step;
 * ``torch, one after another``: the plain PyTorch loop (the model's own
-  forward, ``loss.backward()``, ``torch.optim`` with ``foreach=True``), the P
-  runs one after the other, eager: the loop a user writes for a sweep.
+  forward, ``loss.backward()``, ``torch.optim``), the P runs one after the
+  other, eager: the loop a user writes for a sweep; measured with
+  ``foreach=True`` and with ``fused=True``, the faster is the reference.
 
 The table gives the median over ``--repeats`` rounds of the milliseconds per
 iteration of the whole population (a population's iteration is P members'
@@ -61,7 +62,7 @@ class Job:
     batches: list[Any]
     loss: Callable[[Any, Any], torch.Tensor]
     optimizer: Callable[..., fl.optim.Optimizer]  # optimizer(lr)
-    torch_optimizer: Callable[[Any, float], torch.optim.Optimizer]
+    torch_optimizer: Callable[[Any, float, str], torch.optim.Optimizer]  # (params, lr, "foreach"|"fused")
     lrs: tuple[float, ...]
 
 
@@ -83,7 +84,7 @@ def jobs(members: int, quick: bool) -> dict[str, Job]:
         pytree.tree_map(lambda t: t.to(DEVICE), TINY.batches()),
         loss,
         lambda lr: fl.optim.inject(fl.optim.sgd, lr=lr),
-        lambda params, lr: torch.optim.SGD(params, lr=lr, foreach=True),
+        lambda params, lr, kind: torch.optim.SGD(params, lr=lr, **{kind: True}),
         spread,
     )
     from bench_models import workloads
@@ -96,7 +97,7 @@ def jobs(members: int, quick: bool) -> dict[str, Job]:
         gpt.batches(DEVICE),
         gpt.loss,
         lambda lr: fl.optim.inject(fl.optim.adamw, lr=lr, weight_decay=0.01),
-        lambda params, lr: torch.optim.AdamW(params, lr=lr, weight_decay=0.01, foreach=True),
+        lambda params, lr, kind: torch.optim.AdamW(params, lr=lr, weight_decay=0.01, **{kind: True}),
         tuple(1e-3 * 2 ** (m - members // 2) for m in range(members)),
     )
     return {"tiny": tiny, "gpt2": gpt2}
@@ -133,13 +134,13 @@ def fnloop_runs(job: Job, step: fl.Step, states: list[fl.TrainState]) -> Train:
     return train
 
 
-def torch_runs(job: Job, members: int) -> Train:
-    """``n`` steps of each member's plain PyTorch loop in turn."""
+def torch_runs(job: Job, members: int, kind: str) -> Train:
+    """``n`` steps of each member's plain PyTorch loop in turn (``torch.optim`` with ``kind=True``)."""
     runs = []
     for m in range(members):
         torch.manual_seed(m)
         model = job.build()
-        runs.append((model, job.torch_optimizer(model.parameters(), job.lrs[m]), [0]))
+        runs.append((model, job.torch_optimizer(model.parameters(), job.lrs[m], kind), [0]))
 
     def train(n: int) -> None:
         for model, opt, done in runs:
@@ -161,7 +162,8 @@ def loops(job: Job, members: int) -> dict[str, Train]:
     return {
         "population": fnloop_runs(job, step, [population]),
         "one after another": fnloop_runs(job, step, [member(job, m) for m in range(members)]),
-        "torch, one after another": torch_runs(job, members),
+        "torch, one after another (foreach)": torch_runs(job, members, "foreach"),
+        "torch, one after another (fused)": torch_runs(job, members, "fused"),
     }
 
 
