@@ -249,6 +249,41 @@ def test_a_failed_save_is_raised_by_the_next_hand_over_at_the_latest(tmp_path, w
     assert names(tmp_path) == [caught.value.state.iteration, 1]
 
 
+def test_a_failed_save_found_at_the_hand_over_after_a_donating_step_keeps_the_run_s_state(tmp_path, writer):
+    """The failure is raised after the next step wrote into its (owned) state: that state is whole all the same."""
+
+    def fails(path: Path, write: Write) -> None:
+        if iteration_of(path) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        _REAL_WRITE(path, write)
+
+    def settled(state: TrainState, phase: Phase) -> TrainState:
+        # Before step 2: the failed save has ended but is not yet settled, so the step may donate.
+        if phase is Phase.BEFORE_STEP and state.iteration == 2:
+            job = background._job
+            assert job is not None and job.done.wait(TIMEOUT)
+        return state
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    data = [(torch.randn(4, 3), torch.randn(4, 2)) for _ in range(6)]
+
+    def mse(forward, batch):
+        x, y = batch
+        return ((forward(x) - y) ** 2).mean()
+
+    opt = fl.optim.sgd(0.1)
+    state = fl.init(model, opt, seed=0, max_iter=6)
+    writer(fails)
+    with pytest.raises(BackgroundFailed, match="iteration 2") as caught:
+        fl.run(state, fl.train_step(model, mse, opt, compile=False), data, [settled, saver(tmp_path)])
+    # Raised by the hand-over of iteration 3's save, after step 2 had written into its state.
+    reference = list(fl.scan(state, fl.train_step(model, mse, opt, compile=False), data))[2]
+    assert caught.value.state is not None and caught.value.state.iteration == 3
+    testing.assert_identical(caught.value.state.params, reference.params)
+    assert names(tmp_path) == [3, 1]  # AFTER_TRAIN saved it
+
+
 def test_a_failure_of_the_last_save_fails_the_run_and_after_train_saves_again(tmp_path, writer):
     tries: list[int] = []
 

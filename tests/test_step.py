@@ -600,6 +600,59 @@ def test_a_hook_failing_after_an_in_place_step_never_passes_off_a_mixed_state(tm
         testing.assert_identical(saved.params, reference.params)
 
 
+class _FailingWriter:
+    """A log writer whose write at ``iteration`` fails, once (a full disk that is then freed)."""
+
+    def __init__(self, iteration: int) -> None:
+        self.iteration, self.lines = iteration, []
+
+    def start(self, iteration: int) -> None:
+        pass
+
+    def write(self, line) -> None:
+        if line.iteration == self.iteration and self.iteration not in self.lines:
+            self.lines.append(line.iteration)
+            raise OSError(28, "No space left on device")
+        self.lines.append(line.iteration)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("effect", ["save", "log"])
+def test_an_effect_failing_after_a_donating_step_keeps_the_state_it_was_given(tmp_path, monkeypatch, effect):
+    """An effect only reads the state of a finished iteration: its failure leaves that state whole."""
+    from fnloop.checkpoint import _files
+
+    model, mse, data = linear_problem()
+    opt = fl.optim.sgd(0.1)
+    step = fl.train_step(model, mse, opt, compile=False)  # donating: the fold owns every state after the first
+    state = fl.init(model, opt, seed=0, max_iter=5)
+    hooks = [fl.every(2, fl.hooks.checkpoint(tmp_path))]
+    if effect == "save":
+        real, tries = _files.write_atomically, []
+
+        def full_disk_once(path, write):
+            tries.append(path.name)
+            if len(tries) == 2:  # the save of iteration 4; the one of 2 went through
+                raise OSError(28, "No space left on device")
+            return real(path, write)
+
+        monkeypatch.setattr(_files, "write_atomically", full_disk_once)
+    else:
+        hooks.insert(0, fl.every(2, fl.hooks.log(_FailingWriter(4))))
+    with pytest.raises(OSError, match="No space left") as info:
+        fl.run(state, step, data, hooks)
+    reference = list(fl.scan(state, fl.train_step(model, mse, opt, compile=False), data))[3]  # iteration 4
+    assert info.value.state is not None and info.value.state.iteration == 4
+    testing.assert_identical(info.value.state.params, reference.params)
+    testing.assert_identical(info.value.state.opt_state, reference.opt_state)
+    # AFTER_TRAIN saved it: nothing since the last checkpoint is lost.
+    saved = fl.load(fl.checkpoint.path_for(tmp_path, 4), like=state)
+    testing.assert_identical(saved.params, reference.params)
+    assert not any("no consistent state" in note for note in getattr(info.value, "__notes__", []))
+
+
 @pytest.mark.slow
 def test_the_learning_rate_applied_is_recorded_from_the_graph(noisy):
     _model, _optimizer, step, state = noisy

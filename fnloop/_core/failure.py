@@ -5,10 +5,14 @@ consistent state (the input, the state after ``BEFORE_TRAIN``, or the state
 after the last completed iteration) is intact: it rides on the exception as
 ``exc.state`` and ``AFTER_TRAIN`` runs with it, so a checkpoint hook saves it.
 Or a step was writing into that state's tensors (donation) when it failed, or
-it had written and an ``AFTER_STEP`` hook then failed: the state is *torn*,
-no consistent state is left in memory, ``exc.state`` is ``None`` and
-``AFTER_TRAIN`` runs without performing effects, so nothing half-updated is
-ever written over the last good checkpoint.
+it had written and an ``AFTER_STEP`` hook then raised before the iteration
+was done: the state is *torn*, no consistent state is left in memory,
+``exc.state`` is ``None`` and ``AFTER_TRAIN`` runs without performing
+effects, so nothing half-updated is ever written over the last good
+checkpoint. An effect that fails (a save, a log write, a save in the
+background found failed at the next hand-over) never tears a state: effects
+run once the iteration is done and only read its state, which is then the
+last consistent one.
 
 A step reports what the fold cannot see from outside by raising
 ``StepFailed``: whether it tore the state, and, for a call of several steps
@@ -27,7 +31,8 @@ __all__ = ["Last", "StepFailed", "TORN", "ended_by", "unwrapped"]
 
 TORN = (
     "fnloop: this failed while the state was being updated in place (donation: in the step, or "
-    "in an AFTER_STEP hook right after it), so no consistent state is left in memory and "
+    "in an AFTER_STEP hook right after it, before the iteration was done), so no consistent state "
+    "is left in memory and "
     "exc.state is None; AFTER_TRAIN ran without "
     "performing effects, so no checkpoint of a half-updated state was written. Resume from the "
     "last checkpoint, or use train_step(..., donate=False) to keep the previous state intact."

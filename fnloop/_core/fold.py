@@ -184,6 +184,9 @@ def _unit(
     _check_max_iter(ended, _AFTER_STEP.name if after else "the step", end + 1)
     time = ended.time if after else now
     advanced = unchecked(ended, iteration=end + 1, data=cursors[-1], clock=reading(time), effects=())
+    # The unit is done and its state whole: an effect only reads it, so one that fails (a save, a
+    # log write) leaves this state, not a torn one, as the run's last consistent state.
+    last.state, last.torn = advanced, False
     if ended.effects and perform is not Performs.NONE:
         _perform(ended.effects, began, advanced, perform)
     return advanced
