@@ -9,6 +9,7 @@ the run without checkpointing bit for bit (bf16 with a selective policy: to
 from __future__ import annotations
 
 import functools
+import warnings
 
 import pytest
 import torch
@@ -126,6 +127,42 @@ def test_reentrant_checkpointing_is_refused_with_the_fix(compile):
         TypeError, match=r"activation checkpointing: .*use_reentrant=True.*use_reentrant=False"
     ):
         fl.run(fl.init(model, OPT, seed=0, max_iter=1), step, BATCHES)
+
+
+class Stem(torch.nn.Module):
+    """The first layers checkpointed, fed the batch: their input needs no gradient."""
+
+    def __init__(self, reentrant: bool | None) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.stem = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh())
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.reentrant is None:  # use_reentrant left to torch, which then takes the reentrant form
+            return self.head(checkpoint(self.stem, x))
+        return self.head(checkpoint(self.stem, x, use_reentrant=self.reentrant))
+
+
+@pytest.mark.filterwarnings("ignore:torch.utils.checkpoint. the use_reentrant parameter")
+@pytest.mark.parametrize("reentrant", [True, None], ids=["reentrant", "unsaid"])
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_reentrant_checkpointing_of_blocks_fed_the_batch_is_refused_not_left_untrained(compile, reentrant):
+    # torch gives such a block's parameters no gradient, and says so with a warning only.
+    torch.manual_seed(0)
+    model = Stem(reentrant)
+    step = fl.train_step(model, loss_fn, OPT, compile=compile)
+    with (
+        warnings.catch_warnings(),
+        pytest.raises(TypeError, match=r"use_reentrant=True .*none of whose inputs needs a gradient.*use_reentrant=False"),
+    ):
+        warnings.simplefilter("default")  # a user's filters: torch's warning is no error there
+        fl.run(fl.init(model, OPT, seed=0, max_iter=1), step, BATCHES)
+    # Non-reentrant, the same block trains.
+    model = Stem(False)
+    state = fl.init(model, OPT, seed=0, max_iter=1)
+    after = fl.run(state, fl.train_step(model, loss_fn, OPT, compile=False), BATCHES)
+    assert not torch.equal(after.params["stem.0.weight"], state.params["stem.0.weight"])
 
 
 def test_a_graph_that_recomputes_is_built_without_inductors_locality_reordering(monkeypatch):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
@@ -95,6 +96,18 @@ def _holding(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> Iterat
         yield
 
 
+_REENTRANT = (
+    "activation checkpointing: the model checkpoints with use_reentrant=True ({how}), {why}; "
+    "fnloop's step needs the non-reentrant form. Use "
+    "torch.utils.checkpoint.checkpoint(..., use_reentrant=False); for a transformers model, "
+    "model.activation_checkpointing_enable() (non-reentrant by default since transformers 5) or "
+    'model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={{"use_reentrant": False}}).'
+)
+
+_NO_INPUT_GRAD = "None of the inputs have requires_grad=True"
+"""torch's warning when reentrant checkpointing runs a block none of whose inputs needs a gradient."""
+
+
 def _gradients(loss: torch.Tensor, wanted: list[torch.Tensor]) -> tuple[torch.Tensor | None, ...]:
     """The gradients of ``loss`` with respect to ``wanted``; reentrant checkpointing refused with the fix."""
     try:
@@ -103,13 +116,37 @@ def _gradients(loss: torch.Tensor, wanted: list[torch.Tensor]) -> tuple[torch.Te
         if "compatible with .grad()" not in str(exc):  # "not compatible", or "incompatible" (newer torch)
             raise
         raise TypeError(
-            "activation checkpointing: the model checkpoints with use_reentrant=True, which torch "
-            "cannot take the gradients of as a function (torch.autograd.grad); fnloop's step needs the "
-            "non-reentrant form. Use torch.utils.checkpoint.checkpoint(..., use_reentrant=False); for a "
-            "transformers model, model.activation_checkpointing_enable() (non-reentrant by default "
-            "since transformers 5) or model.gradient_checkpointing_enable("
-            'gradient_checkpointing_kwargs={"use_reentrant": False}).'
+            _REENTRANT.format(
+                how="passed, or left to torch's default",
+                why="which torch cannot take the gradients of as a function (torch.autograd.grad)",
+            )
         ) from None
+
+
+@contextlib.contextmanager
+def _reentrant_refused() -> Iterator[None]:
+    """The forward; a reentrant checkpoint around a block whose inputs need no gradient refused with the fix.
+
+    Reentrant checkpointing runs the block under ``no_grad`` and gives its
+    output a gradient only through its inputs: fed the batch (the first
+    layers), the block's parameters get none, and would silently never train.
+    torch says so with a warning alone, which this turns into the error.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=_NO_INPUT_GRAD, category=UserWarning)
+        try:
+            yield
+        except UserWarning as warning:
+            if _NO_INPUT_GRAD not in str(warning):
+                raise
+            raise TypeError(
+                _REENTRANT.format(
+                    how="passed, or left to torch's default",
+                    why="around a block none of whose inputs needs a gradient (the first layers, fed the "
+                    "batch): torch runs such a block without recording it, so its parameters would get "
+                    "no gradient and never train",
+                )
+            ) from None
 
 
 def _by_name(
@@ -180,12 +217,18 @@ def _kernel(
     ``eager``: the finiteness check is the one that is fast op by op.
     """
     fixed = frozen(model, "train_step")
+    checked: list[bool] = []  # the first forward (eager, or traced) checks the model's checkpointing
 
     def loss_of(params: dict, batch: Any) -> tuple[torch.Tensor, dict]:
         device = _device(params).type
         context = torch.autocast(device, dtype=autocast) if autocast else contextlib.nullcontext()
-        with context:
+        # Once: catching a warning resets Python's record of warnings shown, so each step would
+        # show a model's warnings again.
+        refused = contextlib.nullcontext() if checked else _reentrant_refused()
+        with refused, context:
             loss, metrics = _split(loss_fn(model, batch))
+        if not checked:
+            checked.append(True)
         return loss.float(), metrics
 
     def grads_and_loss(params: dict, buffers: dict, batch: Any) -> tuple[dict, torch.Tensor, dict]:
