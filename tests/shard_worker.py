@@ -24,13 +24,19 @@ Options:
                        launcher's first attempt only
     --sigterm-at I     rank 0 sends SIGTERM to its launcher (torchrun forwards it to every rank) at
                        AFTER_STEP of step I: a preemption
+    --lose-rank R:I:HOW
+                       rank R, alone, at AFTER_STEP of step I: HOW "kill" (SIGKILL) or "raise" (an
+                       error of its own); every rank writes RESULTS/left{r}.json as its run ends
+                       with an error (the time, and the error)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -88,6 +94,22 @@ class _Die:
         return state
 
 
+class _Lose:
+    """Rank ``rank`` alone is lost at AFTER_STEP of ``at``: killed, or failing with an error of its own."""
+
+    def __init__(self, rank: int, at: int, how: str, results: Path) -> None:
+        self.rank, self.at, self.how, self.results = rank, at, how, results
+
+    def __call__(self, state, phase, /):
+        if phase is Phase.AFTER_STEP and state.iteration == self.at and fl.distributed.rank() == self.rank:
+            self.results.mkdir(parents=True, exist_ok=True)
+            (self.results / "lost.json").write_text(json.dumps({"at": time.time()}))
+            if self.how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError(f"rank {self.rank} fails alone at step {self.at}")
+        return state
+
+
 def _kill_in_save(rank: int, iteration: int, when: str) -> None:
     """Make rank ``rank`` SIGKILL itself before or after it writes its file of the sharded save of ``iteration``."""
     from fnloop.checkpoint import _files
@@ -120,6 +142,7 @@ def main() -> None:
     parser.add_argument("--die-at", type=int)
     parser.add_argument("--kill-in-save")
     parser.add_argument("--sigterm-at", type=int)
+    parser.add_argument("--lose-rank")
     args = parser.parse_args()
     if args.kill_in_save:
         r, i, when = args.kill_in_save.split(":")
@@ -137,12 +160,22 @@ def main() -> None:
         hooks.append(_Die(args.die_at))
     if args.sigterm_at is not None:
         hooks.append(_Preempt(args.sigterm_at))
+    out = Path(args.results)
+    if args.lose_rank:
+        r, i, how = args.lose_rank.split(":")
+        hooks.append(_Lose(int(r), int(i), how, out))
     step = fl.train_step(net, loss_fn, opt, compile=args.compile, steps_per_call=args.steps_per_call)
     batches = fl.data.batches(data(), batch_size=BATCH, seed=0)
-    final = fl.run(state, step, batches, hooks)
-    whole = fl.state_dict(final)
     rank = fl.distributed.rank()
-    out = Path(args.results)
+    try:
+        final = fl.run(state, step, batches, hooks)
+    except Exception as exc:
+        if args.lose_rank:
+            out.mkdir(parents=True, exist_ok=True)
+            left = {"at": time.time(), "error": f"{type(exc).__name__}: {exc}", "notes": getattr(exc, "__notes__", [])}
+            (out / f"left{rank}.json").write_text(json.dumps(left))
+        raise
+    whole = fl.state_dict(final)
     out.mkdir(parents=True, exist_ok=True)
     torch.save(
         {

@@ -194,6 +194,47 @@ def test_every_rank_loads_the_checkpoint_rank_zero_chose_while_saves_land(tmp_pa
     assert len(set(loaded[0])) > 1  # saves did land while the ranks were reading
 
 
+APART = """
+import os, sys
+from pathlib import Path
+import torch
+import fnloop as fl
+
+out = Path(sys.argv[1])
+rank = fl.distributed.rank()
+here = out / f"machine-{rank}"  # each rank on a machine of its own: a directory nobody else sees
+here.mkdir()
+os.chdir(here)
+like = fl.TrainState(max_iter=10, params={"w": torch.zeros(2)})
+if rank == 0:
+    fl.save(fl.TrainState(max_iter=10, iteration=4, params={"w": torch.ones(2)}), fl.checkpoint.path_for("ckpt", 4))
+try:
+    fl.checkpoint.latest("ckpt", like=like)
+except fl.checkpoint.CheckpointError as exc:
+    (out / f"rank-{rank}.txt").write_text(str(exc))
+"""
+
+
+def test_a_checkpoint_directory_the_ranks_do_not_share_stops_the_resume_on_every_rank_with_the_fix(
+    tmp_path: Path,
+) -> None:
+    # Not a fresh start on rank 1 beside a resume on rank 0, nor a damaged checkpoint skipped.
+    script = tmp_path / "apart.py"
+    script.write_text(APART)
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    done = subprocess.run(
+        [*launch, str(script), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=LIMIT,
+        env={**os.environ, **ONE_CORE_EACH},
+    )
+    ok(done)
+    said = [(tmp_path / f"rank-{r}.txt").read_text() for r in (0, 1)]
+    for text in said:
+        assert "rank 1 finds no such file" in text and "filesystem they share" in text, text
+
+
 LEAVING = """
 import atexit, sys
 from pathlib import Path

@@ -6,6 +6,7 @@ the reference runs are shared by module fixtures.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -131,6 +132,57 @@ def test_a_kill_at_any_moment_of_a_sharded_save_keeps_latest_whole_and_the_resum
         assert mine["losses"] == theirs["losses"] == reference["losses"]
 
 
+def _flipped(ckpt: Path, name: str) -> None:
+    """One bit of ``name``'s tensor bytes flipped near its end, the file changed in place."""
+    path = ckpt / name
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def _copy_of_all(uninterrupted: tuple[Path, dict], into: Path) -> Path:
+    into.mkdir()
+    for part in uninterrupted[0].iterdir():
+        (into / part.name).write_bytes(part.read_bytes())
+    return into
+
+
+@pytest.mark.parametrize(
+    "damaged", ["ckpt-00000030.safetensors", "ckpt-00000030.part-00001-of-00002.safetensors"]
+)
+def test_a_part_changed_in_place_is_skipped_for_the_one_before_on_every_rank(
+    uninterrupted: tuple[Path, dict], tmp_path: Path, damaged: str
+) -> None:
+    # Each rank checks the bytes of its own part, and the ranks agree: the checkpoint of 30 is
+    # skipped for 20 on both, with a warning naming the part, and the run goes on from there.
+    ckpt = _copy_of_all(uninterrupted, tmp_path / "ckpt")
+    _flipped(ckpt, damaged)
+    done = launch(tmp_path / "resumed", 2, "--shard", "full", "--max-iter", "30", "--checkpoint", str(ckpt))
+    ok(done)
+    assert "skipping a damaged checkpoint" in done.stderr and damaged in done.stderr
+    for r in range(2):
+        mine, theirs = result(tmp_path / "resumed", r), result(uninterrupted[0].parent / "results", r)
+        assert all(torch.equal(mine["params"][k], theirs["params"][k]) for k in theirs["params"])
+        assert mine["losses"] == theirs["losses"]
+
+
+def test_a_part_changed_in_place_is_skipped_at_another_world_size_and_in_one_process(
+    uninterrupted: tuple[Path, dict], tmp_path: Path
+) -> None:
+    ckpt = _copy_of_all(uninterrupted, tmp_path / "ckpt")
+    damaged = "ckpt-00000030.part-00001-of-00002.safetensors"
+    _flipped(ckpt, damaged)
+    like = fl.init(_model(), _optimizer(), seed=0, max_iter=30)
+    with pytest.warns(fl.checkpoint.CheckpointWarning, match=damaged):
+        assert fl.checkpoint.latest(ckpt, like=like).iteration == 20
+    done = launch(tmp_path / "resharded", 4, "--shard", "full", "--max-iter", "30", "--checkpoint", str(ckpt))
+    ok(done)
+    assert "skipping a damaged checkpoint" in done.stderr and damaged in done.stderr
+    for r in range(4):
+        mine = result(tmp_path / "resharded", r)
+        assert mine["iteration"] == 30 and furthest(mine, uninterrupted[1]) < 1e-5
+
+
 def _copy_of_30(uninterrupted: tuple[Path, dict], into: Path) -> Path:
     into.mkdir()
     for part in uninterrupted[0].glob("ckpt-00000030*"):
@@ -182,6 +234,27 @@ def test_a_preempted_sharded_run_stops_every_rank_at_one_step_and_saves_it_whole
         mine, theirs = result(tmp_path / "resumed", r), result(uninterrupted[0].parent / "results", r)
         assert all(torch.equal(mine["params"][k], theirs["params"][k]) for k in theirs["params"])
         assert mine["losses"] == theirs["losses"]
+
+
+@pytest.mark.parametrize("how", ["kill", "raise"])
+def test_when_one_rank_is_lost_the_others_give_up_the_sharded_save_at_once_and_leave(
+    uninterrupted: tuple[Path, dict], tmp_path: Path, how: str
+) -> None:
+    # Rank 1 is lost after step 12; rank 0 fails in the next step's collective, and its final save
+    # waits for rank 1's part, which will never come: it gives the save up within seconds (rank 1's
+    # signs of life stopped, or its run ended elsewhere), not after torchrun's SIGKILL (30 s) or the
+    # group's timeout (5 minutes), and the checkpoint of 10 stays the newest, whole.
+    ckpt, results = tmp_path / "ckpt", tmp_path / "results"
+    args = ["--shard", "full", "--max-iter", "30", "--checkpoint", str(ckpt), "--lose-rank", f"1:12:{how}"]
+    done = launch(results, 2, *args)
+    assert done.returncode != 0
+    lost = json.loads((results / "lost.json").read_text())["at"]
+    left = json.loads((results / "left0.json").read_text())  # rank 0 left by itself, with its error
+    said = " ".join([left["error"], *left["notes"]])
+    assert "the sharded save was given up" in said, said
+    assert left["at"] - lost < 20, left["at"] - lost  # 3 to 5 s here; torchrun's SIGKILL comes at 30
+    like = fl.init(_model(), _optimizer(), seed=0, max_iter=30)
+    assert fl.checkpoint.latest(ckpt, like=like).iteration == 10
 
 
 def _model() -> torch.nn.Module:

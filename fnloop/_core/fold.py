@@ -93,6 +93,8 @@ def fold(state: TrainState, batches: Iterable[Any], driver: Driver) -> Iterator[
         # What the step kept of this run's states goes with the run: a step is often held in a
         # reference cycle, and what it keeps would otherwise live until the interpreter's teardown.
         driver.step.finish()
+        if driver.stop is not None:
+            driver.stop.close()
 
 
 def _fold(state: TrainState, batches: Iterable[Any], driver: Driver) -> Iterator[TrainState]:
@@ -121,6 +123,8 @@ def _fold(state: TrainState, batches: Iterable[Any], driver: Driver) -> Iterator
         _check_stop(stop, state.iteration)
         background.wait()  # the run ends with its effects done; one that failed fails the run
     except BaseException as exc:
+        if driver.stop is not None:  # first: other ranks waiting on this one learn where it ended
+            driver.stop.ended(None if last.torn else last.state.iteration)
         _waited(exc)
         end = lambda s, perform: _phase(hook, s, _AFTER_TRAIN, perform)  # noqa: E731
         ended_by(exc, last, end, perform=driver.perform, clock=clock, rank=driver.rank, world=driver.world)

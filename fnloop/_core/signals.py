@@ -37,6 +37,12 @@ class _Stop:
         """The signal to stop by at the boundary where ``iteration`` steps are done, or ``None`` to go on."""
         return self.signum
 
+    def ended(self, iteration: int | None) -> None:
+        """The run failed, its last consistent state at ``iteration`` (``None``: torn); a stop shared by ranks tells them."""
+
+    def close(self) -> None:
+        """The run is over."""
+
 
 _FORCE = 3
 """The Ctrl-C that stops a run at once, wherever it is (the state may then be torn)."""

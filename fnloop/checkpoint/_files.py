@@ -235,37 +235,56 @@ def latest(directory: StrPath, *, like: TrainState) -> TrainState | None:
     """
     if type(like) is not TrainState:
         raise TypeError(f"latest() expected like= a fnloop.TrainState, got {like!r:.80}.")
-    from fnloop.distributed import broadcast_object, rank, world_size
+    from fnloop.distributed import world_size
 
     if world_size() == 1:
         return _newest(directory, like)[1]
-    # Data parallel: rank 0 chooses (a save may be in flight), and every rank loads that file.
-    found: TrainState | None = None
-    chosen: tuple[str, Any] = ("none", None)
-    if rank() == 0:
+    return _agreed(directory, like)
+
+
+def _agreed(directory: StrPath, like: TrainState) -> TrainState | None:
+    """``latest`` on several ranks: the newest checkpoint every rank loads, each checking what it reads.
+
+    Rank 0 lists the candidates (a save may be in flight, so the ranks'
+    listings could differ). For each, newest first, every rank loads it,
+    checking the bytes it reads (its own part of a sharded checkpoint, or
+    every part when it reshards), and the ranks compare their verdicts: a
+    checkpoint any rank finds damaged is skipped for the one before, on every
+    rank, with the warning a single process gives. An error that is no damage
+    (a mismatch with the template, a file rank 0 lists that another rank
+    cannot see) is raised on every rank.
+    """
+    from fnloop.distributed import broadcast_object, gather_object, rank
+
+    candidates = broadcast_object([os.fspath(p) for p in checkpoints(directory)] if rank() == 0 else None)
+    for path in candidates:
+        state: TrainState | None = None
         try:
-            path, found = _newest(directory, like)
-            if path is not None:
-                chosen = ("path", os.fspath(path))
-        except BaseException as exc:
-            chosen = ("error", exc)
-            broadcast_object(chosen)
-            raise
-    kind, value = broadcast_object(chosen)
-    if rank() == 0:
-        return found
-    if kind == "error":
-        raise value
-    if kind == "none":
-        return None
-    try:
-        return load(value, like=like)
-    except CheckpointError as exc:
-        exc.add_note(
-            f"rank 0 chose {value}; every rank loads the file rank 0 chose, so a run on several "
-            "machines needs its checkpoint directory on a filesystem they share."
-        )
-        raise
+            if not os.path.lexists(path):
+                raise CheckpointError(
+                    f"{path}: rank 0 lists this checkpoint, but rank {rank()} finds no such file; every "
+                    "rank reads the checkpoints rank 0 lists, so a run on several machines needs its "
+                    "checkpoint directory on a filesystem they share, at the same path."
+                )
+            state = _checked(Path(path), like)
+            verdict: tuple[str, str] = ("ok", "")
+        except DamagedCheckpoint as exc:
+            verdict = ("damaged", str(exc))
+        except Exception as exc:  # noqa: BLE001 - raised below, once every rank knows
+            verdict, error = ("error", f"{type(exc).__name__}: {exc}"), exc
+        verdicts = gather_object(verdict)
+        failed = [(r, text) for r, (kind, text) in enumerate(verdicts) if kind == "error"]
+        if failed:
+            if verdict[0] == "error":
+                raise error
+            r, text = failed[0]
+            raise CheckpointError(f"{path}: rank {r} could not load it ({text})")
+        damage = [(r, text) for r, (kind, text) in enumerate(verdicts) if kind == "damaged"]
+        if not damage:
+            return state
+        said = "; ".join(f"rank {r}: {text}" for r, text in damage)
+        warnings.warn(f"skipping a damaged checkpoint: {said}", CheckpointWarning, stacklevel=3)
+    return None
 
 
 def _newest(directory: StrPath, like: TrainState) -> tuple[Path | None, TrainState | None]:
@@ -277,22 +296,27 @@ def _newest(directory: StrPath, like: TrainState) -> tuple[Path | None, TrainSta
     """
     for path in checkpoints(directory):
         try:
-            if path.is_symlink():
-                raise DamagedCheckpoint(
-                    f"{path}: a symbolic link (to {os.readlink(path)}), not a checkpoint this run wrote; "
-                    "copy the file in to resume from it"
-                )
-            state = load(path, like=like)
-            named = int(_NAME.fullmatch(path.name)[1])  # type: ignore[index]
-            if state.iteration != named:
-                raise DamagedCheckpoint(
-                    f"{path}: its name says iteration {named}, it holds {state.iteration}; a file renamed "
-                    "by hand or copied from another run"
-                )
-            return path, state
+            return path, _checked(path, like)
         except DamagedCheckpoint as exc:
             warnings.warn(f"skipping a damaged checkpoint: {exc}", CheckpointWarning, stacklevel=3)
     return None, None
+
+
+def _checked(path: Path, like: TrainState) -> TrainState:
+    """The checkpoint ``path`` loaded, if it is this run's: a file of the directory holding the iteration it names."""
+    if path.is_symlink():
+        raise DamagedCheckpoint(
+            f"{path}: a symbolic link (to {os.readlink(path)}), not a checkpoint this run wrote; "
+            "copy the file in to resume from it"
+        )
+    state = load(path, like=like)
+    named = int(_NAME.fullmatch(path.name)[1])  # type: ignore[index]
+    if state.iteration != named:
+        raise DamagedCheckpoint(
+            f"{path}: its name says iteration {named}, it holds {state.iteration}; a file renamed "
+            "by hand or copied from another run"
+        )
+    return state
 
 
 def read_raw(path: StrPath) -> tuple[dict[str, str], Any]:

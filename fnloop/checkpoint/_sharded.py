@@ -22,9 +22,11 @@ checking each part's checksum through a small buffer. Nothing is unpickled.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,15 +40,10 @@ from fnloop.checkpoint._reading import _check, _opened, _skeleton, _streamed, re
 from fnloop.checkpoint._safetensors import INDEX, Entry, damaged, read_header
 from fnloop.checkpoint._state_codec import encode_state_keyed, fill_state
 from fnloop.checkpoint._transfer import _bytes, _pread
-from fnloop.distributed import DEFAULT_TIMEOUT
 
 __all__ = ["Index", "index_of", "orphans", "part_path", "parts_of", "reshard", "save_sharded"]
 
 _PART = re.compile(r"(ckpt-(\d{8,}))\.part-(\d{5,})-of-(\d{5,})\.safetensors(\.abandoned)?")
-
-TIMEOUT = DEFAULT_TIMEOUT
-"""How long rank 0 waits for the other ranks' parts, and they for its index, before the save fails:
-as long as a collective waits for the other ranks (``fnloop.distributed.DEFAULT_TIMEOUT``)."""
 
 _saves: dict[tuple[str, int], int] = {}
 """(path, rank) -> how many sharded saves of it this process made: the same on every rank."""
@@ -138,8 +135,9 @@ def save_sharded(state: TrainState, path: Path, write_file: Callable[..., str]) 
     file (``fnloop.checkpoint._files``). Returns the file this rank wrote.
 
     Raises:
-        CheckpointError: another rank did not write its part (or rank 0 its
-            index) within ``TIMEOUT``.
+        CheckpointError: another rank will not write its part (or rank 0 its
+            index): it is gone, its run ended elsewhere, or the process
+            group's timeout passed (see ``_wait``).
     """
     shards = state.shards
     assert shards is not None
@@ -153,13 +151,13 @@ def save_sharded(state: TrainState, path: Path, write_file: Callable[..., str]) 
         checksum = write_file(part, skeleton, tensors)
         assert store is not None
         store.set(f"{meeting}/{shards.rank}", json.dumps({"file": part.name, "checksum": checksum}))
-        _wait(store, [f"{meeting}/done"], path, "rank 0 to write the index")
+        _wait(store, meeting, {0: f"{meeting}/done"}, path, state.iteration, "rank 0 to write the index")
         return part
     parts = []
     if store is not None:
-        others = [f"{meeting}/{r}" for r in range(1, shards.world)]
-        _wait(store, others, path, "the other ranks to write their parts")
-        parts = [json.loads(store.get(key)) for key in others]
+        others = {r: f"{meeting}/{r}" for r in range(1, shards.world)}
+        _wait(store, meeting, others, path, state.iteration, "the other ranks to write their parts")
+        parts = [json.loads(store.get(key)) for key in others.values()]
     index = {
         "mode": shards.mode,
         "world": shards.world,
@@ -179,14 +177,42 @@ def _store() -> Any:
     return _get_default_store()
 
 
-def _wait(store: Any, keys: list[str], path: Path, what: str) -> None:
-    try:
-        store.wait(keys, TIMEOUT)
-    except RuntimeError as exc:  # the store's timeout, or a rank gone with its connection
-        raise CheckpointError(
-            f"{path}: saving the sharded checkpoint waited {TIMEOUT} for {what}, in vain ({exc}); a rank "
-            "died or hangs. The previous checkpoint is still the newest."
-        ) from None
+SLICE = datetime.timedelta(seconds=0.2)
+"""How long a sharded save waits in the store at a time before it checks that the others may still come."""
+
+
+def _wait(store: Any, meeting: str, keys: dict[int, str], path: Path, iteration: int, what: str) -> None:
+    """Wait for ``keys`` (rank -> its key in the store); give up as soon as one of those ranks will never set it.
+
+    A rank is given up on when it is gone or its run ended elsewhere
+    (``fnloop.distributed.SharedRun.absent``), or when another rank of this
+    save gave it up; and after the process group's timeout (``setup``'s) in
+    any case. Giving up is said in the store, so the others stop waiting too.
+    """
+    from fnloop.distributed import current_run
+
+    run = current_run()
+    deadline = time.monotonic() + store.timeout.total_seconds()
+    abandoned = f"{meeting}/abandoned"
+    while True:
+        try:
+            store.wait(list(keys.values()), SLICE)
+            return
+        except RuntimeError:  # the slice ran out (torch's DistStoreError is a RuntimeError)
+            pass
+        if store.check([abandoned]):
+            why = store.get(abandoned).decode()
+            raise CheckpointError(f"{path}: the sharded save was given up: {why}. {_KEPT}")
+        missing = [r for r, key in keys.items() if not store.check([key])]
+        why = None if run is None else run.absent(missing, iteration)
+        if why is None and time.monotonic() > deadline:
+            why = f"waited {store.timeout} (the process group's timeout) for {what}, in vain; a rank hangs"
+        if why is not None:
+            store.set(abandoned, why)
+            raise CheckpointError(f"{path}: the sharded save was given up: {why}. {_KEPT}")
+
+
+_KEPT = "The previous checkpoint is still the newest"
 
 
 def reshard(path: Path, index: Index | None, like: TrainState | None) -> tuple[dict[str, str], Any]:
