@@ -19,6 +19,8 @@ from typing import Any, Protocol
 
 import attrs
 
+from fnloop._core.messages import got
+
 __all__ = ["Mlflow", "mlflow"]
 
 
@@ -44,12 +46,48 @@ def _client(tracking_uri: str | None) -> Any:
     return MlflowClient(tracking_uri=tracking_uri)
 
 
-def _params(value: Mapping[str, Any] | None) -> tuple[tuple[str, str], ...]:
+# -- what the writer is built from ---------------------------------------------------------------------
+
+_WHAT = {
+    "experiment": "the MLflow experiment's name, such as 'digits'",
+    "run_name": (
+        "the name every attempt of a run shares, such as run_name='seed-0'; a resumed run finds the "
+        "history of its earlier attempts by it"
+    ),
+    "tracking_uri": (
+        "where MLflow keeps its runs, such as 'http://localhost:5000' or 'file:///home/me/mlruns'; "
+        "None for MLflow's default"
+    ),
+}
+
+
+def _text(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    """attrs validator: a non-empty str, or ``None`` for every field but ``experiment``."""
+    optional = attribute.name != "experiment"
+    if value is None and optional:
+        return
+    if not isinstance(value, str):
+        wanted = "a str or None" if optional else "a non-empty str"
+        raise TypeError(f"'{attribute.name}' must be {wanted} ({got(value)}): {_WHAT[attribute.name]}.")
+    if not value:
+        wanted = "a non-empty str or None" if optional else "a non-empty str"
+        raise ValueError(f"'{attribute.name}' must be {wanted} ({got(value)}): {_WHAT[attribute.name]}.")
+
+
+def _params(value: object) -> tuple[tuple[str, str], ...]:
+    """``params`` as the record keeps them: (name, value) pairs of str, in the mapping's order."""
     if value is None:
         return ()
-    if not isinstance(value, Mapping):
-        raise TypeError(f"mlflow(params=...) expects a mapping of names to values, got {value!r:.80}.")
-    return tuple((str(k), str(v)) for k, v in value.items())
+    if isinstance(value, Mapping):
+        return tuple((str(k), str(v)) for k, v in value.items())
+    if isinstance(value, tuple) and all(
+        isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(x, str) for x in pair) for pair in value
+    ):
+        return value  # the record's own (attrs.evolve)
+    raise TypeError(
+        f"'params' must be a mapping of names to values or None ({got(value)}): the run's settings, "
+        "such as params={'lr': 0.1, 'seed': 0}, logged once as the MLflow run's params."
+    )
 
 
 _LIVE: dict[tuple[int, Any], tuple[Any, str]] = {}
@@ -60,10 +98,10 @@ _LIVE: dict[tuple[int, Any], tuple[Any, str]] = {}
 class Mlflow:
     """Logs metrics to an MLflow run; build it with ``fnloop.writers.mlflow``."""
 
-    experiment: str
-    run_name: str | None
-    tracking_uri: str | None
-    params: tuple[tuple[str, str], ...]
+    experiment: str = attrs.field(validator=_text)
+    run_name: str | None = attrs.field(validator=_text)
+    tracking_uri: str | None = attrs.field(validator=_text)
+    params: tuple[tuple[str, str], ...] = attrs.field(converter=_params)
 
     def start(self, iteration: int) -> None:
         """Open this run's MLflow run: a new one, or, resumed at ``iteration``, one that continues its history."""
@@ -162,13 +200,13 @@ def mlflow(
     Needs ``pip install "fnloop[mlflow]"``.
 
     Raises:
-        TypeError: ``params`` is not a mapping.
+        TypeError: an argument of the wrong type (``run_name`` not a str,
+            ``params`` not a mapping, ...).
+        ValueError: ``experiment``, ``run_name`` or ``tracking_uri`` is empty.
 
     Examples:
         >>> writer = mlflow("digits", run_name="seed-0", params={"lr": 0.1})
         >>> writer.params
         (('lr', '0.1'),)
     """
-    if not isinstance(experiment, str) or not experiment:
-        raise TypeError(f"mlflow(experiment=...) expects a non-empty str, got {experiment!r:.80}.")
-    return Mlflow(experiment=experiment, run_name=run_name, tracking_uri=tracking_uri, params=_params(params))
+    return Mlflow(experiment=experiment, run_name=run_name, tracking_uri=tracking_uri, params=params)

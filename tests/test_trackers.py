@@ -139,3 +139,28 @@ def test_a_run_killed_with_sigkill_and_run_again_leaves_the_history_of_one_unint
     assert sorted(runs) == ["killed", "straight"]
     assert _history(client, runs["killed"]) == _history(client, runs["straight"])
     assert runs["killed"].info.status == "FINISHED"
+
+
+@pytest.mark.parametrize(
+    ("given", "error", "match"),
+    [
+        ({"experiment": 7}, TypeError, r"'experiment' must be a non-empty str \(got 7 that is an int\)"),
+        ({"experiment": ""}, ValueError, r"'experiment' must be a non-empty str \(got '' that is a str\)"),
+        (
+            {"run_name": 123},
+            TypeError,
+            r"'run_name' must be a str or None \(got 123 that is an int\).*run_name=",
+        ),
+        ({"run_name": ""}, ValueError, r"'run_name' must be a non-empty str or None \(got ''"),
+        ({"tracking_uri": 5}, TypeError, r"'tracking_uri' must be a str or None \(got 5 that is an int\)"),
+        ({"tracking_uri": ""}, ValueError, r"'tracking_uri' must be a non-empty str or None"),
+        (
+            {"params": [("lr", 0.1)]},
+            TypeError,
+            r"'params' must be a mapping of names to values or None \(got",
+        ),
+    ],
+)
+def test_every_argument_is_checked_when_the_writer_is_built(given, error, match):
+    with pytest.raises(error, match=match):
+        fl.writers.mlflow(**{"experiment": "exp", **given})
