@@ -11,6 +11,7 @@ repeated or abandoned past the resume.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 import warnings
@@ -32,8 +33,13 @@ class _Line(Protocol):
     def values(self) -> dict[str, float]: ...
 
 
-_TAG = "fnloop.run_name"
+_KEY = "fnloop.run_key"
 _BATCH = 1000  # MLflow's log_batch takes at most 1000 metrics at a time
+
+
+def _key(run_name: str) -> str:
+    """The digest of ``run_name`` that tags its runs: MLflow's filter takes it whatever quotes the name holds."""
+    return hashlib.sha256(run_name.encode("utf-8")).hexdigest()
 
 
 def _client(tracking_uri: str | None) -> Any:
@@ -110,7 +116,7 @@ class Mlflow:
         found = client.get_experiment_by_name(self.experiment)
         experiment = found.experiment_id if found is not None else client.create_experiment(self.experiment)
         before = self._previous(client, experiment) if iteration > 0 else None
-        tags = {_TAG: self.run_name} if self.run_name is not None else {}
+        tags = {_KEY: _key(self.run_name)} if self.run_name is not None else {}
         if before is not None:
             tags["fnloop.resumed_from"] = before.info.run_id
         run = client.create_run(experiment, run_name=self.run_name, tags=tags)
@@ -136,9 +142,10 @@ class Mlflow:
         """The newest live run of this name in ``experiment``, or ``None`` (no name: none to find)."""
         if self.run_name is None:
             return None
-        name = self.run_name.replace("'", "\\'")
         runs = client.search_runs(
-            [experiment], filter_string=f"tags.`{_TAG}` = '{name}'", order_by=["attributes.start_time DESC"]
+            [experiment],
+            filter_string=f"tags.`{_KEY}` = '{_key(self.run_name)}'",
+            order_by=["attributes.start_time DESC"],
         )
         return runs[0] if runs else None
 

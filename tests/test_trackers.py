@@ -141,6 +141,22 @@ def test_a_run_killed_with_sigkill_and_run_again_leaves_the_history_of_one_unint
     assert runs["killed"].info.status == "FINISHED"
 
 
+def test_a_name_with_quotes_finds_its_earlier_run(store, tmp_path):
+    # MLflow's filter took the name's backslash-escaped apostrophe as part of the text: a resume
+    # never found the run, warned, and left the interrupted attempt's run beside the new one.
+    uri, client = store
+    name = """O'Brien's "best" run"""
+    log = fl.every(2, fl.hooks.log(fl.writers.mlflow("exp", run_name=name, tracking_uri=uri)))
+    hooks = [log, fl.every(3, fl.hooks.checkpoint(tmp_path / "ckpt")), testing.Fail(fl.Phase.AFTER_STEP, 8)]
+    with pytest.raises(testing.InjectedFailure):
+        fl.run(fl.TrainState(max_iter=12), _step, fl.data.resumable([None] * 12), hooks)
+    resumed = fl.checkpoint.resume(tmp_path / "ckpt", like=fl.TrainState(max_iter=12))
+    fl.run(resumed, _step, fl.data.resumable([None] * 12), [log])
+    (run,) = _runs(client)
+    assert run.info.run_name == name
+    assert [s for s, _ in _history(client, run)["loss"]] == [2, 4, 6, 8, 10, 12]
+
+
 @pytest.mark.parametrize(
     ("given", "error", "match"),
     [
