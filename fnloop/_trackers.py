@@ -7,17 +7,40 @@ iterations before the resumed one into it (and the params), and deletes the
 run of the interrupted attempt (MLflow's soft delete: restorable, out of the
 way). The live run's history is then the uninterrupted run's, with nothing
 repeated or abandoned past the resume.
+
+The MLflow runs of one name in one experiment are the attempts of one run.
+The writer tags each with what a later attempt goes by:
+
+* ``fnloop.run_key``, the name's digest, which MLflow's filter matches
+  whatever quotes the name holds;
+* ``fnloop.owner``, the process writing it (``pid@host/start``): a run that a
+  live process writes is refused to every other writer, as a log file held
+  by one is, and the run of a process that is gone (killed) is taken over;
+* ``fnloop.history``, ``partial`` while an attempt copies the history into
+  its new run, ``whole`` once the run holds it all: a partial run is never
+  copied from;
+* ``fnloop.resumed_from``, the run it continues.
+
+An attempt deletes the runs it replaces only once its own run is whole, so a
+kill at any point leaves the whole history in one run that the next attempt
+continues, and no run of another name is ever touched.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import time
 import warnings
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any, Protocol
 
 import attrs
+
+from fnloop._atomic import _HOST, DirectoryInUse, _alive
+from fnloop._core.messages import got
 
 __all__ = ["Mlflow", "mlflow"]
 
@@ -30,8 +53,23 @@ class _Line(Protocol):
     def values(self) -> dict[str, float]: ...
 
 
-_TAG = "fnloop.run_name"
+_KEY = "fnloop.run_key"
+_OWNER = "fnloop.owner"
+_HISTORY = "fnloop.history"
+_FROM = "fnloop.resumed_from"
+_PARTIAL, _WHOLE = "partial", "whole"
 _BATCH = 1000  # MLflow's log_batch takes at most 1000 metrics at a time
+
+
+def _key(run_name: str) -> str:
+    """The digest of ``run_name`` that tags its runs: MLflow's filter takes it whatever quotes the name holds."""
+    return hashlib.sha256(run_name.encode("utf-8")).hexdigest()
+
+
+IN_USE = (
+    "two writers of one run would copy and delete each other's history. Wait for that run to end or "
+    "stop it, or give this run another run_name=."
+)
 
 
 def _client(tracking_uri: str | None) -> Any:
@@ -44,83 +82,284 @@ def _client(tracking_uri: str | None) -> Any:
     return MlflowClient(tracking_uri=tracking_uri)
 
 
-def _params(value: Mapping[str, Any] | None) -> tuple[tuple[str, str], ...]:
+# -- what the writer is built from ---------------------------------------------------------------------
+
+_WHAT = {
+    "experiment": "the MLflow experiment's name, such as 'digits'",
+    "run_name": (
+        "the name every attempt of a run shares, such as run_name='seed-0'; a resumed run finds the "
+        "history of its earlier attempts by it"
+    ),
+    "tracking_uri": (
+        "where MLflow keeps its runs, such as 'http://localhost:5000' or 'file:///home/me/mlruns'; "
+        "None for MLflow's default"
+    ),
+}
+
+
+def _text(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    """attrs validator: a non-empty str, or ``None`` for every field but ``experiment``."""
+    optional = attribute.name != "experiment"
+    if value is None and optional:
+        return
+    if not isinstance(value, str):
+        wanted = "a str or None" if optional else "a non-empty str"
+        raise TypeError(f"'{attribute.name}' must be {wanted} ({got(value)}): {_WHAT[attribute.name]}.")
+    if not value:
+        wanted = "a non-empty str or None" if optional else "a non-empty str"
+        raise ValueError(f"'{attribute.name}' must be {wanted} ({got(value)}): {_WHAT[attribute.name]}.")
+
+
+def _params(value: object) -> tuple[tuple[str, str], ...]:
+    """``params`` as the record keeps them: (name, value) pairs of str, in the mapping's order."""
     if value is None:
         return ()
-    if not isinstance(value, Mapping):
-        raise TypeError(f"mlflow(params=...) expects a mapping of names to values, got {value!r:.80}.")
-    return tuple((str(k), str(v)) for k, v in value.items())
+    if isinstance(value, Mapping):
+        return tuple((str(k), str(v)) for k, v in value.items())
+    if isinstance(value, tuple) and all(
+        isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(x, str) for x in pair) for pair in value
+    ):
+        return value  # the record's own (attrs.evolve)
+    raise TypeError(
+        f"'params' must be a mapping of names to values or None ({got(value)}): the run's settings, "
+        "such as params={'lr': 0.1, 'seed': 0}, logged once as the MLflow run's params."
+    )
+
+
+# -- who writes a run ----------------------------------------------------------------------------------
+
+
+def _started(pid: int) -> str:
+    """When process ``pid`` started (Linux: ticks after boot), which a later process given its id does not
+    share; ``""`` where that cannot be read."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat.rsplit(")", 1)[-1].split()[19]
+
+
+def _me() -> str:
+    """This process, as ``fnloop.owner`` names the process writing a run."""
+    pid = os.getpid()
+    return f"{pid}@{_HOST}/{_started(pid)}"
+
+
+def _holder(run: Any, mine: set[str]) -> tuple[int, str] | None:
+    """The process (id, machine) writing ``run`` now, or ``None``: it ended, or its process is gone.
+
+    A process of another machine cannot be checked from here: it counts as
+    live. This process writes only the runs in ``mine``.
+    """
+    if run.info.status != "RUNNING":
+        return None
+    pid, _, rest = run.data.tags.get(_OWNER, "").partition("@")
+    host, _, started = rest.partition("/")
+    if not pid.isdigit():
+        return None
+    if host != _HOST:
+        return int(pid), host
+    if int(pid) == os.getpid():
+        return (int(pid), host) if run.info.run_id in mine else None
+    if _alive(int(pid)) and _started(int(pid)) in ("", started):
+        return int(pid), host
+    return None
+
+
+def _newest_whole(attempts: list[Any]) -> Any:
+    """The run a resumed attempt continues: the newest whole run no whole run continues, or ``None``."""
+    whole = [run for run in attempts if run.data.tags.get(_HISTORY) == _WHOLE]
+    continued = {run.data.tags.get(_FROM) for run in whole}
+    heads = [run for run in whole if run.info.run_id not in continued]
+    return max(heads, key=lambda run: run.info.start_time, default=None)
+
+
+def _replaced(attempts: list[Any], source: Any) -> list[Any]:
+    """The runs a new attempt replaces, each after the runs it continued (a kill between two deletions
+    leaves the rest linked to the newest run): ``source`` and every run a killed attempt left (still
+    RUNNING, or partial), with the runs each whole one continued. A run that ended whole and that no
+    run continued is no attempt of this one (an earlier run of the name): it stays."""
+    by_id = {run.info.run_id: run for run in attempts}
+    roots = [] if source is None else [source]
+    roots += [
+        run for run in attempts if run.info.status == "RUNNING" or run.data.tags.get(_HISTORY) != _WHOLE
+    ]
+    order: list[Any] = []
+    seen: set[str] = set()
+    for root in roots:
+        chain = []
+        at = root
+        while at is not None and at.info.run_id not in seen:
+            seen.add(at.info.run_id)
+            chain.append(at)
+            at = by_id.get(at.data.tags.get(_FROM, "")) if at.data.tags.get(_HISTORY) == _WHOLE else None
+        order += reversed(chain)
+    return order
+
+
+def _drop(client: Any, run: Any) -> None:
+    """End ``run`` as KILLED if it is still RUNNING (its writer is gone), then delete it (soft)."""
+    if run.info.status == "RUNNING":
+        client.set_terminated(run.info.run_id, "KILLED")
+    client.delete_run(run.info.run_id)
 
 
 _LIVE: dict[tuple[int, Any], tuple[Any, str]] = {}
 """(process id, the writer) -> its MLflow client and the id of the run it writes."""
+
+_CLAIMS: dict[tuple[int, tuple[str | None, str, str]], list[Any]] = {}
+"""(process id, (tracking URI, experiment, run name)) -> [claims, their owner or None]."""
 
 
 @attrs.frozen
 class Mlflow:
     """Logs metrics to an MLflow run; build it with ``fnloop.writers.mlflow``."""
 
-    experiment: str
-    run_name: str | None
-    tracking_uri: str | None
-    params: tuple[tuple[str, str], ...]
+    experiment: str = attrs.field(validator=_text)
+    run_name: str | None = attrs.field(validator=_text)
+    tracking_uri: str | None = attrs.field(validator=_text)
+    params: tuple[tuple[str, str], ...] = attrs.field(converter=_params)
+
+    @property
+    def _run(self) -> tuple[str | None, str, str]:
+        return (self.tracking_uri, self.experiment, self.run_name or "")
+
+    def claim(self, owner: object = None) -> None:
+        """Hold this run for ``owner`` in this process: refused (``DirectoryInUse``) while another live
+        process, or another owner in this one, writes it. A run without a name is never shared."""
+        if self.run_name is None:
+            return
+        key = (os.getpid(), self._run)
+        held = _CLAIMS.get(key)
+        if held is None:
+            client = _client(self.tracking_uri)
+            found = client.get_experiment_by_name(self.experiment)
+            if found is not None:
+                self._check(self._attempts(client, found.experiment_id))
+            _CLAIMS[key] = [1, owner]
+            return
+        if owner is not None and held[1] is not None and held[1] is not owner:
+            raise DirectoryInUse(
+                f"MLflow run {self.run_name!r} in experiment {self.experiment!r} is written by another log "
+                "hook of this process: two log hooks on one run would write every line twice and delete "
+                "each other's history on resume. Give each log hook its own run_name=, or put both "
+                "writers' metrics in one log hook."
+            )
+        held[0] += 1
+        if held[1] is None:
+            held[1] = owner
+
+    def release(self, owner: object = None) -> bool:
+        """Give back one ``claim`` by ``owner``; whether one was (``True`` for a run without a name)."""
+        if self.run_name is None:
+            return True
+        key = (os.getpid(), self._run)
+        held = _CLAIMS.get(key)
+        if held is None or (owner is not None and held[1] is not None and held[1] is not owner):
+            return False
+        held[0] -= 1
+        if held[0] == 0:
+            del _CLAIMS[key]
+        return True
 
     def start(self, iteration: int) -> None:
-        """Open this run's MLflow run: a new one, or, resumed at ``iteration``, one that continues its history."""
+        """Open this run's MLflow run: a new one, or, resumed at ``iteration``, one that continues its history.
+
+        Raises:
+            DirectoryInUse: another live process, or another writer of this one, writes the run.
+        """
         self.close()
         client = _client(self.tracking_uri)
         found = client.get_experiment_by_name(self.experiment)
         experiment = found.experiment_id if found is not None else client.create_experiment(self.experiment)
-        before = self._previous(client, experiment) if iteration > 0 else None
-        tags = {_TAG: self.run_name} if self.run_name is not None else {}
-        if before is not None:
-            tags["fnloop.resumed_from"] = before.info.run_id
+        attempts = self._attempts(client, experiment)
+        self._check(attempts)
+        source = _newest_whole(attempts) if iteration > 0 else None
+        tags = {_OWNER: _me(), _HISTORY: _PARTIAL}
+        if self.run_name is not None:
+            tags[_KEY] = _key(self.run_name)
+        if source is not None:
+            tags[_FROM] = source.info.run_id
         run = client.create_run(experiment, run_name=self.run_name, tags=tags)
         run_id = run.info.run_id
+        try:
+            # Two attempts started at once both passed the check above; each sees the other now.
+            self._check([a for a in self._attempts(client, experiment) if a.info.run_id != run_id])
+            if source is None:
+                self._begin(client, run_id, iteration)
+            else:
+                self._carry(client, source, run_id, iteration)
+            client.set_tag(run_id, _HISTORY, _WHOLE)
+        except BaseException:
+            with contextlib.suppress(Exception):  # else the next attempt deletes it: it is partial
+                _drop(client, run)
+            raise
         _LIVE[(os.getpid(), self)] = (client, run_id)
-        if before is None:
-            from mlflow.entities import Param
+        for stale in _replaced(attempts, source):
+            _drop(client, stale)
 
-            if iteration > 0:
-                warnings.warn(
-                    f"fnloop.writers.mlflow: this run resumes at iteration {iteration}, but no earlier "
-                    f"MLflow run named {self.run_name!r} is in experiment {self.experiment!r}, so its "
-                    "history before the resume is not in the new run. Give the writer the same "
-                    "run_name= in every attempt of a run.",
-                    stacklevel=2,
-                )
-            if self.params:
-                client.log_batch(run_id, params=[Param(k, v) for k, v in self.params])
-            return
-        self._carry(client, before, run_id, iteration)
-
-    def _previous(self, client: Any, experiment: str) -> Any:
-        """The newest live run of this name in ``experiment``, or ``None`` (no name: none to find)."""
+    def _attempts(self, client: Any, experiment: str) -> list[Any]:
+        """This run's MLflow runs in ``experiment``, the deleted ones aside: those of its attempts."""
         if self.run_name is None:
-            return None
-        name = self.run_name.replace("'", "\\'")
-        runs = client.search_runs(
-            [experiment], filter_string=f"tags.`{_TAG}` = '{name}'", order_by=["attributes.start_time DESC"]
+            return []
+        return list(
+            client.search_runs([experiment], filter_string=f"tags.`{_KEY}` = '{_key(self.run_name)}'")
         )
-        return runs[0] if runs else None
 
-    def _carry(self, client: Any, before: Any, run_id: str, iteration: int) -> None:
-        """Copy ``before``'s params and its history of iterations below ``iteration`` into ``run_id``, then
-        delete ``before``: the live run reads as one uninterrupted run."""
+    def _check(self, attempts: list[Any]) -> None:
+        """Refuse to go on while a live process, or another writer of this one, writes one of ``attempts``."""
+        me = os.getpid()
+        mine = {run_id for (pid, writer), (_, run_id) in _LIVE.items() if pid == me and writer != self}
+        for run in attempts:
+            holder = _holder(run, mine)
+            if holder is None:
+                continue
+            pid, host = holder
+            what = f"MLflow run {self.run_name!r} (id {run.info.run_id}, experiment {self.experiment!r})"
+            if host != _HOST:
+                fix = (
+                    f" If that process is gone, end its run, then start this one again: "
+                    f"mlflow.tracking.MlflowClient({self.tracking_uri!r}).set_terminated("
+                    f"{run.info.run_id!r}, 'KILLED')."
+                )
+                raise DirectoryInUse(
+                    f"{what} is in use by another live run (process {pid} on the machine {host}, which "
+                    f"cannot be checked from here): {IN_USE}{fix}"
+                )
+            if pid == me:
+                raise DirectoryInUse(f"{what} is written by another writer of this process: {IN_USE}")
+            raise DirectoryInUse(f"{what} is in use by another live run (process {pid}): {IN_USE}")
+
+    def _begin(self, client: Any, run_id: str, iteration: int) -> None:
+        """Log the params into the new run ``run_id``; a resume with no earlier run to continue warns."""
+        from mlflow.entities import Param
+
+        if iteration > 0:
+            warnings.warn(
+                f"fnloop.writers.mlflow: this run resumes at iteration {iteration}, but no earlier "
+                f"MLflow run named {self.run_name!r} is in experiment {self.experiment!r}, so its "
+                "history before the resume is not in the new run. Give the writer the same "
+                "run_name= in every attempt of a run.",
+                stacklevel=3,
+            )
+        if self.params:
+            client.log_batch(run_id, params=[Param(k, v) for k, v in self.params])
+
+    def _carry(self, client: Any, source: Any, run_id: str, iteration: int) -> None:
+        """Copy ``source``'s params and its history of iterations below ``iteration`` into ``run_id``."""
         from mlflow.entities import Metric, Param
 
-        params = [Param(k, v) for k, v in before.data.params.items()]
+        params = [Param(k, v) for k, v in source.data.params.items()]
         points = [
             Metric(name, m.value, m.timestamp, m.step)
-            for name in before.data.metrics
-            for m in client.get_metric_history(before.info.run_id, name)
+            for name in source.data.metrics
+            for m in client.get_metric_history(source.info.run_id, name)
             if m.step < iteration
         ]
         if params:
             client.log_batch(run_id, params=params)
         for at in range(0, len(points), _BATCH):
             client.log_batch(run_id, metrics=points[at : at + _BATCH])
-        client.delete_run(before.info.run_id)
 
     def write(self, line: _Line) -> None:
         """Log the newest value of each metric at step ``line.iteration``."""
@@ -155,20 +394,30 @@ def mlflow(
     (the JSON lines' numbers); ``params`` (the run's settings) are logged once,
     when the run begins. Give every attempt of a run the same ``run_name``:
     a run resumed at iteration ``k`` then continues the history of the run of
-    that name, as MLflow allows. MLflow cannot delete a metric's points, so
-    the resumed attempt logs into a new MLflow run of the same name, holding
-    the params and the history below ``k`` copied from the interrupted one,
-    which is deleted (soft: ``mlflow gc`` or the UI's restore can act on it).
+    that name. MLflow cannot delete a metric's points, so the resumed attempt
+    logs into a new MLflow run of the same name, holding the params and the
+    history below ``k`` copied from the interrupted one, which is deleted
+    (soft: ``mlflow gc`` or the UI's restore can act on it). A kill at any
+    point of the copy leaves the history whole for the next attempt.
+
+    A named run is held as a log file is: while a live process writes it, a
+    run with a writer of that name in that experiment is refused before it
+    writes anything (``fnloop.hooks.DirectoryInUse``, when the run starts).
+    The run of a killed attempt is taken over by the next one, which ends it
+    (KILLED) and deletes it once its own run holds the history, whether it
+    resumes or starts again from iteration 0. A process on another machine
+    cannot be checked from here: its run counts as live until it ends, and
+    the error says how to end it when that process is gone.
     Needs ``pip install "fnloop[mlflow]"``.
 
     Raises:
-        TypeError: ``params`` is not a mapping.
+        TypeError: an argument of the wrong type (``run_name`` not a str,
+            ``params`` not a mapping, ...).
+        ValueError: ``experiment``, ``run_name`` or ``tracking_uri`` is empty.
 
     Examples:
         >>> writer = mlflow("digits", run_name="seed-0", params={"lr": 0.1})
         >>> writer.params
         (('lr', '0.1'),)
     """
-    if not isinstance(experiment, str) or not experiment:
-        raise TypeError(f"mlflow(experiment=...) expects a non-empty str, got {experiment!r:.80}.")
-    return Mlflow(experiment=experiment, run_name=run_name, tracking_uri=tracking_uri, params=_params(params))
+    return Mlflow(experiment=experiment, run_name=run_name, tracking_uri=tracking_uri, params=params)
