@@ -222,3 +222,60 @@ def test_a_profile_directory_that_cannot_be_made_is_refused_when_the_hook_is_bui
         ValueError, match=r"profile\(\): cannot write into .*a-file/traces: .*a-file is a file"
     ):
         fl.hooks.profile(blocker / "traces", start=1, steps=1)
+
+
+# -- writers -------------------------------------------------------------------------------------------
+
+
+def _log_run(writer: object, step, start: int = 0, end: int = 3) -> fl.TrainState:
+    batches = fl.data.resumable([None])
+    return fl.run(fl.TrainState(max_iter=end, iteration=start), step, batches, [fl.hooks.log(writer)])
+
+
+@pytest.mark.parametrize(("make", "what"), [(fl.writers.csv, "column"), (fl.writers.jsonl, "key")])
+def test_a_metric_named_iteration_is_refused_by_the_file_writers(tmp_path, make, what):
+    # It overwrote the iteration of each row, and a resume then cut every earlier row away.
+    path = tmp_path / "metrics"
+    step = lambda s, b: fl.record(s, loss=1.0, iteration=10.0 * s.iteration)  # noqa: E731
+    with pytest.raises(
+        ValueError,
+        match=rf"{make.__name__}\('.*metrics'\): a metric is named 'iteration', .* {what} .*another name",
+    ):
+        _log_run(make(path), step)
+
+
+def test_a_resume_over_a_csv_file_it_did_not_write_is_refused_and_leaves_the_file(tmp_path):
+    # It appended rows without an iteration under the file's own columns.
+    path = tmp_path / "data.csv"
+    path.write_text("a,b\n1,2\n3,4\n")
+    step = lambda s, b: fl.record(s, loss=1.0)  # noqa: E731
+    with pytest.raises(
+        ValueError, match=r"csv\('.*data.csv'\): .*first column is 'a', not 'iteration'.*another path"
+    ):
+        _log_run(fl.writers.csv(path), step, start=2, end=4)
+    assert path.read_text() == "a,b\n1,2\n3,4\n"
+
+
+@pytest.mark.parametrize("make", [fl.writers.csv, fl.writers.jsonl])
+def test_a_file_writer_refuses_a_path_no_run_could_write_when_it_is_built(tmp_path, make):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match=r"'path' holds a NUL byte at position 3 .*give the path without it"):
+        make("run\0/metrics")
+    with pytest.raises(
+        ValueError, match=rf"{make.__name__}\('.*a-file/m'\): cannot write a file there: .*a-file is a file"
+    ):
+        make(blocker / "m")
+    with pytest.raises(ValueError, match=r"cannot write a file there: .* is a directory, not a file"):
+        make(tmp_path)
+
+
+def test_tensorboard_refuses_a_log_directory_no_run_could_write_when_it_is_built(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match=r"tensorboard\(\): 'logdir' holds a NUL byte"):
+        fl.writers.tensorboard("runs\0")
+    with pytest.raises(
+        ValueError, match=r"tensorboard\('.*a-file'\): cannot write a directory there: .*a-file is a file"
+    ):
+        fl.writers.tensorboard(blocker)
