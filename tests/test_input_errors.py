@@ -279,3 +279,94 @@ def test_tensorboard_refuses_a_log_directory_no_run_could_write_when_it_is_built
         ValueError, match=r"tensorboard\('.*a-file'\): cannot write a directory there: .*a-file is a file"
     ):
         fl.writers.tensorboard(blocker)
+
+
+# -- data ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("source", "why"),
+    [
+        ("abc", r"gives its characters"),
+        (b"abc", r"gives its characters"),
+        ({"x": torch.ones(2)}, r"iterating a dict gives its keys.*list\(source.values\(\)\)"),
+        ({1, 2}, r"a set has no order.*sorted\(source\)"),
+    ],
+    ids=["str", "bytes", "dict", "set"],
+)
+def test_resumable_refuses_a_source_whose_iteration_is_no_batches(source, why):
+    # A str gave its characters and a dict its keys, one "batch" each.
+    with pytest.raises(TypeError, match=rf"resumable: the source must be a re-iterable of batches .*{why}"):
+        fl.data.resumable(source)
+
+
+def test_resumable_refuses_an_empty_source_when_built():
+    with pytest.raises(ValueError, match=r"resumable: the source is empty \(got \[\] that is a list\)"):
+        fl.data.resumable([])
+
+
+def _stateful_loader(workers: int):
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+    return stateful.StatefulDataLoader(torch.arange(16.0), batch_size=2, num_workers=workers)
+
+
+def test_a_loader_position_resumed_with_another_number_of_workers_names_both():
+    # torchdata refused it with a bare AssertionError, at the first batch of the resumed run.
+    seen = lambda s, b: fl.record(s, x=b.sum())  # noqa: E731
+    half = fl.run(fl.TrainState(max_iter=3), seen, fl.data.resumable(_stateful_loader(2)))
+    assert type(half.data) is dict
+    with pytest.raises(
+        ValueError,
+        match=r"resumable: the StatefulDataLoader refused the position saved in state.data \(epoch 0\).*"
+        r"saved by a loader with num_workers=2, and this one has num_workers=0\. Build the loader with "
+        r"num_workers=2 to resume",
+    ):
+        fl.run(attrs.evolve(half, max_iter=5), seen, fl.data.resumable(_stateful_loader(0)))
+
+
+def _stream(seed: int) -> fl.data.Batches:
+    return fl.data.batches(torch.arange(8.0).reshape(8, 1), batch_size=2, seed=seed)
+
+
+@pytest.mark.parametrize(
+    ("streams", "error", "match"),
+    [
+        (5, TypeError, r"per_member\(streams\) expects a non-empty list .*\(got 5 that is an int\)"),
+        ([], ValueError, r"per_member\(streams\) expects a non-empty list .*\(got an empty tuple\)"),
+        ({"a": None}, TypeError, r"per_member\(streams\) expects .*that is a dict\)"),
+        ([[1.0], [2.0]], TypeError, r"streams\[0\] is not a resumable stream.*fnloop\.data\.resumable"),
+    ],
+    ids=["int", "empty", "dict", "lists"],
+)
+def test_per_member_names_what_is_not_a_list_of_streams(streams, error, match):
+    with pytest.raises(error, match=match):
+        fl.data.per_member(streams)
+
+
+def _member(seed: int) -> fl.TrainState:
+    torch.manual_seed(seed)
+    return fl.init(torch.nn.Linear(1, 1), fl.optim.sgd(0.1), seed=seed, max_iter=2)
+
+
+def _member_step():
+    return fl.train_step(
+        torch.nn.Linear(1, 1), lambda f, b: f(b).pow(2).mean(), fl.optim.sgd(0.1), compile=False
+    )
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_per_member_with_another_number_of_streams_than_members_is_refused_at_the_first_batch(count):
+    # Three streams for two members were ignored silently; one gave an IndexError from inside the step.
+    population = fl.population(_member, seeds=[0, 1])
+    streams = fl.data.per_member([_stream(s) for s in range(count)])
+    with pytest.raises(
+        ValueError,
+        match=rf"train_step at iteration 0: .*the population has 2 members, but .* shape \({count}, 2, 1\) "
+        rf"has rows for {count} members?\. Give fnloop\.data\.per_member one stream per member, 2 in all",
+    ):
+        fl.run(population, _member_step(), streams)
+
+
+def test_per_member_batches_given_to_a_single_run_are_refused():
+    with pytest.raises(ValueError, match=r"train_step: a PerMember batch .* this state is a single run's"):
+        fl.run(_member(0), _member_step(), fl.data.per_member([_stream(0), _stream(1)]))
