@@ -370,3 +370,66 @@ def test_per_member_with_another_number_of_streams_than_members_is_refused_at_th
 def test_per_member_batches_given_to_a_single_run_are_refused():
     with pytest.raises(ValueError, match=r"train_step: a PerMember batch .* this state is a single run's"):
         fl.run(_member(0), _member_step(), fl.data.per_member([_stream(0), _stream(1)]))
+
+
+# -- populations -----------------------------------------------------------------------------------------
+
+
+def _injected_member(seed: int, lr: float = 0.1) -> fl.TrainState:
+    torch.manual_seed(seed)
+    return fl.init(torch.nn.Linear(1, 1), fl.optim.inject(fl.optim.sgd, lr=lr), seed=seed, max_iter=4)
+
+
+@pytest.mark.parametrize(
+    ("seeds", "error", "match"),
+    [
+        (5, TypeError, r"expects one seed per member, a list .*seeds=range\(8\) \(got 5 that is an int\)"),
+        ("01", TypeError, r"expects one seed per member.*\(got '01' that is a str\)"),
+        ({0, 1}, TypeError, r"expects one seed per member.*\(got \{0, 1\} that is a set\)"),
+        (["a"], ValueError, r"'seeds\[0\]' must be a non-negative int \(got 'a' that is a str\)"),
+        ([0, -1], ValueError, r"'seeds\[1\]' must be a non-negative int \(got -1 that is an int\)"),
+        ([], ValueError, r"it needs at least one \(got an empty list\)"),
+    ],
+    ids=["int", "str", "set", "str-seed", "negative", "empty"],
+)
+def test_population_names_seeds_that_are_not_one_per_member(seeds, error, match):
+    # seeds=5 gave "'int' object is not iterable"; ['a'] was accepted by an init that ignores it.
+    with pytest.raises(error, match=match):
+        fl.population(lambda seed: _injected_member(0 if seed == "a" else seed), seeds=seeds)
+
+
+def test_population_names_an_init_that_is_no_function():
+    with pytest.raises(TypeError, match=r"population\(init, \.\.\.\) expects init to be a function .*got 5"):
+        fl.population(5, seeds=[0])
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "match"),
+    [
+        (
+            lambda pop: fl.member(42, 0),
+            TypeError,
+            r"member\(state, i\) expects a population's fnloop\.TrainState \(got 42",
+        ),
+        (
+            lambda pop: fl.members(None),
+            TypeError,
+            r"members\(state\) expects a population's fnloop\.TrainState \(got None",
+        ),
+        (
+            lambda pop: fl.member(pop, "1"),
+            TypeError,
+            r"i must be an int, a member's index from 0 to 1 \(got '1'",
+        ),
+        (
+            lambda pop: fl.member(pop, 2),
+            IndexError,
+            r"the population has members 0 to 1 \(got 2 that is an int\)",
+        ),
+    ],
+    ids=["int-state", "none-state", "str-index", "past-the-end"],
+)
+def test_member_names_what_is_not_a_population_or_a_member(call, error, match):
+    # member(42, 0) gave "'int' object has no attribute 'population'".
+    with pytest.raises(error, match=match):
+        call(fl.population(_injected_member, seeds=[0, 1]))
