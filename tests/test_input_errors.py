@@ -433,3 +433,11 @@ def test_member_names_what_is_not_a_population_or_a_member(call, error, match):
     # member(42, 0) gave "'int' object has no attribute 'population'".
     with pytest.raises(error, match=match):
         call(fl.population(_injected_member, seeds=[0, 1]))
+
+
+def test_ema_params_names_what_is_not_a_state_or_a_name():
+    # ema_params(42) gave "'int' object has no attribute 'hooks'".
+    with pytest.raises(TypeError, match=r"ema_params\(state, name\) expects a fnloop\.TrainState \(got 42"):
+        fl.hooks.ema_params(42)
+    with pytest.raises(TypeError, match=r"name must be the name= of an ema hook, a non-empty str \(got 5"):
+        fl.hooks.ema_params(fl.TrainState(max_iter=1), 5)

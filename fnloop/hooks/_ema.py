@@ -183,7 +183,10 @@ def ema_params(state: TrainState, name: str = "ema") -> dict[str, torch.Tensor]:
 
     Raises:
         KeyError: the state holds no average under ``name``.
-        TypeError: ``state.hooks[name]`` is another hook's state.
+        TypeError: ``state`` is not a ``TrainState``, ``name`` not a str, or
+            ``state.hooks[name]`` is another hook's state.
+        CheckpointMismatch: the average was read from a checkpoint whose
+            parameters were split over another number of ranks (see ``ema``).
 
     Examples:
         >>> import fnloop as fl
@@ -191,6 +194,12 @@ def ema_params(state: TrainState, name: str = "ema") -> dict[str, torch.Tensor]:
         >>> ema_params(ema(0.9)(state, fl.Phase.BEFORE_TRAIN))
         {'w': tensor([1., 1.])}
     """
+    if not isinstance(state, TrainState):
+        raise TypeError(f"ema_params(state, name) expects a fnloop.TrainState ({got(state)}).")
+    if type(name) is not str or not name:
+        raise TypeError(
+            f"ema_params(state, name): name must be the name= of an ema hook, a non-empty str ({got(name)})."
+        )
     found = _current(state, name)
     if found is None:
         raise KeyError(
