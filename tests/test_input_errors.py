@@ -441,3 +441,35 @@ def test_ema_params_names_what_is_not_a_state_or_a_name():
         fl.hooks.ema_params(42)
     with pytest.raises(TypeError, match=r"name must be the name= of an ema hook, a non-empty str \(got 5"):
         fl.hooks.ema_params(fl.TrainState(max_iter=1), 5)
+
+
+# -- checkpoints -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("call", "where", "name"),
+    [
+        (lambda p: checkpoint.resume(p, like=TrainState(max_iter=1)), "resume", "directory"),
+        (lambda p: checkpoint.latest(p, like=TrainState(max_iter=1)), "latest", "directory"),
+        (lambda p: checkpoint.checkpoints(p), "checkpoints", "directory"),
+        (lambda p: checkpoint.path_for(p, 1), "path_for", "directory"),
+        (lambda p: checkpoint.save(TrainState(max_iter=1), p), "save", "path"),
+        (lambda p: checkpoint.load(p, like=TrainState(max_iter=1)), "load", "path"),
+        (lambda p: checkpoint.read_raw(p), "read_raw", "path"),
+    ],
+    ids=["resume", "latest", "checkpoints", "path_for", "save", "load", "read_raw"],
+)
+def test_the_checkpoint_functions_name_a_path_that_is_none_or_empty(call, where, name):
+    # resume(None, ...) read the checkpoints of the current directory (os.listdir(None)); resume("", ...)
+    # never found one; 123 gave "expected str, bytes or os.PathLike object, not int".
+    with pytest.raises(TypeError, match=rf"{where}\(\): '{name}' must be a str or os.PathLike \(got None"):
+        call(None)
+    with pytest.raises(TypeError, match=rf"{where}\(\): '{name}' must be a str or os.PathLike \(got 123"):
+        call(123)
+    with pytest.raises(ValueError, match=rf"{where}\(\): '{name}' is empty; give the path"):
+        call("")
+
+
+def test_save_names_a_nul_byte_in_its_path(tmp_path):
+    with pytest.raises(ValueError, match=r"save\(\): 'path' holds a NUL byte at position"):
+        checkpoint.save(TrainState(max_iter=1), f"{tmp_path}/a\0b")

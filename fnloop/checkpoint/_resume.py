@@ -9,7 +9,7 @@ import attrs
 from fnloop._core.population import Population
 from fnloop._core.state import TrainState
 from fnloop.checkpoint._codec import CheckpointMismatch
-from fnloop.checkpoint._files import StrPath, latest
+from fnloop.checkpoint._files import StrPath, checked_path, latest
 
 __all__ = ["RunChanged", "resume"]
 
@@ -66,6 +66,7 @@ def resume(directory: StrPath, *, like: TrainState) -> TrainState:
     """
     if type(like) is not TrainState:
         raise TypeError(f"resume() expected like= a fnloop.TrainState, got {like!r:.80}.")
+    checked_path(directory, "directory", "resume()")
     saved = latest(directory, like=like)
     if saved is None:
         return like
