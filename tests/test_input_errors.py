@@ -473,3 +473,22 @@ def test_the_checkpoint_functions_name_a_path_that_is_none_or_empty(call, where,
 def test_save_names_a_nul_byte_in_its_path(tmp_path):
     with pytest.raises(ValueError, match=r"save\(\): 'path' holds a NUL byte at position"):
         checkpoint.save(TrainState(max_iter=1), f"{tmp_path}/a\0b")
+
+
+@pytest.mark.parametrize(
+    "make", [fl.hooks.checkpoint, lambda d: fl.hooks.best_checkpoint(d, "loss")], ids=["checkpoint", "best"]
+)
+def test_a_checkpoint_hook_refuses_a_directory_under_a_file_when_it_is_built(tmp_path, make):
+    # Accepted when built, the first save failed with a bare FileExistsError.
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(
+        ValueError, match=r"checkpoint\(\) cannot write into the directory .*a-file/ckpt'.*a-file is a file"
+    ):
+        make(blocker / "ckpt")
+    with pytest.raises(ValueError, match=r"checkpoint\(\): 'directory' holds a NUL byte"):
+        make("ckpt\0")
+    with pytest.raises(
+        TypeError, match=r"checkpoint\(\): 'directory' must be a str or os.PathLike \(got 123"
+    ):
+        make(123)
