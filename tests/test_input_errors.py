@@ -492,3 +492,20 @@ def test_a_checkpoint_hook_refuses_a_directory_under_a_file_when_it_is_built(tmp
         TypeError, match=r"checkpoint\(\): 'directory' must be a str or os.PathLike \(got 123"
     ):
         make(123)
+
+
+@pytest.mark.parametrize(
+    ("dataset", "match"),
+    [
+        (
+            {"x": torch.ones(4), "y": torch.ones(4)},
+            r"a dict dataset is read as dataset\[i\] .*keys are 'x', 'y'",
+        ),
+        ("abcd", r"the dataset is a str, whose samples would be its characters"),
+    ],
+    ids=["dict-of-columns", "str"],
+)
+def test_batches_refuses_a_dataset_not_indexed_by_sample_when_built(dataset, match):
+    # A dict of columns was accepted and failed with KeyError: 0 at the first batch; a str gave characters.
+    with pytest.raises(TypeError, match=rf"fnloop\.data\.batches: {match}"):
+        fl.data.batches(dataset, batch_size=2, seed=0)
