@@ -10,7 +10,8 @@ gives member ``i`` back as the plain state of a single run.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import numbers
+from collections.abc import Callable, Iterable, Mapping, Sequence, Set
 from typing import Any
 
 import attrs
@@ -44,8 +45,11 @@ def population(
     Args:
         init: ``init(seed, **hyperparams) -> TrainState``, a member's state from
             its seed and hyperparameters; the same arguments must build the same state.
-        seeds: one seed per member, passed to ``init`` (and usually on to
-            ``fnloop.init(..., seed=seed)`` and ``torch.manual_seed``).
+        seeds: one seed per member, non-negative ints (``range(8)``), passed
+            to ``init`` (and usually on to ``fnloop.init(..., seed=seed)`` and
+            ``torch.manual_seed``). A seed may repeat only across members whose
+            hyperparameters differ (the same initial weights, a controlled
+            sweep): two members alike in both would be one run twice.
         **hyperparams: name -> one value per member, passed to ``init`` by name.
 
     Returns:
@@ -53,9 +57,12 @@ def population(
         member's label names its hyperparameters (``"lr=0.001"``).
 
     Raises:
-        ValueError: no members, a hyperparameter without one value per member,
-            members that do not fit one graph, ``init`` giving two states for the
-            same arguments, or a hyperparameter that does not reach the state.
+        TypeError: ``init`` is not callable, or ``seeds`` is not a list (a
+            single int, a str, a set).
+        ValueError: no members, a seed that is not a non-negative int, a
+            hyperparameter without one value per member, members that do not
+            fit one graph, ``init`` giving two states for the same arguments, or
+            a hyperparameter that does not reach the state.
 
     Examples:
         >>> import fnloop as fl
@@ -67,9 +74,12 @@ def population(
         >>> pop.params["weight"].shape, pop.population.labels
         (torch.Size([2, 2, 3]), ('lr=0.1', 'lr=0.01'))
     """
-    seeds = list(seeds)
-    if not seeds:
-        raise ValueError("population(init, seeds=...) needs at least one seed, one per member.")
+    if not callable(init):
+        raise TypeError(
+            f"population(init, ...) expects init to be a function (seed, **hyperparams) -> TrainState, "
+            f"a member's state ({got(init)})."
+        )
+    seeds = _seed_list(seeds)
     size = len(seeds)
     for name, values in hyperparams.items():
         if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or len(values) != size:
@@ -103,6 +113,25 @@ def population(
                 "model's code (a dropout rate, a width) cannot differ within one population."
             )
     return _stacked(states, tuple(_label(setting, seed) for setting, seed in zip(settings, seeds)))
+
+
+_SEEDS = (
+    "population(init, seeds=...) expects one seed per member, a list of non-negative ints such as "
+    "seeds=range(8)"
+)
+
+
+def _seed_list(seeds: object) -> list[Any]:
+    """``seeds`` as a list, refused unless it is an ordered collection of non-negative ints."""
+    if isinstance(seeds, (str, bytes, Mapping, Set)) or not isinstance(seeds, Iterable):
+        raise TypeError(f"{_SEEDS} ({got(seeds)}).")
+    listed = list(seeds)
+    if not listed:
+        raise ValueError(f"{_SEEDS}; it needs at least one (got an empty {type(seeds).__name__}).")
+    for m, seed in enumerate(listed):
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+            raise ValueError(f"{_SEEDS}: 'seeds[{m}]' must be a non-negative int ({got(seed)}).")
+    return listed
 
 
 def _member_state(init: Callable[..., TrainState], seed: int, setting: dict[str, Any]) -> TrainState:
@@ -197,7 +226,7 @@ def member(state: TrainState, i: int) -> TrainState:
     and are left out: a run of the member starts its hooks afresh.
 
     Raises:
-        TypeError: ``state`` is not a population's.
+        TypeError: ``state`` is not a population's state, or ``i`` is not an int.
         IndexError: no member ``i``.
 
     Examples:
@@ -210,12 +239,19 @@ def member(state: TrainState, i: int) -> TrainState:
         >>> one.population, one.rng, torch.equal(one.params["weight"], init(4).params["weight"])
         (None, 4, True)
     """
+    if not isinstance(state, TrainState):
+        raise TypeError(f"member(state, i) expects a population's fnloop.TrainState ({got(state)}).")
     population = state.population
     if population is None:
         raise TypeError(
             "member(state, i): the state is a single run's, not a population's (fnloop.population)."
         )
-    if type(i) is not int or not 0 <= i < population.size:
+    if type(i) is not int:
+        raise TypeError(
+            f"member(state, i): i must be an int, a member's index from 0 to {population.size - 1} "
+            f"({got(i)})."
+        )
+    if not 0 <= i < population.size:
         raise IndexError(
             f"member(state, i): the population has members 0 to {population.size - 1} ({got(i)})."
         )
@@ -246,6 +282,8 @@ def member(state: TrainState, i: int) -> TrainState:
 
 def members(state: TrainState) -> list[TrainState]:
     """Every member of a population's state, in order (``member`` of each)."""
+    if not isinstance(state, TrainState):
+        raise TypeError(f"members(state) expects a population's fnloop.TrainState ({got(state)}).")
     if state.population is None:
         raise TypeError(
             "members(state): the state is a single run's, not a population's (fnloop.population)."

@@ -33,7 +33,7 @@ import attrs
 
 from fnloop._atomic import claim_file, write_atomically
 from fnloop._atomic import release as release_claim
-from fnloop._core.messages import a_path
+from fnloop._core.messages import a_path, unwritable
 from fnloop._core.metrics import Metrics, Scalar, to_floats
 from fnloop._core.population import split_member_metric
 
@@ -41,6 +41,22 @@ __all__ = ["Line", "Writer", "console", "csv", "jsonl", "mlflow", "tensorboard"]
 
 LOGGER = "fnloop"
 """The name of the ``logging`` logger the console writer writes to."""
+
+ITERATION_NAMED = (
+    "{writer}: a metric is named 'iteration', the name of the {column} that holds each {row}'s iteration: "
+    "it would overwrite it, and a resumed run, which cuts the file back by that {column}, would then "
+    "drop the earlier {row}s. Record the metric under another name (fnloop.record(state, "
+    "steps_seen=...)), or log it with another writer."
+)
+"""Why the file writers refuse a metric named ``iteration``."""
+
+FOREIGN_CSV = (
+    "fnloop.writers.csv({path!r}): the run appends to this CSV file, but its first column is {first!r}, "
+    "not 'iteration': fnloop.writers.csv did not write it, so its rows have no iteration to cut the "
+    "file back by when a run resumes, and the new rows would not match its columns. Give the writer "
+    "another path, or move the file away."
+)
+"""Why ``csv`` refuses to resume over a CSV file it did not write."""
 
 
 @attrs.frozen
@@ -246,6 +262,29 @@ def console() -> Console:
     return Console()
 
 
+def _jsonl_path(value: object) -> str:
+    return a_path(value, where="fnloop.writers.jsonl()")
+
+
+def _csv_path(value: object) -> str:
+    return a_path(value, where="fnloop.writers.csv()")
+
+
+def _logdir(value: object) -> str:
+    return a_path(value, "logdir", where="fnloop.writers.tensorboard()")
+
+
+def _writable(writer: str, path: str, *, directory: bool) -> None:
+    """Refuse ``path`` when the writer is built if the run could not write it when it logs."""
+    why = unwritable(Path(path), directory=directory)
+    if why is not None:
+        kind = "a directory" if directory else "a file"
+        raise ValueError(
+            f"fnloop.writers.{writer}({path!r}): cannot write {kind} there: {why}. Give a path the run "
+            "may create or write to."
+        )
+
+
 # -- JSON lines ----------------------------------------------------------------------------------------
 
 
@@ -286,7 +325,7 @@ _FILES: dict[tuple[int, str], Any] = {}
 class Jsonl(_OneFile):
     """Appends one JSON object per line to ``path``; build it with ``jsonl``."""
 
-    path: str = attrs.field(converter=a_path)
+    path: str = attrs.field(converter=_jsonl_path)
 
     def start(self, iteration: int) -> None:
         """Cut the file back to the lines of iterations before ``iteration``, atomically."""
@@ -309,6 +348,12 @@ class Jsonl(_OneFile):
 
     def write(self, line: Line) -> None:
         """Append ``{"iteration": N, name: value, ...}`` (the newest value of each name) and flush."""
+        if "iteration" in line.names:
+            raise ValueError(
+                ITERATION_NAMED.format(
+                    writer=f"fnloop.writers.jsonl({self.path!r})", column="key", row="line"
+                )
+            )
         # Strict JSON: a non-finite value is written as the string Python's float() reads back.
         entry: dict[str, Any] = {
             "iteration": line.iteration,
@@ -340,8 +385,13 @@ def jsonl(path: str | os.PathLike[str]) -> Jsonl:
     a log resumed after a crash has no repeated or abandoned iterations; a run
     starting at 0 therefore starts the file afresh.
 
+    A metric named ``iteration`` is refused when it is written: it would
+    overwrite the iteration of its line.
+
     Raises:
         TypeError: ``path`` is not a path.
+        ValueError: ``path`` is empty, holds a NUL byte, is a directory, or
+            lies under a file or in a directory the run cannot write.
 
     Examples:
         >>> import json, os, tempfile, fnloop as fl
@@ -351,7 +401,9 @@ def jsonl(path: str | os.PathLike[str]) -> Jsonl:
         >>> [json.loads(text) for text in Path(path).read_text().splitlines()]
         [{'iteration': 2, 'loss': 0.5}, {'iteration': 4, 'loss': 0.25}, {'iteration': 5, 'loss': 0.2}]
     """
-    return Jsonl(path)
+    writer = Jsonl(path)
+    _writable("jsonl", writer.path, directory=False)
+    return writer
 
 
 # -- CSV ------------------------------------------------------------------------------------------------
@@ -389,7 +441,7 @@ def _rewrite(path: Path, columns: list[str], rows: list[list[str]]) -> None:
 class Csv(_OneFile):
     """Appends one row per write to the CSV file ``path``; build it with ``fnloop.writers.csv``."""
 
-    path: str = attrs.field(converter=a_path)
+    path: str = attrs.field(converter=_csv_path)
 
     def start(self, iteration: int) -> None:
         """Cut the file back to the rows of iterations before ``iteration``, atomically."""
@@ -398,6 +450,8 @@ class Csv(_OneFile):
         if not path.exists():
             return
         columns, rows = _table(path)
+        if iteration > 0:
+            self._check_columns(columns)
         kept = [row for row in rows if int(row[0]) < iteration]
         if not kept:  # a run from the start: a table of its own, columns and all
             path.unlink()
@@ -407,12 +461,19 @@ class Csv(_OneFile):
     def write(self, line: Line) -> None:
         """Append ``iteration`` and the newest value of each metric; a new metric adds a column (the
         file is then written again, atomically, the earlier rows' cells of it left empty)."""
+        if "iteration" in line.names:
+            raise ValueError(
+                ITERATION_NAMED.format(
+                    writer=f"fnloop.writers.csv({self.path!r})", column="column", row="row"
+                )
+            )
         values = line.values()
         key = (os.getpid(), self.path)
         path = Path(self.path)
         if key not in _TABLES:
             path.parent.mkdir(parents=True, exist_ok=True)
             columns, _ = _table(path)
+            self._check_columns(columns)
             _TABLES[key] = (None, columns)
         file, columns = _TABLES[key]
         new = [name for name in values if name not in columns]
@@ -429,6 +490,11 @@ class Csv(_OneFile):
         row = {"iteration": str(line.iteration), **{k: repr(v) for k, v in values.items()}}
         _csv.writer(file, lineterminator="\n").writerow([row.get(name, "") for name in columns])
         file.flush()  # the row is the operating system's now: a crash of this process keeps it
+
+    def _check_columns(self, columns: list[str]) -> None:
+        """Refuse to add rows to a CSV file that does not begin with the iteration column."""
+        if columns and columns[0] != "iteration":
+            raise ValueError(FOREIGN_CSV.format(path=self.path, first=columns[0]))
 
     def close(self) -> None:
         """Close the file, if this process has it open."""
@@ -449,8 +515,14 @@ def csv(path: str | os.PathLike[str]) -> Csv:
     resumed run's table has no repeated or abandoned rows; a run starting at 0
     starts the file afresh, columns and all.
 
+    A metric named ``iteration`` is refused when it is written (it would
+    overwrite the iteration column), and so is a resumed run over a CSV file
+    whose first column is not ``iteration`` (a file this writer did not write).
+
     Raises:
         TypeError: ``path`` is not a path.
+        ValueError: ``path`` is empty, holds a NUL byte, is a directory, or
+            lies under a file or in a directory the run cannot write.
 
     Examples:
         >>> import os, tempfile, fnloop as fl
@@ -466,7 +538,9 @@ def csv(path: str | os.PathLike[str]) -> Csv:
         3,0.3333333333333333,0.5
         4,0.25,
     """
-    return Csv(path)
+    writer = Csv(path)
+    _writable("csv", writer.path, directory=False)
+    return writer
 
 
 # -- TensorBoard ---------------------------------------------------------------------------------------
@@ -520,7 +594,7 @@ def _after_older_files(logdir: str) -> None:
 class Tensorboard:
     """Writes scalars to TensorBoard event files in ``logdir``; build it with ``tensorboard``."""
 
-    logdir: str = attrs.field(converter=a_path)
+    logdir: str = attrs.field(converter=_logdir)
 
     def claim(self, owner: object = None) -> None:
         """Hold the log directory for ``owner``: another live run or owner writing it is refused."""
@@ -594,13 +668,17 @@ def tensorboard(logdir: str | os.PathLike[str]) -> Tensorboard:
     Raises:
         ImportError: tensorboard is not installed (``pip install "fnloop[tensorboard]"``).
         TypeError: ``logdir`` is not a path.
+        ValueError: ``logdir`` is empty, holds a NUL byte, is a file, or lies
+            under a file or in a directory the run cannot write.
 
     Examples:
         >>> import tempfile, fnloop as fl
         >>> hook = fl.every(20, fl.hooks.log(tensorboard(tempfile.mkdtemp())))
     """
     _require_tensorboard()
-    return Tensorboard(logdir)
+    writer = Tensorboard(logdir)
+    _writable("tensorboard", writer.logdir, directory=True)
+    return writer
 
 
 from fnloop._trackers import mlflow  # noqa: E402 - the trackers' writers, beside the files'

@@ -128,3 +128,48 @@ def test_the_digits_example_extends_with_a_warning_and_refuses_another_seed(tmp_
         match=r"(?s)seeded 0, but the template is seeded 1: .*resume it with the --seed it was run with",
     ):
         digits.main([*args, "--max-iter", "30", "--seed", "1"])
+
+
+def member(seed: int, lr: float = 0.1, max_iter: int = 6) -> fl.TrainState:
+    torch.manual_seed(seed)
+    return fl.init(nn.Linear(3, 1), fl.optim.inject(fl.optim.sgd, lr=lr), seed=seed, max_iter=max_iter)
+
+
+def saved_population(tmp_path, seeds=(0, 1), lrs=(0.1, 0.2)) -> fl.TrainState:
+    population = fl.population(member, seeds=list(seeds), lr=list(lrs))
+    fl.checkpoint.save(attrs.evolve(population, iteration=3), fl.checkpoint.path_for(tmp_path, 3))
+    return population
+
+
+def test_a_population_template_with_another_seed_for_any_member_is_another_run(tmp_path):
+    # Only member 0's seed (state.rng) was compared: the others' were kept silently.
+    saved_population(tmp_path)
+    template = fl.population(member, seeds=[0, 2], lr=[0.1, 0.2])
+    with pytest.raises(
+        CheckpointMismatch,
+        match=r"a population whose members are seeded \[0, 1\], but the template's are seeded \[0, 2\] "
+        r"\(member 1: 1 saved, 2 in the template\).*Build the template with seeds=\[0, 1\]",
+    ):
+        fl.checkpoint.resume(tmp_path, like=template)
+
+
+def test_a_population_template_with_other_hyperparameters_warns_and_keeps_the_saved_ones(tmp_path):
+    # The saved hyperparameters were kept without a word.
+    saved_population(tmp_path)
+    template = fl.population(member, seeds=[0, 1], lr=[0.1, 0.3])
+    with pytest.warns(
+        RunChanged,
+        match=r"other hyperparameters than the template's \(member 1: 'lr=0\.2' saved, 'lr=0\.3' in the "
+        r"template\).*continues with the checkpoint's.*another directory",
+    ):
+        resumed = fl.checkpoint.resume(tmp_path, like=template)
+    assert resumed.population.labels == ("lr=0.1", "lr=0.2")
+    assert resumed.opt_state.hyperparams["lr"].tolist() == [0.1, 0.2]
+
+
+def test_a_population_resumes_silently_under_the_same_seeds_and_hyperparameters(tmp_path):
+    saved = saved_population(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resumed = fl.checkpoint.resume(tmp_path, like=fl.population(member, seeds=[0, 1], lr=[0.1, 0.2]))
+    assert resumed.iteration == 3 and resumed.population == saved.population

@@ -271,3 +271,48 @@ def test_an_index_naming_a_part_elsewhere_is_damage(checkpoint_of_three) -> None
     index(
         {**data, "parts": [{"file": "ckpt-00000003.part-00001-of-00002.safetensors", "checksum": "c"}]}, "x"
     )
+
+
+def with_ema(state: fl.TrainState, world: int, rank: int) -> fl.TrainState:
+    """Rank ``rank``'s part of ``state`` (sharded over one rank) with its EMA's chunks, as ``split`` cuts."""
+    part = split(state, world, rank)
+    average = state.hooks["ema"]
+    names = part.shards.names
+    params = {k: chunk(v, part.shards, k) if k in names else v for k, v in average.params.items()}
+    return attrs.evolve(part, hooks={**state.hooks, "ema": fl.hooks.EmaState(params, average.updates)})
+
+
+@pytest.mark.parametrize(("saved", "loaded"), [(2, 3), (2, 2), (1, 2), (2, 1)])
+def test_the_ema_of_a_full_state_resumes_at_the_world_size_that_saved_it_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, saved: int, loaded: int
+) -> None:
+    # Rows of 4 split in chunks of 2 over 2 ranks as over 3: read at 3 ranks, every rank silently got
+    # rank 0's chunk of the average; at other sizes the shapes differed, and the error never said why.
+    def square() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Linear(4, 4)
+
+    def start() -> fl.TrainState:
+        return fl.init(square(), optimizer(), seed=0, max_iter=2, shard="full")
+
+    net = square()
+    step = fl.train_step(net, lambda f, b: f(b).pow(2).mean(), optimizer(), compile=False)
+    state = fl.run(start(), step, [torch.ones(2, 4)] * 2, [fl.hooks.ema(0.9)])
+    path = fl.checkpoint.path_for(tmp_path, state.iteration)
+    save_by_ranks([with_ema(state, saved, r) for r in range(saved)], path, monkeypatch)
+    for rank in range(loaded):
+        resumed = fl.load(path, like=split(start(), loaded, rank))
+        if saved == loaded:
+            kept = fl.hooks.ema_params(resumed)
+            assert all(
+                torch.equal(kept[k], v) for k, v in with_ema(state, loaded, rank).hooks["ema"].params.items()
+            )
+            continue
+        was = f"a shard='full' run over {saved} ranks" if saved > 1 else "a run whose parameters were whole"
+        now = f"splits the parameters over {loaded} ranks" if loaded > 1 else "holds the parameters whole"
+        with pytest.raises(
+            fl.checkpoint.CheckpointMismatch,
+            match=rf"ema 'ema': the average in .*state.hooks\['ema'\] was saved by {was}, and the state it is "
+            rf"read into {now}\. .*resumes only at the world size that saved it.*start the average afresh",
+        ):
+            fl.hooks.ema(0.9)(resumed, fl.Phase.BEFORE_TRAIN)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import attrs
 
@@ -41,19 +42,56 @@ def describe(obj: object) -> str:
     return repr(obj)
 
 
-def a_path(value: object, name: str = "path") -> str:
+def a_path(value: object, name: str = "path", where: str = "") -> str:
     """``value`` as a path string (``os.fspath``), refused unless it is a non-empty str or ``os.PathLike``.
+
+    A NUL byte is refused too: no file system can name a file with one.
+    ``where`` (``"fnloop.writers.csv()"``) begins the messages, when given.
 
     Examples:
         >>> a_path("runs/a")
         'runs/a'
     """
+    at = f"{where}: " if where else ""
     if not isinstance(value, (str, os.PathLike)):
-        raise TypeError(f"'{name}' must be a str or os.PathLike ({got(value)}).")
+        raise TypeError(f"{at}'{name}' must be a str or os.PathLike ({got(value)}).")
     path = os.fspath(value)
+    if not isinstance(path, str):
+        raise TypeError(f"{at}'{name}' must be a str or os.PathLike of a str ({got(value)}).")
     if not path:
-        raise ValueError(f"'{name}' is empty; give the path to write to, for example 'runs/a/metrics.jsonl'.")
+        raise ValueError(
+            f"{at}'{name}' is empty; give the path to write to, for example 'runs/a/metrics.jsonl'."
+        )
+    nul = path.find("\0")
+    if nul >= 0:
+        raise ValueError(
+            f"{at}'{name}' holds a NUL byte at position {nul} (got {path!r:.80}), which no file "
+            "system allows in a path; give the path without it."
+        )
     return path
+
+
+def unwritable(path: Path, *, directory: bool) -> str | None:
+    """Why a run could not write ``path`` (a directory if ``directory``, else a file), or ``None``.
+
+    The nearest part of ``path`` that exists decides: a file where a directory
+    must be, a directory where the file must be, or a directory not writable.
+
+    Examples:
+        >>> import tempfile
+        >>> unwritable(Path(tempfile.mkdtemp()) / "runs" / "metrics.csv", directory=False) is None
+        True
+    """
+    if path.exists() and not directory and path.is_dir():
+        return f"{path} is a directory, not a file"
+    existing = path if directory or not path.exists() else path.parent
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable"
+    return None
 
 
 # The attrs validators most records share; a record-specific one lives beside its record.

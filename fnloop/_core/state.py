@@ -153,11 +153,16 @@ class Unclaimed:
         data: the decoded tree (containers, numbers, strings, tensors).
         decode: ``decode(data, like, where) -> value``, strict about structure.
         where: where the data came from, for messages (file and entry).
+        shards: the layout of the sharded checkpoint it was read from (``None``
+            for a checkpoint of a whole state). Read from another layout, a hook
+            state that holds chunks of the parameters (an EMA of a ``full``
+            state) holds rank 0's alone; its hook can refuse it.
     """
 
     data: Any
     decode: Callable[[Any, Any, str], Any] = attrs.field(repr=False)
     where: str = attrs.field(eq=False)
+    shards: Shards | None = attrs.field(default=None, eq=False, repr=False)
 
     def claim(self, like: Any) -> Any:
         """The value, built and checked against the template ``like``."""

@@ -149,6 +149,7 @@ class TrainStep(Applied):
         """One step writing into ``state``'s tensors (the caller's own when ``mine``, else copies)."""
         if state.population is not None:
             return self._members(state, batch, leaves, ospec, mine)
+        _not_per_member(batch)
         params, buffers, opt_state = state.params, state.buffers, state.opt_state
         if not self.model.training:
             self.model.train()
@@ -214,7 +215,7 @@ class TrainStep(Applied):
         if not any(training):  # every member has stopped: nothing trains, nothing is recorded
             return state
         shared = type(batch) is not PerMember
-        inner = batch if shared else batch.batch
+        inner = batch if shared else _member_rows(batch, size, i)
         device = leaves[0].device if leaves else _device(params)
         iteration = self._iteration(device)
         iteration.fill_(i)
@@ -352,6 +353,8 @@ class TrainStep(Applied):
                         failed.reached = at
                     raise
             return state
+        for batch in batches:
+            _not_per_member(batch)
         if not self.model.training:
             self.model.train()
         leaves, ospec = pytree.tree_flatten(opt_state)
@@ -463,6 +466,31 @@ def _population_of(state: TrainState, rank: int) -> Population:
             "without fnloop.init(..., shard=...)."
         )
     return population
+
+
+def _member_rows(batch: PerMember, size: int, i: int) -> Any:
+    """The tensors of a per-member batch, refused unless each has one row per member, members first."""
+    for path, leaf in pytree.tree_flatten_with_path(batch.batch)[0]:
+        if isinstance(leaf, torch.Tensor) and (leaf.ndim == 0 or leaf.shape[0] != size):
+            n = leaf.shape[0] if leaf.ndim else 0
+            rows = "no member dimension" if leaf.ndim == 0 else f"rows for {n} member{'s' * (n != 1)}"
+            raise ValueError(
+                f"train_step at iteration {i}: a PerMember batch gives member m the row m of each of its "
+                f"tensors, and the population has {size} members, but its tensor "
+                f"batch{pytree.keystr(path)} of shape {tuple(leaf.shape)} has {rows}. Give "
+                f"fnloop.data.per_member one stream per member, {size} in all, in the members' order."
+            )
+    return batch.batch
+
+
+def _not_per_member(batch: Any) -> None:
+    """Refuse a per-member batch given to a single run's step."""
+    if type(batch) is PerMember:
+        raise ValueError(
+            "train_step: a PerMember batch (fnloop.data.per_member) gives each member of a population its own batch, "
+            "but this state is a single run's (state.population is None). Give the run one stream itself "
+            "(streams[m] of the list given to per_member), or train a population (fnloop.population)."
+        )
 
 
 def _rows(tree: Any, m: int) -> Any:

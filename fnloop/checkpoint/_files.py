@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fnloop._atomic import remove_leftovers, write_atomically
+from fnloop._core.messages import a_path, got
 from fnloop._core.state import TrainState
 from fnloop.checkpoint._codec import (
     CheckpointError,
@@ -46,6 +47,27 @@ class CheckpointWarning(UserWarning):
     """``latest`` skipped a damaged checkpoint file; the message names it and says why."""
 
 
+def checked_path(value: object, name: str, where: str, *, written: bool = False) -> StrPath:
+    """``value``, refused unless it is a non-empty str or ``os.PathLike`` of one.
+
+    ``None`` or ``""`` would read the current directory, or nothing, without
+    a word. A NUL byte in a path to read is left to the file system calls,
+    which say so as a ``CheckpointError``; in a path to write (``written``)
+    it is refused here.
+    """
+    path = os.fspath(value) if isinstance(value, (str, os.PathLike)) else None
+    if not isinstance(path, str):
+        raise TypeError(f"{where}: '{name}' must be a str or os.PathLike ({got(value)}).")
+    if not path:
+        raise ValueError(
+            f"{where}: '{name}' is empty; give the path of the run's checkpoint "
+            f"{'directory' if name == 'directory' else 'file'}, for example 'runs/a/ckpt'."
+        )
+    if written:
+        a_path(path, name, where)
+    return value  # type: ignore[return-value]
+
+
 def path_for(directory: StrPath, iteration: int) -> Path:
     """The file a checkpoint of ``iteration`` has in ``directory``: ``ckpt-{iteration:08d}.safetensors``.
 
@@ -56,6 +78,7 @@ def path_for(directory: StrPath, iteration: int) -> Path:
         >>> path_for("run/ckpt", 12).name
         'ckpt-00000012.safetensors'
     """
+    checked_path(directory, "directory", "path_for()")
     if type(iteration) is not int or iteration < 0:
         raise ValueError(f"'iteration' must be a non-negative int (got {iteration!r}).")
     return Path(directory) / f"ckpt-{iteration:08d}.safetensors"
@@ -71,6 +94,7 @@ def checkpoints(directory: StrPath) -> list[Path]:
         >>> checkpoints("no/such/directory")
         []
     """
+    checked_path(directory, "directory", "checkpoints()")
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
@@ -120,6 +144,7 @@ def save(state: TrainState, path: StrPath) -> Path:
     """
     if type(state) is not TrainState:
         raise TypeError(f"save() expected a fnloop.TrainState, got {state!r:.80} (a {type(state).__name__}).")
+    checked_path(path, "path", "save()", written=True)
     if state.effects:
         labels = [e.label or repr(e.perform) for e in state.effects]
         raise ValueError(
@@ -196,6 +221,7 @@ def load(path: StrPath, *, like: TrainState) -> TrainState:
         raise TypeError(
             f"load() expected like= a fnloop.TrainState, got {like!r:.80} (a {type(like).__name__})."
         )
+    checked_path(path, "path", "load()")
     index = _index(path)
     if index is not None or like.shards is not None:
         return load_sharded(Path(path), like, index)
@@ -235,6 +261,7 @@ def latest(directory: StrPath, *, like: TrainState) -> TrainState | None:
     """
     if type(like) is not TrainState:
         raise TypeError(f"latest() expected like= a fnloop.TrainState, got {like!r:.80}.")
+    checked_path(directory, "directory", "latest()")
     from fnloop.distributed import world_size
 
     if world_size() == 1:
@@ -341,6 +368,7 @@ def read_raw(path: StrPath) -> tuple[dict[str, str], Any]:
         >>> meta["fnloop.format"], tree["max_iter"], tree["extra"]
         ('2', 3, (1, 2.5))
     """
+    checked_path(path, "path", "read_raw()")
     index = _index(path)
     metadata, raw = read(path) if index is None else reshard(Path(path), index, None)
     return {k: v for k, v in metadata.items() if k != "fnloop.skeleton"}, raw

@@ -6,15 +6,20 @@ import warnings
 
 import attrs
 
+from fnloop._core.population import Population
 from fnloop._core.state import TrainState
 from fnloop.checkpoint._codec import CheckpointMismatch
-from fnloop.checkpoint._files import StrPath, latest
+from fnloop.checkpoint._files import StrPath, checked_path, latest
 
 __all__ = ["RunChanged", "resume"]
 
 
 class RunChanged(UserWarning):
-    """``resume`` continues a run under a setting the template changed (``max_iter``); the message names both."""
+    """``resume`` continues a run whose template changed a setting; the message names both values.
+
+    The template's ``max_iter`` wins; a population's hyperparameters stay the
+    checkpoint's (they are part of its state).
+    """
 
 
 def resume(directory: StrPath, *, like: TrainState) -> TrainState:
@@ -28,7 +33,10 @@ def resume(directory: StrPath, *, like: TrainState) -> TrainState:
     A schedule spanning ``max_iter`` (``cosine(lr, max_iter)``) is built from
     the code, so it follows the template and now spans the new length. A
     template with another seed (``rng``) would make it another run: that is an
-    error.
+    error. So is, for a population, a template whose members are seeded
+    otherwise; one whose members were built with other hyperparameters (their
+    labels differ) resumes with the checkpoint's, which its state holds, and a
+    ``RunChanged`` warning naming both.
 
     Args:
         directory: the run's checkpoint directory (missing or empty: a fresh start).
@@ -38,8 +46,9 @@ def resume(directory: StrPath, *, like: TrainState) -> TrainState:
         The saved state with the template's ``max_iter``, or ``like`` itself.
 
     Raises:
-        CheckpointMismatch: the checkpoint was written with another seed, is
-            past the template's ``max_iter``, or does not fit ``like``.
+        CheckpointMismatch: the checkpoint was written with another seed (for
+            a population, any member's), is past the template's ``max_iter``,
+            or does not fit ``like``.
         CheckpointError: as ``latest``.
 
     Examples:
@@ -57,16 +66,21 @@ def resume(directory: StrPath, *, like: TrainState) -> TrainState:
     """
     if type(like) is not TrainState:
         raise TypeError(f"resume() expected like= a fnloop.TrainState, got {like!r:.80}.")
+    checked_path(directory, "directory", "resume()")
     saved = latest(directory, like=like)
     if saved is None:
         return like
     where = f"{directory} holds a run at iteration {saved.iteration}"
+    if saved.population is not None and like.population is not None:
+        _check_members(saved.population, like.population, where)
     if saved.rng != like.rng:
         raise CheckpointMismatch(
             f"{where} seeded {saved.rng}, but the template is seeded {like.rng}: under another seed it "
             f"would be another run. Build the template with seed={saved.rng} to resume it, or give the "
             "new run another directory."
         )
+    if saved.population is not None and like.population is not None:
+        _warn_hyperparameters(saved.population, like.population, where)
     if saved.max_iter == like.max_iter:
         return saved
     if saved.iteration > like.max_iter:
@@ -83,3 +97,38 @@ def resume(directory: StrPath, *, like: TrainState) -> TrainState:
         stacklevel=2,
     )
     return attrs.evolve(saved, max_iter=like.max_iter)
+
+
+def _check_members(saved: Population, like: Population, where: str) -> None:
+    """Refuse a population template whose members are seeded otherwise than the saved ones."""
+    if saved.seeds == like.seeds:
+        return
+    differ = [m for m, (a, b) in enumerate(zip(saved.seeds, like.seeds)) if a != b]
+    named = "; ".join(
+        f"member {m}: {saved.seeds[m]} saved, {like.seeds[m]} in the template" for m in differ[:3]
+    )
+    raise CheckpointMismatch(
+        f"{where}: a population whose members are seeded {list(saved.seeds)}, but the template's are "
+        f"seeded {list(like.seeds)} ({named}): under another seed a member would be another run. Build "
+        f"the template with seeds={list(saved.seeds)} to resume it, or give the new population another "
+        "directory."
+    )
+
+
+def _warn_hyperparameters(saved: Population, like: Population, where: str) -> None:
+    """Warn when the template's members were built with other hyperparameters (their labels) than the saved."""
+    if saved.labels == like.labels:
+        return
+    differ = [m for m, (a, b) in enumerate(zip(saved.labels, like.labels)) if a != b]
+    named = "; ".join(
+        f"member {m}: {saved.labels[m]!r} saved, {like.labels[m]!r} in the template" for m in differ[:3]
+    )
+    warnings.warn(
+        f"{where}: a population whose members were built with other hyperparameters than the template's "
+        f"({named}). They are part of its state (the optimizer's injected tensors, which a hook may have "
+        "changed since), so the run continues with the checkpoint's. To train with the template's, start "
+        "the new population in another directory; to resume without this warning, build the template "
+        "with the saved hyperparameters.",
+        RunChanged,
+        stacklevel=3,
+    )

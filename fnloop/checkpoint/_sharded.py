@@ -347,6 +347,6 @@ def load_sharded(path: Path, like: TrainState, index: Index | None) -> TrainStat
         metadata, raw = read(part, like)
         if target.rank:
             _named(path, part, index.parts[target.rank - 1][1], metadata)
-        return fill_state(raw, like, f"{part}: state")
+        return fill_state(raw, like, f"{part}: state", index.layout(target.rank))
     _, raw = reshard(path, index, like)
-    return fill_state(raw, like, f"{path}: state")
+    return fill_state(raw, like, f"{path}: state", index.layout() if index else None)

@@ -16,6 +16,7 @@ import attrs
 import torch
 
 from fnloop._core.metrics import Metrics
+from fnloop._core.shards import Shards
 from fnloop._core.state import TrainState, Unclaimed
 from fnloop.checkpoint._codec import Record, encode_keyed
 from fnloop.checkpoint._fill import as_plain, describe, fill, mismatch
@@ -46,12 +47,13 @@ def encode_state_keyed(state: TrainState) -> tuple[Any, dict[str, torch.Tensor],
     )
 
 
-def fill_state(raw: Any, like: TrainState, where: str) -> TrainState:
+def fill_state(raw: Any, like: TrainState, where: str, shards: Shards | None = None) -> TrainState:
     """The state that ``raw`` (a decoded checkpoint) holds, built like the template ``like``.
 
     Strict for the record's fields (``fill``); ``metrics`` as saved (its
     tensors on the device of ``like``'s parameters); hook states ``like`` knows
-    strictly, the others as ``Unclaimed``, and ``like``'s other hooks as they are.
+    strictly, the others as ``Unclaimed`` (which keep ``shards``, the layout
+    the checkpoint was saved in), and ``like``'s other hooks as they are.
 
     Raises:
         CheckpointMismatch: an entry does not fit ``like``; the message names it.
@@ -73,7 +75,7 @@ def fill_state(raw: Any, like: TrainState, where: str) -> TrainState:
         if name == "metrics":
             values[name] = _metrics(raw[name], at, _device(like))
         elif name == "hooks":
-            values[name] = _hooks(raw[name], like.hooks, at)
+            values[name] = _hooks(raw[name], like.hooks, at, shards)
         elif name == "data" and type(like.data) is int:
             values[name] = _cursor(raw[name], at)
         elif name not in raw:  # an entry files of earlier versions lack
@@ -133,7 +135,7 @@ def _cursor(data: Any, where: str) -> Any:
 _ABSENT: Any = object()
 
 
-def _hooks(data: Any, like: Any, where: str) -> dict[str, Any]:
+def _hooks(data: Any, like: Any, where: str, shards: Shards | None) -> dict[str, Any]:
     """Known hook states strictly; unknown ones as ``Unclaimed``; absent ones from the template."""
     if type(data) is not dict or not all(type(k) is str for k in data):
         raise mismatch(where, f"expected a dict of hook states keyed by name, got {describe(data)}")
@@ -142,7 +144,7 @@ def _hooks(data: Any, like: Any, where: str) -> dict[str, Any]:
         template = like.get(name, _ABSENT)
         at = f"{where}[{name!r}]"
         if template is _ABSENT or type(template) is Unclaimed:
-            hooks[name] = Unclaimed(data=value, decode=fill, where=at)
+            hooks[name] = Unclaimed(data=value, decode=fill, where=at, shards=shards)
         else:
             hooks[name] = fill(value, template, at)
     for name, value in like.items():

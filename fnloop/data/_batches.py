@@ -8,14 +8,14 @@ holds it and a resumed run continues with the very batch it would have seen.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import attrs
 import torch
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
-from fnloop._core.messages import got
+from fnloop._core.messages import a_type, got
 
 __all__ = ["Batch", "Batches", "batches"]
 
@@ -94,6 +94,23 @@ def _rows(dataset: Any) -> int:
     )
 
 
+def _samples_by_index(dataset: Any) -> None:
+    """Refuse a str, or a dict not keyed by the sample numbers: indexable, but not by sample."""
+    if isinstance(dataset, (str, bytes)):
+        raise TypeError(
+            f"fnloop.data.batches: the dataset is {a_type(dataset)}, whose samples would be its "
+            f"characters. {_DATASET_HELP}"
+        )
+    if isinstance(dataset, Mapping) and set(dataset) != set(range(len(dataset))):
+        keys = sorted(map(repr, dataset))[:4]
+        raise TypeError(
+            f"fnloop.data.batches: a dict dataset is read as dataset[i] for the sample numbers i = 0 to "
+            f"{len(dataset) - 1}, but this one's keys are {', '.join(keys)}{', ...' * (len(dataset) > 4)}. "
+            "For columns, pass a tuple of equal-length tensors (dataset['x'], dataset['y']), or a "
+            "torch.utils.data.TensorDataset."
+        )
+
+
 def _describe(dataset: Any) -> str:
     kind = _kind(dataset)
     if kind == "tensor":
@@ -148,8 +165,8 @@ def _bool(instance: object, attribute: attrs.Attribute, value: object) -> None:
 def _collate(instance: object, attribute: attrs.Attribute, value: object) -> None:
     if value is not None and not callable(value):
         raise TypeError(
-            f"fnloop.data.batches: 'collate_fn' must be callable or None (got {value!r} that is a "
-            f"{type(value).__name__}). It receives a list of samples and returns a batch."
+            f"fnloop.data.batches: 'collate_fn' must be callable or None ({got(value)}). It receives "
+            "a list of samples and returns a batch."
         )
 
 
@@ -183,6 +200,7 @@ class Batches:
     world_size: int = attrs.field(default=1, validator=_int(1))
 
     def __attrs_post_init__(self) -> None:
+        _samples_by_index(self.dataset)
         n, b, ws = _rows(self.dataset), self.batch_size, self.world_size
         where = "fnloop.data.batches"
         if n == 0:

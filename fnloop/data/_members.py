@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -47,6 +47,12 @@ def _stacked(batches: list[Any]) -> Any:
     return pytree.tree_map(lambda *leaves: torch.stack(leaves), *batches)
 
 
+_EXPECTED = (
+    "per_member(streams) expects a non-empty list of resumable streams, one per member of the "
+    "population, such as [fnloop.data.batches(data, batch_size=32, seed=s) for s in seeds]"
+)
+
+
 def per_member(streams: Sequence[Any]) -> PerMemberBatches:
     """A population's batches, member ``m`` reading ``streams[m]``: each member in its own data order.
 
@@ -56,7 +62,13 @@ def per_member(streams: Sequence[Any]) -> PerMemberBatches:
     member ``m`` trains on exactly what it would alone on ``streams[m]``; the
     cursor (``state.data``) is shared, and a resumed population continues each
     member's stream where it was. Without it a population's members all train
-    on the same batches.
+    on the same batches. There must be one stream per member: the step refuses
+    batches for more or fewer members than the population has, and a single
+    run's state, when the first batch comes.
+
+    Raises:
+        TypeError: ``streams`` is not a list, or one of them has no ``iter_from``.
+        ValueError: ``streams`` is empty.
 
     Examples:
         >>> import fnloop as fl
@@ -66,10 +78,20 @@ def per_member(streams: Sequence[Any]) -> PerMemberBatches:
         >>> batch.batch.shape, cursor
         (torch.Size([2, 2, 1]), 1)
     """
+    if isinstance(streams, (str, bytes, Mapping)) or not isinstance(streams, Iterable):
+        raise TypeError(f"{_EXPECTED} ({got(streams)}).")
     streams = tuple(streams)
-    if not streams or not all(callable(getattr(s, "iter_from", None)) for s in streams):
-        raise TypeError(
-            "per_member(streams) expects a non-empty list of resumable streams, one per member, such as "
-            f"[fnloop.data.batches(data, batch_size=32, seed=s) for s in seeds] ({got(streams)})."
-        )
+    if not streams:
+        raise ValueError(f"{_EXPECTED} (got an empty {type(streams).__name__}).")
+    for m, stream in enumerate(streams):
+        if not callable(getattr(stream, "iter_from", None)):
+            hint = (
+                " Wrap a list or a DataLoader in fnloop.data.resumable(...)."
+                if isinstance(stream, Iterable)
+                else ""
+            )
+            raise TypeError(
+                f"per_member(streams): streams[{m}] is not a resumable stream, with iter_from(cursor) "
+                f"({got(stream)}).{hint} {_EXPECTED}."
+            )
     return PerMemberBatches(streams)

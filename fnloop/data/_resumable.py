@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Set
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
@@ -131,11 +131,10 @@ class Resumable:
         if resumed:
             epoch, position = _position(saved)
         self._begin(epoch)
-        if resumed:
-            source.load_state_dict(position)
+        batches: Iterable[Any] = _restored(source, position, epoch) if resumed else source
         while True:
             empty = True
-            for batch in source:
+            for batch in batches:
                 empty = False
                 if skip:
                     skip -= 1
@@ -148,6 +147,7 @@ class Resumable:
             resumed = False
             epoch += 1
             self._begin(epoch)
+            batches = source
 
     def _begin(self, epoch: int) -> None:
         """Set the source up for epoch ``epoch``, as ``epoch`` does, and tell it the epoch if it asks."""
@@ -183,6 +183,48 @@ class Resumable:
             epoch += 1
 
 
+def _restored(source: Any, position: Any, epoch: int) -> Iterator[Any]:
+    """``source`` from the saved ``position``: its own state loaded back, and its iterator begun.
+
+    torchdata's ``StatefulDataLoader`` checks a position only when its
+    iterator begins, with bare ``assert``s: one saved with another number of
+    workers is refused so. Here the refusal says what differs and the fix.
+    """
+    try:
+        source.load_state_dict(position)
+        return iter(source)
+    except AssertionError as exc:
+        saved, now = _saved_workers(position), getattr(source, "num_workers", None)
+        if saved is not None and now is not None and saved != now:
+            differs = (
+                f"the position was saved by a loader with num_workers={saved}, and this one has "
+                f"num_workers={now}. Build the loader with num_workers={saved} to resume"
+            )
+        else:
+            differs = (
+                "a loader's position resumes only in a loader built as the one that saved it (the same "
+                "dataset, batch_size, sampler and num_workers). Build it so to resume"
+            )
+        said = f": {exc}" if str(exc) else ", bare"
+        raise ValueError(
+            f"fnloop.data.resumable: the {type(source).__name__} refused the position saved in state.data "
+            f"(epoch {epoch}) with an {type(exc).__name__}{said}: {differs}, or start the data of the "
+            "resumed state afresh (attrs.evolve(state, data=0))."
+        ) from exc
+
+
+def _saved_workers(position: Any) -> int | None:
+    """The ``num_workers`` of the torchdata ``StatefulDataLoader`` that saved ``position``, if it says."""
+    if not isinstance(position, dict):
+        return None
+    if "_num_yielded" in position:  # torchdata's state of a loader without workers
+        return 0
+    snapshot = position.get("_snapshot")
+    main = snapshot.get("_main_snapshot") if isinstance(snapshot, dict) else None
+    workers = main.get("_num_workers") if isinstance(main, dict) else None
+    return workers if type(workers) is int else None
+
+
 def _position(saved: Any) -> tuple[int, Any]:
     """The epoch and the source's own state that a stateful source's cursor holds."""
     if type(saved) is not dict or set(saved) != {"epoch", "position"} or type(saved["epoch"]) is not int:
@@ -193,6 +235,23 @@ def _position(saved: Any) -> tuple[int, Any]:
             "resumes too."
         )
     return saved["epoch"], saved["position"]
+
+
+def _not_batches(source: object) -> str:
+    """Why ``source``, iterable as it is, is not a list of batches, and what to pass instead."""
+    if isinstance(source, Mapping):
+        why = "iterating a dict gives its keys, not its values"
+        fix = "Pass list(source.values()) for the values, or a list of dict batches"
+    elif isinstance(source, Set):
+        why = "a set has no order, so no epoch could be given again in the same order"
+        fix = "Pass a list (sorted(source), say)"
+    else:
+        why = "iterating it gives its characters (for bytes, their codes) one by one"
+        fix = "Pass a list of batches ([source] for one batch that is this string)"
+    return (
+        f"fnloop.data.resumable: the source must be a re-iterable of batches ({got(source)}): {why}. "
+        f"{fix}, or a function epoch -> iterable."
+    )
 
 
 def _iterable(source: object) -> bool:
@@ -235,9 +294,13 @@ def resumable(source: Iterable[Any] | Callable[[int], Iterable[Any]]) -> Resumab
         A ``Resumable`` with ``iter_from(cursor)``.
 
     Raises:
-        TypeError: ``source`` is a one-shot iterator (a generator), or neither
-            iterable nor callable.
-        ValueError: a shuffling ``DataLoader`` without a generator.
+        TypeError: ``source`` is a one-shot iterator (a generator), a str or
+            bytes (characters are no batches), a dict (its keys are not), a set
+            (it has no order), or neither iterable nor callable.
+        ValueError: ``source`` is empty, or a shuffling ``DataLoader`` without
+            a generator. A stateful source's position saved by a loader built
+            otherwise (another ``num_workers``) is refused when the resumed
+            run begins, with a ``ValueError`` naming what differs.
 
     Examples:
         >>> import fnloop as fl
@@ -249,11 +312,20 @@ def resumable(source: Iterable[Any] | Callable[[int], Iterable[Any]]) -> Resumab
         (4, (3, 1.0))
     """
     if _iterable(source):
+        if isinstance(source, (str, bytes, bytearray, Mapping, Set)):
+            raise TypeError(_not_batches(source))
         if isinstance(source, Iterator):
             raise TypeError(
                 f"fnloop.data.resumable: the source must be iterable again from its start (got "
                 f"{source!r:.80} that is a {type(source).__name__}, a one-shot iterator). Pass the list or "
                 "DataLoader itself, or a function epoch -> iterable."
+            )
+        # A source keeping its own position is not asked its length: a loader's len() is part of its state.
+        if not isinstance(source, KeepsPosition) and _size(source) == 0:
+            raise ValueError(
+                f"fnloop.data.resumable: the source is empty ({got(source)}); the stream repeats its "
+                "epochs forever, so each must give at least one batch. Pass a source that gives batches "
+                "(a DataLoader with drop_last=True gives none from fewer samples than batch_size)."
             )
     elif not callable(source):
         raise TypeError(

@@ -18,7 +18,7 @@ from fnloop._atomic import DirectoryInUse, claim, holding, holds, release
 from fnloop._core import background as _background
 from fnloop._core.background import BackgroundFailed
 from fnloop._core.combinators import Hook
-from fnloop._core.messages import a_path, got
+from fnloop._core.messages import a_path, got, unwritable
 from fnloop._core.phase import Phase
 from fnloop._core.population import member_metric
 from fnloop._core.state import TrainState, request
@@ -64,8 +64,8 @@ def _a_bool(instance: object, attribute: attrs.Attribute, value: object) -> None
 
 
 def _directory(caller: str, directory: str | os.PathLike[str]) -> Path:
-    """``directory`` as a Path, refused at once if it is an existing file (the first save would fail)."""
-    path = Path(directory)
+    """``directory`` as a Path, refused at once if the first save could not write there (an existing file)."""
+    path = Path(a_path(directory, "directory", caller))
     try:
         path.stat()
     except OSError as exc:
@@ -78,6 +78,12 @@ def _directory(caller: str, directory: str | os.PathLike[str]) -> Path:
         raise ValueError(
             f"{caller} directory {os.fspath(directory)!r} is an existing file; checkpoints go into a "
             "directory. Give a directory path (it is created if missing)."
+        )
+    why = unwritable(path, directory=True)
+    if why is not None:
+        raise ValueError(
+            f"{caller} cannot write into the directory {os.fspath(directory)!r}: {why}. Give a directory "
+            "the run may create or write to."
         )
     return path
 
@@ -311,7 +317,8 @@ def checkpoint(
 
     Raises:
         ValueError: ``keep`` is not a positive int or ``None``, or
-            ``directory`` is an existing file.
+            ``directory`` is empty, holds a NUL byte, is an existing file, or
+            lies under a file or in a directory the run cannot write.
         TypeError: ``background`` is not a bool.
         DirectoryInUse: (from ``run``, before the first step) another process
             holds ``directory``.

@@ -10,8 +10,10 @@ import torch
 
 from fnloop._core.messages import got, non_empty_str
 from fnloop._core.phase import Phase
-from fnloop._core.state import TrainState
+from fnloop._core.shards import Shards
+from fnloop._core.state import TrainState, Unclaimed
 from fnloop._core.stateful import recall, remember
+from fnloop.checkpoint._codec import CheckpointMismatch
 
 __all__ = ["EmaState", "ema", "ema_params"]
 
@@ -42,9 +44,39 @@ def _template(params: Mapping[str, torch.Tensor]) -> EmaState:
     return EmaState({k: torch.empty_like(p) for k, p in params.items()})
 
 
+EMA_RESHARDED = (
+    "ema {name!r}: the average in {where} was saved by {saved}, and the state it is read into {now}. "
+    "The EMA of a shard='full' run averages each rank's chunk of the parameters, so it resumes only "
+    "at the world size that saved it: read at another, it would hold rank 0's chunk alone. Resume "
+    "with {ranks}, or start the average afresh from the loaded state: attrs.evolve(state, "
+    "hooks={{k: v for k, v in state.hooks.items() if k != {name!r}}})."
+)
+"""Why an EMA read from a checkpoint of another layout of the parameters is refused."""
+
+
+def _chunks(shards: Shards | None) -> int:
+    """Over how many ranks an EMA of a state in the layout ``shards`` is split (1: it is whole)."""
+    return shards.world if shards is not None and shards.params else 1
+
+
+def _same_layout(value: Unclaimed, state: TrainState, name: str) -> None:
+    """Refuse an EMA read from a checkpoint whose parameters were split otherwise than ``state``'s."""
+    saved, now = _chunks(value.shards), _chunks(state.shards)
+    if saved == now:
+        return
+    was = f"a shard='full' run over {saved} ranks" if saved > 1 else "a run whose parameters were whole"
+    is_now = f"splits the parameters over {now} ranks" if now > 1 else "holds the parameters whole"
+    ranks = f"{saved} ranks and shard='full'" if saved > 1 else "whole parameters (no shard='full')"
+    raise CheckpointMismatch(
+        EMA_RESHARDED.format(name=name, where=value.where, saved=was, now=is_now, ranks=ranks)
+    )
+
+
 def _current(state: TrainState, name: str) -> EmaState | None:
     """The EMA kept under ``name`` (claiming one read from a checkpoint), or ``None``."""
     value = state.hooks.get(name)
+    if type(value) is Unclaimed:
+        _same_layout(value, state, name)
     if value is not None and type(value) is not EmaState:  # read from a checkpoint: built like the params
         value = recall(state, name, None, like=_template(state.params))
     if value is None:
@@ -117,12 +149,18 @@ def ema(decay: float, *, name: str = "ema") -> Ema:
     ``ema_params``; ``evaluate(fn, ema=name)`` evaluates it. Buffers (BatchNorm
     statistics) are not averaged.
 
+    The average of a ``shard="full"`` state holds each rank's chunk of the
+    parameters, so it resumes only at the world size that saved it: read from
+    a checkpoint of another layout, it is refused when the hook claims it.
+
     Args:
-        decay: in ``[0, 1]``; the average spans about ``1 / (1 - decay)`` steps.
+        decay: in ``[0, 1)``; the average spans about ``1 / (1 - decay)`` steps.
         name: where the average is kept; unique among the run's hooks.
 
     Raises:
-        ValueError: ``decay`` is outside ``[0, 1]`` or ``name`` is empty.
+        ValueError: ``decay`` is outside ``[0, 1)`` or ``name`` is empty.
+        CheckpointMismatch (when the run begins): the average was read from a
+            checkpoint whose parameters were split over another number of ranks.
 
     Examples:
         >>> import fnloop as fl
@@ -145,7 +183,10 @@ def ema_params(state: TrainState, name: str = "ema") -> dict[str, torch.Tensor]:
 
     Raises:
         KeyError: the state holds no average under ``name``.
-        TypeError: ``state.hooks[name]`` is another hook's state.
+        TypeError: ``state`` is not a ``TrainState``, ``name`` not a str, or
+            ``state.hooks[name]`` is another hook's state.
+        CheckpointMismatch: the average was read from a checkpoint whose
+            parameters were split over another number of ranks (see ``ema``).
 
     Examples:
         >>> import fnloop as fl
@@ -153,6 +194,12 @@ def ema_params(state: TrainState, name: str = "ema") -> dict[str, torch.Tensor]:
         >>> ema_params(ema(0.9)(state, fl.Phase.BEFORE_TRAIN))
         {'w': tensor([1., 1.])}
     """
+    if not isinstance(state, TrainState):
+        raise TypeError(f"ema_params(state, name) expects a fnloop.TrainState ({got(state)}).")
+    if type(name) is not str or not name:
+        raise TypeError(
+            f"ema_params(state, name): name must be the name= of an ema hook, a non-empty str ({got(name)})."
+        )
     found = _current(state, name)
     if found is None:
         raise KeyError(

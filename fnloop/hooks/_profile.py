@@ -11,7 +11,7 @@ from typing import Any, ClassVar
 import attrs
 import torch
 
-from fnloop._core.messages import a_path, non_negative_int, positive_int
+from fnloop._core.messages import a_path, non_negative_int, positive_int, unwritable
 from fnloop._core.phase import Phase
 from fnloop._core.state import TrainState, request
 
@@ -135,15 +135,8 @@ def profile(directory: str | os.PathLike[str], *, start: int, steps: int) -> Pro
 
 def _check_writable(directory: Path) -> None:
     """Refuse ``directory`` now if the trace could not be written there when it is due."""
-    existing = directory
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        why = f"{existing} is a file"
-    elif not os.access(existing, os.W_OK | os.X_OK):
-        why = f"{existing} is not writable"
-    else:
-        return
-    raise ValueError(
-        f"profile(): cannot write into {directory}: {why}. Give a directory the run may create or write to."
-    )
+    why = unwritable(directory, directory=True)
+    if why is not None:
+        raise ValueError(
+            f"profile(): cannot write into {directory}: {why}. Give a directory the run may create or write to."
+        )
