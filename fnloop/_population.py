@@ -59,8 +59,9 @@ def population(
     Raises:
         TypeError: ``init`` is not callable, or ``seeds`` is not a list (a
             single int, a str, a set).
-        ValueError: no members, a seed that is not a non-negative int, a
-            hyperparameter without one value per member, members that do not
+        ValueError: no members, a seed that is not a non-negative int, two
+            members alike in seed and hyperparameters, a hyperparameter
+            without one value per member, members that do not
             fit one graph, ``init`` giving two states for the same arguments, or
             a hyperparameter that does not reach the state.
 
@@ -88,6 +89,7 @@ def population(
                 f"({got(values)})."
             )
     settings = [{name: values[m] for name, values in hyperparams.items()} for m in range(size)]
+    _check_distinct(seeds, settings)
     states = [_member_state(init, seed, setting) for seed, setting in zip(seeds, settings)]
     for m, state in enumerate(states[1:], 1):
         _check_fits(states[0], state, m)
@@ -132,6 +134,21 @@ def _seed_list(seeds: object) -> list[Any]:
         if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
             raise ValueError(f"{_SEEDS}: 'seeds[{m}]' must be a non-negative int ({got(seed)}).")
     return listed
+
+
+def _check_distinct(seeds: list[Any], settings: list[dict[str, Any]]) -> None:
+    """Refuse two members alike in seed and hyperparameters: they would be one run, trained twice."""
+    first: dict[str, int] = {}
+    for m, (seed, setting) in enumerate(zip(seeds, settings)):
+        key = repr((int(seed), sorted(setting.items())))
+        if key in first:
+            alike = f"seed {int(seed)}" + "".join(f", {k}={v!r}" for k, v in setting.items())
+            raise ValueError(
+                f"population(init, seeds=...): members {first[key]} and {m} are alike ({alike}), so they "
+                "would be one run trained twice. Give each member its own seed (seeds=range(n)), or, to "
+                "start members from the same weights, a hyperparameter that differs between them."
+            )
+        first[key] = m
 
 
 def _member_state(init: Callable[..., TrainState], seed: int, setting: dict[str, Any]) -> TrainState:
