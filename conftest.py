@@ -5,14 +5,27 @@ and the same on every run. Hunt for bugs locally with
 `HYPOTHESIS_PROFILE=hunt pytest property_tests`.
 """
 
+import json
 import os
+import sys
+import time
+from collections import Counter
+from pathlib import Path
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-os.environ.setdefault(
-    "TORCHINDUCTOR_CACHE_DIR", os.path.join(os.path.dirname(__file__), ".cache", "inductor")
-)
+# Compiled graphs are shared by the whole run (every worker, and every process a test starts), in the
+# checkout's ignored build area: inductor's cache and fnloop's own. A fresh clone starts them empty. A
+# test's result never depends on them: a graph found there is the graph a compile would build, and
+# the tests of the caches themselves point them at folders of their own.
+_CACHE = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".cache")
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_CACHE, "inductor"))
+os.environ.setdefault("FNLOOP_CACHE_DIR", os.path.join(_CACHE, "fnloop"))
+# One compiling process each: the suite runs on every core already (pytest-xdist), and inductor's pool
+# of compile workers would start a few interpreters in every process that compiles.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 torch.set_num_threads(1)
 
 settings.register_profile(
@@ -29,3 +42,116 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # The torchrun workers are scripts launched by path (their own folder first on sys.path), not modules:
 # `--doctest-modules` would import them as `tests.<name>`, where their sibling imports do not resolve.
 collect_ignore_glob = ["tests/*_worker.py"]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Each test in its file's group unless it names one (``xdist_group``): a file's tests share its fixtures.
+
+    The suite runs on every core with ``pytest-xdist --dist loadgroup``: a group's tests run in one
+    worker, in order, so a module's shared compiled steps are built once. A large file splits its tests
+    into groups of their own where they share nothing (``tests/test_models.py``, by architecture).
+    """
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+# -- the suite's own time: a report, not a timed test ----------------------------------------------------
+
+BUDGET = 60.0
+"""Seconds a test may take, setup included, on a cold run (empty caches) of an ordinary day on a 2-core
+machine; one that takes longer is named at the end of the run. Nothing fails for it: it is a report."""
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--suite-report",
+        metavar="FILE",
+        help="write each test's and each file's time, the processes launched and the graphs built, as JSON",
+    )
+
+
+def _launched(event, args):
+    # Every process a test starts, and the workers of each torchrun launch (started by its agent).
+    if event == "subprocess.Popen":
+        argv = [str(a) for a in (args[1] if isinstance(args[1], (list, tuple)) else [args[1]])]
+        _LAUNCHED["processes"] += 1
+        if "torch.distributed.run" in argv:
+            n = next((a.split("=", 1)[1] for a in argv if a.startswith("--nproc_per_node=")), "1")
+            nodes = next((a.split("=", 1)[1] for a in argv if a.startswith("--nnodes=")), "1")
+            _LAUNCHED["torchrun workers"] += int(n) if n.isdigit() else 1
+            _LAUNCHED["torchrun launches"] += 1 if nodes == "1" else 0
+
+
+_LAUNCHED: Counter = Counter()
+_TIMES: dict[str, float] = {}
+
+
+def pytest_configure(config):
+    config.stash[_STARTED] = time.time()
+    sys.addaudithook(_launched)
+
+
+_STARTED = pytest.StashKey[float]()
+
+
+def pytest_runtest_logreport(report):
+    _TIMES[report.nodeid.split("@")[0]] = _TIMES.get(report.nodeid.split("@")[0], 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: its launches go to the controller
+        workeroutput["launched"] = json.dumps(dict(_LAUNCHED))
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's: the run may go without it (-p no:xdist)
+def pytest_testnodedown(node, error):
+    _LAUNCHED.update(json.loads(getattr(node, "workeroutput", {}).get("launched", "{}")))
+
+
+def _graphs_built(since: float) -> dict[str, int]:
+    """The graphs compiled this run, as the shared caches hold them (every process, every worker)."""
+    fnloop = Path(os.environ["FNLOOP_CACHE_DIR"]) / "compile"
+    inductor = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / "fxgraph"
+    return {
+        "fnloop": sum(1 for p in fnloop.glob("*.graph") if p.stat().st_mtime >= since),
+        "inductor": sum(1 for p in inductor.glob("*/*/*") if p.stat().st_mtime >= since),
+    }
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if getattr(config, "workerinput", None) is not None or not _TIMES:
+        return
+    started = config.stash[_STARTED]
+    wall = time.time() - started
+    files: Counter = Counter()
+    for nodeid, seconds in _TIMES.items():
+        files[nodeid.split("::")[0]] += seconds
+    graphs = _graphs_built(started)
+    write = terminalreporter.write_line
+    terminalreporter.section("the suite's time")
+    write(
+        f"{len(_TIMES)} tests in {wall / 60:.1f} min of wall time ({sum(_TIMES.values()) / 60:.1f} min of tests); "
+        f"processes launched: {_LAUNCHED['processes']} (torchrun: {_LAUNCHED['torchrun launches']} launches "
+        f"on one machine, {_LAUNCHED['torchrun workers']} workers); graphs built this run: "
+        f"{graphs['fnloop']} in fnloop's cache, {graphs['inductor']} in inductor's"
+    )
+    write("the ten slowest tests (setup and teardown included):")
+    for nodeid, seconds in sorted(_TIMES.items(), key=lambda kv: -kv[1])[:10]:
+        write(f"  {seconds:7.1f} s  {nodeid}")
+    over = [(n, s) for n, s in _TIMES.items() if s > BUDGET]
+    write(
+        f"over the budget of {BUDGET:.0f} s a test: "
+        + (", ".join(f"{n} ({s:.0f} s)" for n, s in sorted(over, key=lambda kv: -kv[1])) or "none")
+    )
+    path = config.getoption("--suite-report")
+    if path:
+        report = {
+            "wall_s": wall,
+            "launched": dict(_LAUNCHED),
+            "graphs": graphs,
+            "files": dict(files.most_common()),
+            "tests": dict(sorted(_TIMES.items(), key=lambda kv: -kv[1])),
+        }
+        Path(path).write_text(json.dumps(report, indent=1))

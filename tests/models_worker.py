@@ -49,13 +49,18 @@ def token_loss(forward: Any, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
-def tokens(n: int = STEPS) -> list[torch.Tensor]:
+def tokens(n: int = STEPS, context: int = CONTEXT) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(1)
-    return [torch.randint(0, VOCAB, (BATCH, CONTEXT), generator=gen).to(DEVICE) for _ in range(n)]
+    return [torch.randint(0, VOCAB, (BATCH, context), generator=gen).to(DEVICE) for _ in range(n)]
 
 
-def token_pairs(n: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return list(zip(tokens(n), tokens(n + 1)[1:]))
+def token_pairs(n: int = STEPS, context: int = CONTEXT) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return list(zip(tokens(n, context), tokens(n + 1, context)[1:]))
+
+
+def short_pairs(n: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Sequences of 4: the trace writes an LSTM out step by step, so its graph grows with the length."""
+    return token_pairs(n, 4)
 
 
 def images(n: int = STEPS, side: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -178,7 +183,7 @@ CASES: dict[str, Case] = {
     "resnet": (resnet, image_loss, images),
     "convnext-drop-path": (convnext, image_loss, images),
     "transformer-encoder": (Encoder, token_loss, token_pairs),
-    "lstm": (Recurrent, token_loss, token_pairs),
+    "lstm": (Recurrent, token_loss, short_pairs),
 }
 """Each architecture: a builder at the library's defaults, its loss, its batches."""
 

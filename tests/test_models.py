@@ -30,6 +30,15 @@ from fnloop import testing
 
 pytestmark = pytest.mark.slow
 
+# The tests of one architecture share its compiled step (``_step``): one worker's each (the others,
+# GPT-2's, are in its group), so the suite's workers build the architectures side by side.
+GPT2 = pytest.mark.xdist_group("models-gpt2")
+
+
+def _by_architecture(names: list[str]) -> list:
+    return [pytest.param(n, marks=pytest.mark.xdist_group(f"models-{n}")) for n in names]
+
+
 WORKER = Path(__file__).with_name("models_worker.py")
 _spec = importlib.util.spec_from_file_location("models_worker", WORKER)
 assert _spec is not None and _spec.loader is not None
@@ -59,7 +68,7 @@ def _losses(state: fl.TrainState) -> list[float]:
     return state.metrics.floats("loss")
 
 
-@pytest.mark.parametrize("name", list(cases.CASES))
+@pytest.mark.parametrize("name", _by_architecture(list(cases.CASES)))
 def test_each_architecture_compiles_at_its_defaults_into_one_graph(name):
     step = _step(name)
     start = fl.init(cases.built(name), OPT, seed=0, max_iter=3)
@@ -92,7 +101,7 @@ def _gpt2_without_dropout() -> torch.nn.Module:
     return cases.gpt2(dropout=0.0).to(cases.DEVICE)
 
 
-@pytest.mark.parametrize("name", ["gpt2", "vit", "resnet"])
+@pytest.mark.parametrize("name", _by_architecture(["gpt2", "vit", "resnet"]))
 def test_losses_equal_a_torch_optim_loop_without_dropout(name):
     # ViT and ResNet have no dropout at their defaults; GPT-2's is turned off, in a graph of its own.
     if name == "gpt2":
@@ -104,6 +113,7 @@ def test_losses_equal_a_torch_optim_loop_without_dropout(name):
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-4, atol=0.0)
 
 
+@GPT2
 def test_two_steps_per_call_with_dropout_equal_single_steps_bit_for_bit():
     single = _run("gpt2", _step("gpt2"), 6)
     double = _run("gpt2", _step("gpt2", steps_per_call=2), 6)
@@ -111,6 +121,7 @@ def test_two_steps_per_call_with_dropout_equal_single_steps_bit_for_bit():
     assert _step("gpt2", steps_per_call=2).compiles == 1
 
 
+@GPT2
 def test_bf16_autocast_with_dropout_compiles_and_trains():
     step = _step("gpt2", autocast=torch.bfloat16)
     final = _run("gpt2", step, 3)
@@ -119,6 +130,7 @@ def test_bf16_autocast_with_dropout_compiles_and_trains():
     assert all(p.dtype == torch.float32 for p in final.params.values()), "autocast leaves the params in fp32"
 
 
+@GPT2
 def test_a_run_killed_with_sigkill_resumes_bit_exact(tmp_path):
     n = cases.STEPS
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -140,6 +152,7 @@ def test_a_run_killed_with_sigkill_resumes_bit_exact(tmp_path):
         testing.assert_identical(getattr(resumed, field), getattr(whole, field))
 
 
+@GPT2
 def test_save_pretrained_round_trip_keeps_the_trained_and_tied_weights(tmp_path):
     from transformers import GPT2LMHeadModel
 
@@ -165,6 +178,7 @@ def _checkpointed_gpt2() -> torch.nn.Module:
     return model
 
 
+@GPT2
 @pytest.mark.parametrize("k", [1, 2], ids=["one-step-per-call", "two-steps-per-call"])
 def test_gpt2_with_activation_checkpointing_equals_it_without_bit_for_bit(k):
     # At its default dropout (0.1): the recomputed blocks draw the masks of the first forward.
@@ -175,6 +189,7 @@ def test_gpt2_with_activation_checkpointing_equals_it_without_bit_for_bit(k):
     assert step.compiles == 1
 
 
+@GPT2
 def test_gpt2_with_activation_checkpointing_eagerly_equals_it_without():
     model = _checkpointed_gpt2()
     eager = fl.train_step(model, cases.lm_loss, OPT, compile=False)
