@@ -258,7 +258,9 @@ class SharedRun:
         """This rank's run failed; its last consistent state is at ``iteration`` (``None``: torn)."""
         self.end, self.ended_at = iteration, time.monotonic()
         with contextlib.suppress(Exception):  # a store gone with the group: the others time out
-            self.store.set(f"{self.prefix}/ended/{self.rank}", "torn" if iteration is None else str(iteration))
+            self.store.set(
+                f"{self.prefix}/ended/{self.rank}", "torn" if iteration is None else str(iteration)
+            )
 
     def absent(self, ranks: list[int], iteration: int) -> str | None:
         """Why one of ``ranks`` will never write its part of the save of ``iteration``; ``None`` if all may."""

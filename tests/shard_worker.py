@@ -172,7 +172,11 @@ def main() -> None:
     except Exception as exc:
         if args.lose_rank:
             out.mkdir(parents=True, exist_ok=True)
-            left = {"at": time.time(), "error": f"{type(exc).__name__}: {exc}", "notes": getattr(exc, "__notes__", [])}
+            left = {
+                "at": time.time(),
+                "error": f"{type(exc).__name__}: {exc}",
+                "notes": getattr(exc, "__notes__", []),
+            }
             (out / f"left{rank}.json").write_text(json.dumps(left))
         raise
     whole = fl.state_dict(final)

@@ -131,7 +131,9 @@ def test_members_draw_their_own_dropout_and_differ_from_one_another(trained) -> 
     assert all(losses(fl.member(alike, m)) == losses(fl.member(alike, 0)) for m in range(P))
     assert len({tuple(losses(fl.member(trained, m))) for m in range(P)}) == P
     # Same seed and same hyperparameters: one run twice, refused.
-    with pytest.raises(ValueError, match=r"members 0 and 1 are alike \(seed 5, lr=0.01, wd=0.0\).*seeds=range"):
+    with pytest.raises(
+        ValueError, match=r"members 0 and 1 are alike \(seed 5, lr=0.01, wd=0.0\).*seeds=range"
+    ):
         population(4, [5, 5, 5], [1e-2] * 3, [0.0] * 3)
 
 

@@ -152,12 +152,11 @@ def test_reentrant_checkpointing_of_blocks_fed_the_batch_is_refused_not_left_unt
     torch.manual_seed(0)
     model = Stem(reentrant)
     step = fl.train_step(model, loss_fn, OPT, compile=compile)
-    with (
-        warnings.catch_warnings(),
-        pytest.raises(TypeError, match=r"use_reentrant=True .*none of whose inputs needs a gradient.*use_reentrant=False"),
-    ):
+    refused = r"use_reentrant=True .*none of whose inputs needs a gradient.*use_reentrant=False"
+    with warnings.catch_warnings():
         warnings.simplefilter("default")  # a user's filters: torch's warning is no error there
-        fl.run(fl.init(model, OPT, seed=0, max_iter=1), step, BATCHES)
+        with pytest.raises(TypeError, match=refused):
+            fl.run(fl.init(model, OPT, seed=0, max_iter=1), step, BATCHES)
     # Non-reentrant, the same block trains.
     model = Stem(False)
     state = fl.init(model, OPT, seed=0, max_iter=1)

@@ -626,7 +626,9 @@ def test_an_effect_failing_after_a_donating_step_keeps_the_state_it_was_given(tm
 
     model, mse, data = linear_problem()
     opt = fl.optim.sgd(0.1)
-    step = fl.train_step(model, mse, opt, compile=False)  # donating: the fold owns every state after the first
+    step = fl.train_step(
+        model, mse, opt, compile=False
+    )  # donating: the fold owns every state after the first
     state = fl.init(model, opt, seed=0, max_iter=5)
     hooks = [fl.every(2, fl.hooks.checkpoint(tmp_path))]
     if effect == "save":
