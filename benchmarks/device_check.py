@@ -39,7 +39,8 @@ def tests(device: str, quick: bool) -> tuple[list[tuple[str, str]], bool]:
         "tests/test_models.py",
         *selection,
     ]
-    env = {**os.environ, "FNLOOP_TEST_DEVICE": device}
+    # Its own selection alone: options meant for the suite's own run (PYTEST_ADDOPTS) stay there.
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}, "FNLOOP_TEST_DEVICE": device}
     done = subprocess.run(
         command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200, check=False
     )
