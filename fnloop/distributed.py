@@ -289,9 +289,11 @@ class SharedRun:
         return bool(self.store.check([f"{self.prefix}/{key}"]))
 
     def close(self) -> None:
-        """The run is over: no more signs of life."""
+        """The run is over: no more signs of life (the thread that gave them has ended, or is stuck in a
+        store call to a group that is gone, and dies with the process)."""
         global _current
         self._done.set()
+        self._beats.join(timeout=4 * BEAT)
         if _current is self:
             _current = None
 
