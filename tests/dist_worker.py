@@ -1,7 +1,10 @@
 """A tiny data-parallel run for the torchrun tests; the same script on one process or several.
 
-    torchrun --standalone --nproc_per_node=2 tests/dist_worker.py OUT RESULTS [options]
-    python tests/dist_worker.py OUT RESULTS [options]
+    torchrun --standalone --nproc_per_node=2 tests/dist_worker.py OUT RESULTS [options] [--then OUT RESULTS [options] ...]
+    python tests/dist_worker.py OUT RESULTS [options] [--then ...]
+
+``--then`` runs another job in the same processes once the one before ended (one launch, several
+runs).
 
 It resumes from ``OUT/ckpt`` (``fl.checkpoint.resume``), trains a small MLP
 with a schedule on fixed data (global batch 8), checkpoints and logs into
@@ -106,6 +109,20 @@ def drift(state: TrainState) -> TrainState:
 
 
 def main() -> None:
+    # ``--then OUT RESULTS [options]`` runs another job in the same processes once the one before ended.
+    argv, jobs = sys.argv[1:], []
+    while "--then" in argv:
+        at = argv.index("--then")
+        jobs.append(argv[:at])
+        argv = argv[at + 1 :]
+    torch.set_num_threads(1)
+    for job in [*jobs, argv]:
+        run(job)
+    leave(fl.distributed.rank())
+
+
+def run(argv: list[str]) -> None:
+    """One job: train as ``argv`` says, into its OUT, and write what the tests compare into its RESULTS."""
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("results")
@@ -118,8 +135,7 @@ def main() -> None:
     parser.add_argument("--sigkill-self", action="append", default=[])
     parser.add_argument("--drift-at", type=int)
     parser.add_argument("--steps-per-call", type=int, default=1)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+    args = parser.parse_args(argv)
 
     net = model()
     opt = optimizer()
@@ -162,7 +178,6 @@ def main() -> None:
         },
         results / f"rank{fl.distributed.rank()}.pt",
     )
-    leave(fl.distributed.rank())
 
 
 if __name__ == "__main__":

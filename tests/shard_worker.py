@@ -1,13 +1,15 @@
 """A small sharded run for the sharding tests; the same script on one process or under torchrun.
 
-    torchrun --standalone --nproc_per_node=N tests/shard_worker.py RESULTS [options]
+    torchrun --standalone --nproc_per_node=N tests/shard_worker.py RESULTS [options] [--then RESULTS [options] ...]
 
 It trains an MLP whose first dimensions do not divide by the world size
 (the chunks are padded) with AdamW behind a global-norm clip, on fixed data
 (global batch 8), and saves what the tests compare into ``RESULTS/rank{r}.pt``:
 the whole parameters (``fl.state_dict``, gathered), the loss and global-norm
 history, the bytes of the state this rank holds, and the number of compiled
-graphs.
+graphs. ``--then`` starts another job in the same processes, after the one before ended (one launch,
+several runs: the tests share launches where they need the same ranks). Each job also writes the
+warnings it gave into ``RESULTS/warnings{r}.json``.
 
 Options:
     --shard MODE       None (data parallel), full or optimizer
@@ -37,6 +39,7 @@ import json
 import os
 import signal
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -130,6 +133,24 @@ def _kill_in_save(rank: int, iteration: int, when: str) -> None:
 
 
 def main() -> None:
+    import sys
+
+    argv, jobs = sys.argv[1:], []
+    while "--then" in argv:
+        at = argv.index("--then")
+        jobs.append(argv[:at])
+        argv = argv[at + 1 :]
+    torch.set_num_threads(1)
+    for job in [*jobs, argv]:
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            out = run(job)
+        (out / f"warnings{fl.distributed.rank()}.json").write_text(json.dumps([str(w.message) for w in said]))
+    leave(fl.distributed.rank())
+
+
+def run(argv: list[str]) -> Path:
+    """One job: train as ``argv`` says, and write what the tests compare; the results' directory."""
     parser = argparse.ArgumentParser()
     parser.add_argument("results")
     parser.add_argument("--shard", default="None")
@@ -143,17 +164,18 @@ def main() -> None:
     parser.add_argument("--kill-in-save")
     parser.add_argument("--sigterm-at", type=int)
     parser.add_argument("--lose-rank")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.kill_in_save:
         r, i, when = args.kill_in_save.split(":")
         _kill_in_save(int(r), int(i), when)
     shard = None if args.shard == "None" else args.shard
-    torch.set_num_threads(1)
     net, opt = model(), optimizer()
     state = fl.init(net, opt, seed=0, max_iter=args.max_iter, shard=shard)
     hooks: list = []
     if args.checkpoint:
         state = fl.checkpoint.resume(args.checkpoint, like=state)
+    began = state.iteration
+    if args.checkpoint:
         saving = fl.hooks.checkpoint(args.checkpoint, keep=None, background=args.background)
         hooks.append(fl.every(args.every, saving))
     if args.die_at is not None:
@@ -188,13 +210,14 @@ def main() -> None:
             "norms": [float(fl.unshard(final).opt_state[0].global_norm)] if final.iteration else [],
             "held": held_bytes(final),
             "iteration": final.iteration,
+            "began": began,
             "data": final.data,
             "compiles": step.compiles,
             "shards": None if final.shards is None else (final.shards.world, final.shards.rank),
         },
         out / f"rank{rank}.pt",
     )
-    leave(rank)
+    return out
 
 
 if __name__ == "__main__":

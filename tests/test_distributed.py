@@ -46,6 +46,19 @@ def launch(
     )
 
 
+def jobs(tmp: Path, ranks: int, *runs: tuple[Path, list[str]]) -> subprocess.CompletedProcess[str]:
+    """Several jobs in one launch, one after the other: ``(folder, options)`` each, into ``folder/out`` and
+    ``folder/results``."""
+    runner = [*(sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}")]
+    if ranks == 1:
+        runner = [sys.executable]
+    argv: list[str] = []
+    for folder, options in runs:
+        argv += [*(["--then"] if argv else []), str(folder / "out"), str(folder / "results"), *options]
+    env = {**os.environ, **ONE_CORE_EACH}
+    return subprocess.run([*runner, WORKER, *argv], capture_output=True, text=True, timeout=LIMIT, env=env)
+
+
 def results(tmp: Path, rank: int = 0) -> dict:
     return torch.load(tmp / "results" / f"rank{rank}.pt")
 
@@ -55,16 +68,38 @@ def ok(done: subprocess.CompletedProcess[str]) -> None:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def killed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """A 2-rank job that died after step 12 (every rank): its folder, as the launch left it, and the launch."""
+    tmp = tmp_path_factory.mktemp("killed")
+    return tmp, launch(tmp, 2, "--die-at", "12")
+
+
+def _copy(folder: Path, into: Path) -> Path:
+    shutil.copytree(folder / "out", into / "out")
+    return into
+
+
+@pytest.fixture(scope="module")
+def two_ranks(
+    tmp_path_factory: pytest.TempPathFactory, killed: tuple[Path, subprocess.CompletedProcess[str]]
+) -> Path:
+    """The 2-rank jobs, in one launch: the straight run (here), the same run four steps per call
+    (``several``), and the killed job resumed (``resumed``)."""
     tmp = tmp_path_factory.mktemp("two")
-    ok(launch(tmp, 2))
+    resumed = _copy(killed[0], tmp / "resumed")
+    ok(jobs(tmp, 2, (tmp, []), (tmp / "several", ["--steps-per-call", "4"]), (resumed, [])))
     return tmp
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def one_process(
+    tmp_path_factory: pytest.TempPathFactory, killed: tuple[Path, subprocess.CompletedProcess[str]]
+) -> Path:
+    """The jobs of one process, in one launch: the straight run (here), and the killed 2-rank job
+    resumed (``resumed``)."""
     tmp = tmp_path_factory.mktemp("one")
-    ok(launch(tmp, 1))
+    resumed = _copy(killed[0], tmp / "resumed")
+    ok(jobs(tmp, 1, (tmp, []), (resumed, [])))
     return tmp
 
 
@@ -84,15 +119,15 @@ def test_the_step_with_its_collective_is_one_graph_over_a_scheduled_run(two_rank
     assert results(two_ranks, 0)["compiles"] == results(two_ranks, 1)["compiles"] == 1
 
 
-def test_several_steps_per_call_on_two_ranks_equal_single_steps(tmp_path: Path, two_ranks: Path) -> None:
-    ok(launch(tmp_path, 2, "--steps-per-call", "4"))  # 20 iterations: five calls of 4, no single step
+def test_several_steps_per_call_on_two_ranks_equal_single_steps(two_ranks: Path) -> None:
+    several = two_ranks / "several"  # 20 iterations: five calls of 4, no single step
     for rank in (0, 1):
-        many, single = results(tmp_path, rank), results(two_ranks, rank)
+        many, single = results(several, rank), results(two_ranks, rank)
         assert many["compiles"] == many["loop_graphs"] == 1 and many["iteration"] == 20
         for name, value in single["params"].items():
             assert torch.equal(many["params"][name], value), (rank, name)
         assert many["loss"] == single["loss"]
-    lines = (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()
+    lines = (several / "out" / "metrics.jsonl").read_text().splitlines()
     assert [line.split(",")[0] for line in lines] == [f'{{"iteration": {i}' for i in (8, 16, 20)]
 
 
@@ -107,23 +142,23 @@ def test_only_rank_zero_writes(two_ranks: Path, one_process: Path) -> None:
     assert [line.split(",")[0] for line in lines] == [f'{{"iteration": {i}' for i in (5, 10, 15, 20)]
 
 
-def test_resume_under_two_ranks_is_bit_exact(tmp_path: Path, two_ranks: Path) -> None:
-    killed = launch(tmp_path, 2, "--die-at", "12")
-    assert killed.returncode != 0
-    saved = sorted(p.name for p in (tmp_path / "out" / "ckpt").glob("*.safetensors"))
+def test_resume_under_two_ranks_is_bit_exact(
+    killed: tuple[Path, subprocess.CompletedProcess[str]], two_ranks: Path
+) -> None:
+    assert killed[1].returncode != 0
+    saved = sorted(p.name for p in (killed[0] / "out" / "ckpt").glob("*.safetensors"))
     assert saved == ["ckpt-00000005.safetensors", "ckpt-00000010.safetensors"]
-    ok(launch(tmp_path, 2))
     for rank in (0, 1):
-        resumed, straight = results(tmp_path, rank), results(two_ranks, rank)
+        resumed, straight = results(two_ranks / "resumed", rank), results(two_ranks, rank)
         for name, value in straight["params"].items():
             assert torch.equal(resumed["params"][name], value), (rank, name)
 
 
-def test_a_two_rank_checkpoint_resumes_on_one_process(tmp_path: Path, one_process: Path) -> None:
-    killed = launch(tmp_path, 2, "--die-at", "12")
-    assert killed.returncode != 0
-    ok(launch(tmp_path, 1))
-    resumed, straight = results(tmp_path), results(one_process)
+def test_a_two_rank_checkpoint_resumes_on_one_process(
+    killed: tuple[Path, subprocess.CompletedProcess[str]], one_process: Path
+) -> None:
+    assert killed[1].returncode != 0
+    resumed, straight = results(one_process / "resumed"), results(one_process)
     # The same global batches from the cursor on; only float rounding differs from one process.
     for name, value in straight["params"].items():
         torch.testing.assert_close(resumed["params"][name], value, rtol=0, atol=1e-5)
