@@ -44,6 +44,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 collect_ignore_glob = ["tests/*_worker.py"]
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into the tests' ids
 def pytest_collection_modifyitems(config, items):
     """Each test in its file's group unless it names one (``xdist_group``): a file's tests share its fixtures.
 
@@ -54,6 +55,27 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    if os.environ.get("PYTEST_XDIST_WORKER") is not None:
+        # The groups with most slow tests first: the workers hand out groups in this order, and a long
+        # group handed out last would leave one core working alone at the end.
+        marks = {item: item.get_closest_marker("xdist_group") for item in items}
+        group = {item: mark.args[0] if mark.args else mark.kwargs.get("name") for item, mark in marks.items()}
+        slow = Counter(group[item] for item in items if item.get_closest_marker("slow") is not None)
+        items.sort(key=lambda item: -slow[group[item]])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node, ids):
+    """Under ``--dist loadgroup``, every test's id a worker collected must carry its group (``@name``)."""
+    if node.config.getoption("dist") == "loadgroup" and any("@" not in i for i in ids):
+        pytest.exit(
+            f"pytest-xdist's --dist loadgroup left the tests without their groups (pytest {pytest.__version__} "
+            "ignores the group xdist writes into a test's id: pytest-xdist issue 1386), so a file's tests "
+            "would run on several workers, each building the file's shared compiled steps and launches "
+            "again. Install the pytest the dev extra names (pip install -c constraints.txt -e '.[dev]'), "
+            "or run with -n0.",
+            returncode=pytest.ExitCode.USAGE_ERROR,
+        )
 
 
 # -- the suite's own time: a report, not a timed test ----------------------------------------------------
@@ -72,9 +94,13 @@ def pytest_addoption(parser):
 
 
 def _launched(event, args):
-    # Every process a test starts, and the workers of each torchrun launch (started by its agent).
+    # Every Python process a test starts (the compiler's gcc aside), and the workers of each torchrun
+    # launch, which its agent starts.
     if event == "subprocess.Popen":
         argv = [str(a) for a in (args[1] if isinstance(args[1], (list, tuple)) else [args[1]])]
+        if not argv or "python" not in os.path.basename(argv[0]):
+            _LAUNCHED["other processes"] += 1
+            return
         _LAUNCHED["processes"] += 1
         if "torch.distributed.run" in argv:
             n = next((a.split("=", 1)[1] for a in argv if a.startswith("--nproc_per_node=")), "1")
@@ -133,8 +159,9 @@ def pytest_terminal_summary(terminalreporter, config):
     terminalreporter.section("the suite's time")
     write(
         f"{len(_TIMES)} tests in {wall / 60:.1f} min of wall time ({sum(_TIMES.values()) / 60:.1f} min of tests); "
-        f"processes launched: {_LAUNCHED['processes']} (torchrun: {_LAUNCHED['torchrun launches']} launches "
-        f"on one machine, {_LAUNCHED['torchrun workers']} workers); graphs built this run: "
+        f"Python processes launched: {_LAUNCHED['processes']} (torchrun: {_LAUNCHED['torchrun launches']} "
+        f"launches on one machine, {_LAUNCHED['torchrun workers']} workers; others: "
+        f"{_LAUNCHED['other processes']}, the compiler's); graphs built this run: "
         f"{graphs['fnloop']} in fnloop's cache, {graphs['inductor']} in inductor's"
     )
     write("the ten slowest tests (setup and teardown included):")

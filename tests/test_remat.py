@@ -155,6 +155,7 @@ def test_reentrant_checkpointing_of_blocks_fed_the_batch_is_refused_not_left_unt
     refused = r"use_reentrant=True .*none of whose inputs needs a gradient.*use_reentrant=False"
     with warnings.catch_warnings():
         warnings.simplefilter("default")  # a user's filters: torch's warning is no error there
+        warnings.filterwarnings("ignore", message="torch.utils.checkpoint: the use_reentrant parameter")
         with pytest.raises(TypeError, match=refused):
             fl.run(fl.init(model, OPT, seed=0, max_iter=1), step, BATCHES)
     # Non-reentrant, the same block trains.
