@@ -36,7 +36,7 @@ import sys
 from pathlib import Path
 
 import torch
-from worker_exit import leave
+from worker_exit import jobs, leave
 
 import fnloop as fl
 from fnloop import Phase, TrainState
@@ -110,13 +110,8 @@ def drift(state: TrainState) -> TrainState:
 
 def main() -> None:
     # ``--then OUT RESULTS [options]`` runs another job in the same processes once the one before ended.
-    argv, jobs = sys.argv[1:], []
-    while "--then" in argv:
-        at = argv.index("--then")
-        jobs.append(argv[:at])
-        argv = argv[at + 1 :]
     torch.set_num_threads(1)
-    for job in [*jobs, argv]:
+    for job in jobs(sys.argv[1:]):
         run(job)
     leave(fl.distributed.rank())
 

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 from torch.utils import _pytree as pytree
-from worker_exit import leave
+from worker_exit import jobs, leave
 
 import fnloop as fl
 from fnloop import Phase
@@ -135,13 +135,8 @@ def _kill_in_save(rank: int, iteration: int, when: str) -> None:
 def main() -> None:
     import sys
 
-    argv, jobs = sys.argv[1:], []
-    while "--then" in argv:
-        at = argv.index("--then")
-        jobs.append(argv[:at])
-        argv = argv[at + 1 :]
     torch.set_num_threads(1)
-    for job in [*jobs, argv]:
+    for job in jobs(sys.argv[1:]):
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
             out = run(job)

@@ -1,4 +1,5 @@
-"""How the torchrun test workers end: ``leave()``, once their results are written, then as users' scripts do.
+"""How the torchrun test workers take their jobs (``jobs()``) and end (``leave()``, once their results
+are written, then as users' scripts do).
 
 A worker ends as any script does: its ``main`` returns and the interpreter exits, with fnloop's own
 handler leaving the process group at exit (``fnloop.distributed``). Nothing here shortcuts that (no
@@ -11,6 +12,17 @@ from __future__ import annotations
 
 import os
 import sys
+
+
+def jobs(argv: list[str]) -> list[list[str]]:
+    """The jobs of one launch: ``argv`` cut at each ``--then`` (``A --then B`` runs ``A``, then ``B``)."""
+    found = [[]]
+    for arg in argv:
+        if arg == "--then":
+            found.append([])
+        else:
+            found[-1].append(arg)
+    return found
 
 
 def leave(rank: int) -> None:
