@@ -252,14 +252,19 @@ def test_a_failed_save_is_raised_by_the_next_hand_over_at_the_latest(tmp_path, w
 def test_a_failed_save_found_at_the_hand_over_after_a_donating_step_keeps_the_run_s_state(tmp_path, writer):
     """The failure is raised after the next step wrote into its (owned) state: that state is whole all the same."""
 
+    reached = threading.Event()
+
     def fails(path: Path, write: Write) -> None:
         if iteration_of(path) == 2:
+            # Not before the unit of step 2 has begun: a failure ended by then is found at its start.
+            assert reached.wait(TIMEOUT)
             raise OSError(errno.ENOSPC, "No space left on device")
         _REAL_WRITE(path, write)
 
     def settled(state: TrainState, phase: Phase) -> TrainState:
         # Before step 2: the failed save has ended but is not yet settled, so the step may donate.
         if phase is Phase.BEFORE_STEP and state.iteration == 2:
+            reached.set()
             job = background._job
             assert job is not None and job.done.wait(TIMEOUT)
         return state
