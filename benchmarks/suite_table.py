@@ -28,7 +28,7 @@ def table(reports: list[dict], names: list[str], top: int) -> str:
 
     rows += [
         line("wall time (s)", lambda r: f"{r['wall_s']:.0f}"),
-        line("test time, both cores (s)", lambda r: f"{sum(r['tests'].values()):.0f}"),
+        line("test time, every core (s)", lambda r: f"{sum(r['tests'].values()):.0f}"),
         line("tests", lambda r: str(len(r["tests"]))),
         line("Python processes launched", lambda r: str(r["launched"].get("processes", 0))),
         line("torchrun launches", lambda r: str(r["launched"].get("torchrun launches", 0))),
