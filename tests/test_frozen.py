@@ -12,7 +12,8 @@ import torch
 
 import fnloop as fl
 from fnloop._step.jit import trace
-from fnloop._step.kernel import _kernel
+from fnloop._step.kernel import Kernel
+from fnloop._step.layout import Layout, transformed
 
 STEPS = 5
 FROZEN = ("0.weight", "0.bias")
@@ -93,7 +94,7 @@ def test_compiled_eager_and_several_per_call_agree(steps) -> None:
 def _products(model: torch.nn.Module) -> list[str]:
     """The matrix products in the traced step of ``model``: forward, backward and update."""
     state = fl.init(model, OPT, seed=0, max_iter=1)
-    update, _ = _kernel(model, loss_fn, OPT, 1, None)
+    update = transformed(Kernel(model, loss_fn, OPT), Layout(), None)
 
     def flat(*leaves):
         params = dict(zip(state.params, leaves))

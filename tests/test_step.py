@@ -568,7 +568,7 @@ def test_recorded_metrics_never_change_though_their_storage_is_reused(noisy):
     kept = seen[-1][0]
     del seen
     final = fl.run(attrs.evolve(kept, max_iter=200), step, [data[i % len(data)] for i in range(140)])
-    homes = len(step._pool._homes)
+    homes = len(step._memo.pool._homes)
     # One pooled scalar per step (the loss; a fixed lr is a float); the states of the scan were let
     # go: their homes came back.
     assert homes <= 60 + 3 + 8, homes

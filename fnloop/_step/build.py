@@ -13,7 +13,7 @@ from fnloop._core.messages import got
 from fnloop._core.shards import MODES, Shards
 from fnloop._core.state import TrainState
 from fnloop._core.steps import Applied, Step
-from fnloop._step.compiler import compile_population, compile_step, compile_steps
+from fnloop._step.compiler import compile_step
 from fnloop._step.errors import (
     CompileError,
     GraphBreakError,
@@ -21,16 +21,11 @@ from fnloop._step.errors import (
     RecompileError,
 )
 from fnloop._step.eval import plain_module
-from fnloop._step.kernel import (
-    LossFn,
-    _kernel,
-    _trained,
-    frozen,
-)
-from fnloop._step.members import population_kernel
+from fnloop._step.kernel import Kernel, LossFn, frozen
+from fnloop._step.layout import in_place
 from fnloop._step.sharding import chunk
 from fnloop._step.train import TrainStep
-from fnloop.distributed import broadcast_tensors, rank, world_size
+from fnloop.distributed import _group, broadcast_tensors, rank, world_size
 from fnloop.optim import Optimizer
 from fnloop.optim._base import fixed_learning_rates
 
@@ -113,7 +108,7 @@ def init(
         max_iter=max_iter,
         params=params,
         buffers=buffers,
-        opt_state=optimizer.init(_trained(trained, fixed)),
+        opt_state=optimizer.init({k: v for k, v in trained.items() if k not in fixed}),
         rng=seed,
         extra=extra,
         shards=shards,
@@ -246,35 +241,33 @@ def train_step(
             "build one with fnloop.optim.sgd/adam/adamw (the same numbers as torch.optim's)."
         )
     accumulate = _check_positive("accumulate", accumulate)
-    update, in_place = _kernel(model, loss_fn, optimizer, accumulate, autocast, eager=not compile)
     if type(recompiles) is not int or recompiles < 0:
         raise ValueError(f"'recompiles' must be an int >= 0 ({got(recompiles)}).")
-    jit = compile_step(update, 1 + recompiles, options) if compile else None
     if type(skip_nonfinite) is not bool:
         raise TypeError(f"'skip_nonfinite' must be a bool ({got(skip_nonfinite)}).")
     steps_per_call = _check_positive("steps_per_call", steps_per_call)
-    multi = None
-    if compile and steps_per_call > 1:
-        multi = compile_steps(update, steps_per_call, 1 + recompiles, options)
-    fixed = fixed_learning_rates(optimizer)
-    members = None
-    if compile:  # traced when a population's state first comes
-        members = compile_population(
-            population_kernel(model, loss_fn, optimizer, accumulate, autocast), 1 + recompiles, options
-        )
+    kernel = Kernel(model, loss_fn, optimizer, accumulate, autocast, eager=not compile)
+    group = _group()  # the ranks the step averages over, fixed with the step
+    jit = multi = members = None
+    if compile:  # one step per call, several, and a population's (traced when such a state first comes)
+        jit, members = (compile_step(kernel, group, 1 + recompiles, options) for _ in range(2))
+        if steps_per_call > 1:
+            multi = compile_step(kernel, group, 1 + recompiles, options, steps_per_call)
     step = TrainStep(
         model,
         loss_fn,
         optimizer,
         recompiles,
-        in_place,
+        kernel,
+        in_place(kernel, group),
         jit,
-        skip_nonfinite,
-        fixed,
-        rank(),
-        steps_per_call,
         multi,
         members,
+        skip_nonfinite,
+        fixed_learning_rates(optimizer),
+        rank(),
+        world_size(),
+        steps_per_call,
     )
     return step if donate else _Undonated(step)
 

@@ -1,7 +1,7 @@
-"""The compiler, as the step sees it: ``compile_step`` and ``compile_steps`` give a ``Jit``.
+"""The compiler, as the step sees it: ``compile_step`` gives a ``Jit`` of the step in its one flat form.
 
-A ``Jit`` maps a call's structure (the names, the optimizer state's and the
-batch's tree, static values) and flat tensors to a compiled graph
+A ``Jit`` maps a call's ``Form`` (the names, the optimizer state's and the
+batch's tree, static values, the ``Layout``) and flat tensors to a compiled graph
 (``Jit.entry``), tracing and compiling one only for a signature it has not
 seen, and refusing beyond its budget of graphs (``OverBudget``, which the
 step reports as ``RecompileError``). The step calls the graph with the
@@ -28,86 +28,146 @@ Behind this interface, on private torch APIs:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
+import attrs
 import torch
 from torch.utils import _pytree as pytree
 
 from fnloop._step.batching import unflatten_batch
 from fnloop._step.errors import _RANDOM_STEPS
 from fnloop._step.jit import Flat, Jit, _decompositions
-from fnloop._step.kernel import Update, _kept, _state
-from fnloop._step.members import PopulationUpdate, kept_rows
+from fnloop._step.kernel import Kernel, Update, kept, state_of
+from fnloop._step.layout import Layout, transformed
 from fnloop._step.seeding import drawing_from
 
-__all__ = ["UNROLL", "compile_population", "compile_step", "compile_steps"]
+__all__ = ["UNROLL", "Form", "compile_step", "leaf_name"]
 
 
-def compile_step(update: Update, budget: int, options: Mapping[str, Any] | None) -> Jit:
-    """The step as a function of flat tensors: params, buffers, optimizer state, iteration, seed, batch.
+@attrs.frozen
+class Form:
+    """How a call's flat tensors are put back together: the one flat form every compiled step takes.
 
-    It writes the new state into the input tensors (the fold's donation, inside
-    the graph, so nothing keeps a second copy alive) and returns ``loss,
-    finite, *metrics``. Its random ops draw from the seed.
+    Inputs, in order: the state (``params``' tensors, ``buffers``', the
+    optimizer state's leaves), the iteration (0-d int64), the seeds (int64:
+    0-d for one step, one per member or per step of a call), which members
+    train (1-d bool, a population's only), and the batch's tensors (stacked
+    on a new first dimension for several steps). Outputs: ``loss, finite,
+    *metrics``, each one value per step and per member, and for several
+    steps that stop at a non-finite one, whether every step was finite.
+    The graph writes the new state into the state's input tensors.
     """
 
-    def make(structure: Any) -> tuple[Flat, list[str]]:
-        pkeys, bkeys, ospec, bstructure, shards = structure
-        names: list[str] = []
-        c = len(pkeys) + len(bkeys) + ospec.num_leaves
+    params: tuple[str, ...]
+    buffers: tuple[str, ...]
+    opt_state: pytree.TreeSpec
+    batch: Hashable
+    layout: Layout
 
-        def flat(*leaves: torch.Tensor) -> list[torch.Tensor]:
-            params, buffers, opt_state = _unflattened(leaves[:c], pkeys, bkeys, ospec)
-            iteration, seed = leaves[c], leaves[c + 1]
-            batch = unflatten_batch(leaves[c + 2 :], bstructure)
-            with drawing_from(seed):
-                new = update(params, buffers, opt_state, iteration, batch, shards)
-            for old, value in zip(leaves[:c], _kept(new.finite, list(leaves[:c]), _state(new))):
-                if value is not old:
-                    old.copy_(value)
-            names[:] = new.metrics
-            return [new.loss, new.finite, *new.metrics.values()]
+    @property
+    def width(self) -> int:
+        """How many of the inputs are the state."""
+        return len(self.params) + len(self.buffers) + self.opt_state.num_leaves
 
-        return flat, names
-
-    return Jit(make, budget, options)
+    def unflattened(self, state: Sequence[torch.Tensor]) -> tuple[dict, dict, Any]:
+        """``(params, buffers, opt_state)`` from the state's flat tensors."""
+        a, b = len(self.params), len(self.params) + len(self.buffers)
+        return (
+            dict(zip(self.params, state[:a])),
+            dict(zip(self.buffers, state[a:b])),
+            pytree.tree_unflatten(list(state[b:]), self.opt_state),
+        )
 
 
-def compile_population(update: PopulationUpdate, budget: int, options: Mapping[str, Any] | None) -> Jit:
-    """A population's step as a function of flat tensors: the members' stacked state, then
-    the iteration, the members' seeds (1-d int64), which members train (1-d bool), and the batch.
+def leaf_name(form: Form, index: int) -> str:
+    """What the ``index``-th input of ``form`` is, for a message."""
+    if index < len(form.params):
+        return f"params[{form.params[index]!r}]"
+    index -= len(form.params)
+    if index < len(form.buffers):
+        return f"buffers[{form.buffers[index]!r}]"
+    index -= len(form.buffers)
+    if index < form.opt_state.num_leaves:
+        return f"opt_state leaf {index}"
+    index -= form.opt_state.num_leaves
+    inputs = ["the iteration", "the step's seed", *(["which members train"] if form.layout.members else [])]
+    if index < len(inputs):
+        return inputs[index]
+    return f"the batch's tensor {index - len(inputs)}"
 
-    It writes the new state into the input tensors, row by row for the
-    members that train and whose step was finite, and returns ``loss,
-    finite, *metrics``, each one value per member. When the structure says
-    ``stop`` (the step raises on a non-finite loss), one non-finite member
-    leaves every member as it was, as a single run's non-finite step does.
+
+def compile_step(
+    kernel: Kernel, group: Any, budget: int, options: Mapping[str, Any] | None, steps: int = 1
+) -> Jit:
+    """The step of ``kernel`` compiled, for any ``Form`` (the call's structure); ``steps``: per call.
+
+    Each form's graph runs ``transformed(kernel, form.layout, group)``: one
+    step, or ``form.layout.steps`` of them in a loop (``several``).
     """
+    updates: dict[Layout, Update] = {}
 
-    def make(structure: Any) -> tuple[Flat, list[str]]:
-        pkeys, bkeys, ospec, bstructure, _members, shared, stop = structure
-        names: list[str] = []
-        c = len(pkeys) + len(bkeys) + ospec.num_leaves
+    def make(form: Hashable) -> tuple[Flat, list[str]]:
+        assert isinstance(form, Form)
+        layout = form.layout
+        update = updates.get(layout)
+        if update is None:
+            update = updates[layout] = transformed(kernel, layout, group)
+        return (one if layout.steps == 1 else several)(update, form)
 
-        def flat(*leaves: torch.Tensor) -> list[torch.Tensor]:
-            params, buffers, opt_state = _unflattened(leaves[:c], pkeys, bkeys, ospec)
-            iteration, seeds, training = leaves[c], leaves[c + 1], leaves[c + 2]
-            batch = unflatten_batch(leaves[c + 3 :], bstructure)
-            with drawing_from(seeds):
-                new = update(params, buffers, opt_state, iteration, batch, shared)
-            keep = new.finite & training
-            if stop:  # a non-finite member stops the run: the step then leaves every member as it was
-                keep = keep & (new.finite | ~training).all()
-            for old, value in zip(leaves[:c], kept_rows(keep, list(leaves[:c]), _state(new))):
-                if value is not old:
-                    old.copy_(value)
-            names[:] = new.metrics
-            return [new.loss, new.finite, *new.metrics.values()]
+    no_random = _RANDOM_STEPS.format(n=steps) if steps > 1 else None
+    return Jit(make, budget, options, no_random=no_random)
 
-        return flat, names
 
-    return Jit(make, budget, options)
+def _guarded(
+    update: Update,
+    form: Form,
+    state: list[torch.Tensor],
+    iteration: torch.Tensor,
+    seed: torch.Tensor,
+    training: torch.Tensor | None,
+    batch: Any,
+    gate: torch.Tensor | None,
+) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor], list[str]]:
+    """One step from ``state``: the state it leaves, the keep flag, its outputs and its metrics' names.
+
+    A step keeps its new state where it is finite (for a population, per
+    member that trains), and where ``gate`` (the steps before were finite) holds.
+    """
+    params, buffers, opt_state = form.unflattened(state)
+    with drawing_from(seed):
+        new = update(params, buffers, opt_state, iteration, batch)
+    keep = new.finite
+    if training is not None:
+        keep = keep & training
+        if form.layout.stop:  # a non-finite member stops the run: the step then leaves every member as it was
+            keep = keep & (new.finite | ~training).all()
+    if gate is not None:
+        keep = keep & gate
+    return (
+        kept(keep, state, state_of(new)),
+        keep,
+        [new.loss, new.finite, *new.metrics.values()],
+        list(new.metrics),
+    )
+
+
+def one(update: Update, form: Form) -> tuple[Flat, list[str]]:
+    """One step as a function of the flat form, writing the new state into its state inputs."""
+    names: list[str] = []
+    c, members = form.width, form.layout.members is not None
+
+    def flat(*leaves: torch.Tensor) -> list[torch.Tensor]:
+        state, iteration, seed = list(leaves[:c]), leaves[c], leaves[c + 1]
+        training = leaves[c + 2] if members else None
+        batch = unflatten_batch(leaves[c + 2 + members :], form.batch)
+        after, _, out, names[:] = _guarded(update, form, state, iteration, seed, training, batch, None)
+        for old, value in zip(state, after):
+            if value is not old:
+                old.copy_(value)
+        return out
+
+    return flat, names
 
 
 UNROLL = 1
@@ -120,8 +180,8 @@ on a tiny model, and double the compile.
 """
 
 
-def compile_steps(update: Update, n: int, budget: int, options: Mapping[str, Any] | None) -> Jit:
-    """``n`` steps in one graph: ``n`` is in the structure, the batches and the steps' seeds stacked.
+def several(update: Update, form: Form) -> tuple[Flat, list[str]]:
+    """``form.layout.steps`` steps in one graph (``n``), the batches and the steps' seeds stacked.
 
     Inputs: params, buffers, optimizer state, the first iteration, the ``n``
     steps' seeds (a 1-d int64), then each batch tensor with the ``n`` batches
@@ -147,92 +207,74 @@ def compile_steps(update: Update, n: int, budget: int, options: Mapping[str, Any
     except ImportError:  # torch before 2.6: every step written out
         scan_op = None  # type: ignore[assignment]
 
-    def make(structure: Any) -> tuple[Flat, list[str]]:
-        pkeys, bkeys, ospec, bstructure, n, stop, shards = structure
-        names: list[str] = []
-        c = len(pkeys) + len(bkeys) + ospec.num_leaves
-        unroll = UNROLL if scan_op is not None and n > UNROLL and n % UNROLL == 0 else n
+    n, stop = form.layout.steps, form.layout.stop
+    names: list[str] = []
+    c = form.width
+    unroll = UNROLL if scan_op is not None and n > UNROLL and n % UNROLL == 0 else n
 
-        def steps(
-            state: list[torch.Tensor],
-            iteration: torch.Tensor,
-            seeds: torch.Tensor,
-            xs: list[torch.Tensor],
-            gate: Any,
-        ) -> tuple[list[torch.Tensor], Any, list[torch.Tensor]]:
-            # `unroll` steps from `state`, the j-th on the rows xs[:][j] with seed seeds[j].
-            out: list[torch.Tensor] = []
-            for j in range(unroll):
-                params, buffers, opt_state = _unflattened(state[:c], pkeys, bkeys, ospec)
-                batch = unflatten_batch([x[j] for x in xs], bstructure)
-                with drawing_from(seeds[j]):
-                    new = update(params, buffers, opt_state, iteration + j, batch, shards)
-                keep = new.finite if gate is None else new.finite & gate
-                state = _kept(keep, state, _state(new))
-                if stop:
-                    gate = keep
-                names[:] = new.metrics
-                out += [new.loss, new.finite, *new.metrics.values()]
-            return state, gate, out
+    def steps(
+        state: list[torch.Tensor],
+        iteration: torch.Tensor,
+        seeds: torch.Tensor,
+        xs: list[torch.Tensor],
+        gate: Any,
+    ) -> tuple[list[torch.Tensor], Any, list[torch.Tensor]]:
+        # `unroll` steps from `state`, the j-th on the rows xs[:][j] with seed seeds[j].
+        out: list[torch.Tensor] = []
+        for j in range(unroll):
+            batch = unflatten_batch([x[j] for x in xs], form.batch)
+            state, keep, outputs, names[:] = _guarded(
+                update, form, state, iteration + j, seeds[j], None, batch, gate
+            )
+            if stop:
+                gate = keep
+            out += outputs
+        return state, gate, out
 
-        def flat(*leaves: torch.Tensor) -> list[torch.Tensor]:
-            state, iteration, seeds = list(leaves[:c]), leaves[c], leaves[c + 1]
-            xs = list(leaves[c + 2 :])
-            gate = torch.ones((), dtype=torch.bool, device=iteration.device) if stop else None
-            if unroll == n:
-                final, gate, out = steps(state, iteration, seeds, xs, gate)
-                per = len(out) // n
-                stacked = [torch.stack(out[q::per]) for q in range(per)]
-            else:
-                turns = n // unroll
-                rows = [seeds.reshape(turns, unroll), *(x.reshape(turns, unroll, *x.shape[1:]) for x in xs)]
+    def flat(*leaves: torch.Tensor) -> list[torch.Tensor]:
+        state, iteration, seeds = list(leaves[:c]), leaves[c], leaves[c + 1]
+        xs = list(leaves[c + 2 :])
+        gate = torch.ones((), dtype=torch.bool, device=iteration.device) if stop else None
+        if unroll == n:
+            final, gate, out = steps(state, iteration, seeds, xs, gate)
+            per = len(out) // n
+            stacked = [torch.stack(out[q::per]) for q in range(per)]
+        else:
+            turns = n // unroll
+            rows = [seeds.reshape(turns, unroll), *(x.reshape(turns, unroll, *x.shape[1:]) for x in xs)]
 
-                def turn(*flat: torch.Tensor) -> list[torch.Tensor]:
-                    # One turn of the loop: the carry (state, iteration, gate), then this turn's rows.
-                    carry, row = flat[:width], flat[width:]
-                    after, gate, out = steps(
-                        list(carry[:c]), carry[c], row[0], list(row[1:]), carry[c + 1] if stop else None
-                    )
-                    # A loop's outputs may not be its inputs: what the steps passed through (frozen
-                    # parameters) leaves each turn as a copy.
-                    after = [t.clone() if any(t is x for x in carry) else t for t in after]
-                    return [*after, carry[c] + unroll, *([gate] if stop else []), *out]
+            def turn(*flat: torch.Tensor) -> list[torch.Tensor]:
+                # One turn of the loop: the carry (state, iteration, gate), then this turn's rows.
+                carry, row = flat[:width], flat[width:]
+                after, gate, out = steps(
+                    list(carry[:c]), carry[c], row[0], list(row[1:]), carry[c + 1] if stop else None
+                )
+                # A loop's outputs may not be its inputs: what the steps passed through (frozen
+                # parameters) leaves each turn as a copy.
+                after = [t.clone() if any(t is x for x in carry) else t for t in after]
+                return [*after, carry[c] + unroll, *([gate] if stop else []), *out]
 
-                init = [*state, iteration, *([gate] if stop else [])]
-                width = len(init)
-                # The body is traced on its own first, as the rest of the step is (Python runs
-                # once, now, and autograd records its backward); the loop then meets tensor ops only.
-                with disable_proxy_modes_tracing():
-                    body = make_fx(turn, decomposition_table=_decompositions(True))(
-                        *[t.clone() for t in init], *[r[0].clone() for r in rows]
-                    )
-                body, constants = _lifted(body)
-                flat_out = scan_op(body, init, rows, additional_inputs=_constants(constants))
-                carry, ys = flat_out[:width], flat_out[width:]
-                final, gate = carry[:c], (carry[c + 1] if stop else None)
-                # The outputs of one step; ys[j * per + q] is output q of step j of each turn.
-                per = len(ys) // unroll
-                stacked = [torch.stack(ys[q::per], dim=1).reshape(n) for q in range(per)]
-            for old, new in zip(state, final):
-                if new is not old:
-                    old.copy_(new)
-            return [*stacked, gate] if gate is not None else stacked
+            init: list[torch.Tensor] = [*state, iteration, *([gate] if gate is not None else [])]
+            width = len(init)
+            # The body is traced on its own first, as the rest of the step is (Python runs
+            # once, now, and autograd records its backward); the loop then meets tensor ops only.
+            with disable_proxy_modes_tracing():
+                body = make_fx(turn, decomposition_table=_decompositions(True))(
+                    *[t.clone() for t in init], *[r[0].clone() for r in rows]
+                )
+            body, constants = _lifted(body)
+            flat_out = scan_op(body, init, rows, additional_inputs=_constants(constants))
+            carry, ys = flat_out[:width], flat_out[width:]
+            final, gate = carry[:c], (carry[c + 1] if stop else None)
+            # The outputs of one step; ys[j * per + q] is output q of step j of each turn.
+            per = len(ys) // unroll
+            stacked = [torch.stack(ys[q::per], dim=1).reshape(n) for q in range(per)]
+        for old, new in zip(state, final):
+            if new is not old:
+                old.copy_(new)
+        return [*stacked, gate] if gate is not None else stacked
 
-        return flat, names
-
-    return Jit(make, budget, options, no_random=_RANDOM_STEPS.format(n=n))
-
-
-def _unflattened(
-    state: Sequence[torch.Tensor], pkeys: tuple[str, ...], bkeys: tuple[str, ...], ospec: pytree.TreeSpec
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], Any]:
-    """``(params, buffers, opt_state)`` from a graph's flat state inputs, in that order."""
-    a, b = len(pkeys), len(pkeys) + len(bkeys)
-    return (
-        dict(zip(pkeys, state[:a])),
-        dict(zip(bkeys, state[a:b])),
-        pytree.tree_unflatten(list(state[b:]), ospec),
-    )
+    return flat, names
 
 
 def _lifted(body: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:

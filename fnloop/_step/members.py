@@ -18,101 +18,58 @@ with a 1-d seed), so a member's dropout masks are those of its solo run.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
-from fnloop._step.kernel import (
-    LossFn,
-    Stepped,
-    _all_finite,
-    _by_name,
-    _holding,
-    _matching,
-    _micro_batches,
-    _split,
-    _trained,
-    frozen,
-)
+from fnloop._step.kernel import Gradient, Kernel, Updated, all_finite, value_and_grad
 from fnloop._step.seeding import DrawOutsideMembers
-from fnloop.optim import Optimizer, learning_rates
 
-__all__ = ["PopulationUnbatchable", "PopulationUpdate", "population_kernel"]
-
-PopulationUpdate = Callable[..., Stepped]
-"""``update(params, buffers, opt_state, iteration, batch, shared) -> Stepped``, pure, on stacked members;
-``shared`` (static): every member trains on ``batch``, else on its own row of it."""
+__all__ = ["PopulationUnbatchable", "member_finite", "member_gradient", "member_update"]
 
 
-def population_kernel(
-    model: torch.nn.Module,
-    loss_fn: LossFn,
-    optimizer: Optimizer,
-    accumulate: int,
-    autocast: torch.dtype | None,
-) -> PopulationUpdate:
-    """The population's step as a pure function of stacked members (traced and compiled by the step).
+def member_gradient(kernel: Kernel, shared: bool) -> Gradient:
+    """The gradient stage of stacked members: the loss stage vmapped, the gradient of their sum outside.
 
-    The loss, every metric, ``finite`` and the learning rates come out as 1-d
+    ``shared``: every member trains on the batch; else member ``m`` on row
+    ``m`` of each of its tensors. The loss and every metric come out as 1-d
     tensors, one value per member.
     """
     from torch.func import vmap
 
-    fixed = frozen(model, "train_step")
+    forward = vmap(kernel.loss, in_dims=(0, 0, None if shared else 0), randomness="different")
 
-    def member_loss(params: dict, buffers: dict, batch: Any) -> tuple[torch.Tensor, dict]:
-        device = next(iter(params.values())).device.type if params else "cpu"
-        context = torch.autocast(device, dtype=autocast) if autocast else contextlib.nullcontext()
-        with _holding(model, {**params, **buffers}), context:
-            loss, metrics = _split(loss_fn(model, batch))
-        return loss.float(), metrics
+    def loss(params: dict, buffers: dict, batch: Any) -> tuple[torch.Tensor, dict]:
+        with _batchable():
+            return forward(params, buffers, batch)
 
-    def gradients(leaves: dict, buffers: dict, batch: Any, shared: bool) -> tuple[dict, torch.Tensor, dict]:
-        forward = vmap(member_loss, in_dims=(0, 0, None if shared else 0), randomness="different")
-        wanted = [v for v in leaves.values() if v.requires_grad]
-        with torch.enable_grad(), _batchable():
-            losses, metrics = forward(leaves, buffers, batch)
-            # Members share nothing: the gradient of the sum, for each member's tensors, is its own loss's.
-            with _not_recomputed():
-                found = torch.autograd.grad(losses.sum(), wanted, allow_unused=True) if wanted else ()
-        return _by_name(leaves, fixed, found), losses.detach(), {k: v.detach() for k, v in metrics.items()}
+    # Members share nothing: the gradient of the sum, for each member's tensors, is its own loss's.
+    return value_and_grad(loss, kernel.fixed, backward=_not_recomputed)
 
-    def member_update(grads: dict, opt_state: Any, params: dict, iteration: torch.Tensor) -> tuple:
-        with _matching(fixed):
-            trained, new_opt_state = optimizer.update(grads, opt_state, params, iteration)
-        rates = learning_rates(optimizer, iteration, opt_state)
-        return trained, new_opt_state, {k: v for k, v in rates.items() if isinstance(v, torch.Tensor)}
+
+def member_update(kernel: Kernel) -> Any:
+    """The update stage vmapped over the members: each one's optimizer sees its own state and rates."""
+    from torch.func import vmap
+
+    def one(grads: dict, opt_state: Any, params: dict, iteration: torch.Tensor) -> tuple:
+        return tuple(kernel.update(grads, opt_state, params, iteration))
+
+    stepped = vmap(one, in_dims=(0, 0, 0, None), randomness="error")
 
     def update(
-        params: dict, buffers: dict, opt_state: Any, iteration: torch.Tensor, batch: Any, shared: bool
-    ) -> Stepped:
-        leaves = {
-            k: v.detach().requires_grad_(k not in fixed and (v.is_floating_point() or v.is_complex()))
-            for k, v in params.items()
-        }
-        new_buffers = {k: v.clone() for k, v in buffers.items()}  # the forward writes running statistics
-        if accumulate == 1:
-            grads, loss, metrics = gradients(leaves, new_buffers, batch, shared)
-        else:
-            grads, losses, parts = {}, [], []
-            dim = 0 if shared else 1  # a member's rows are on the batch's second dimension
-            for micro in _micro_split(batch, accumulate, dim):
-                g, l_k, m_k = gradients(leaves, new_buffers, micro, shared)
-                grads = {k: grads[k] + v for k, v in g.items()} if grads else g
-                losses.append(l_k)
-                parts.append(m_k)
-            grads = {k: v / accumulate for k, v in grads.items()}
-            loss = torch.stack(losses).mean(0)
-            metrics = {k: torch.stack([m[k] for m in parts]).float().mean(0) for k in parts[0]}
-        stepped = vmap(member_update, in_dims=(0, 0, 0, None), randomness="error")
-        trained, new_opt_state, rates = stepped(grads, opt_state, _trained(params, fixed), iteration)
-        new_params = {k: v if k in fixed else trained[k] for k, v in params.items()}
-        finite = vmap(_all_finite)(loss, grads)
-        return Stepped(new_params, new_buffers, new_opt_state, loss, finite, {**rates, **metrics})
+        grads: dict, opt_state: Any, params: dict, iteration: torch.Tensor, total: Any = None
+    ) -> Updated:
+        return Updated(*stepped(grads, opt_state, params, iteration))
 
     return update
+
+
+def member_finite(kernel: Kernel) -> Any:
+    """The guard vmapped: one 0-d bool per member."""
+    from torch.func import vmap
+
+    return vmap(all_finite)
 
 
 class PopulationUnbatchable(TypeError):
@@ -153,25 +110,3 @@ def _not_recomputed() -> Iterator[None]:
             "activation checkpointing (its members are small models, or it would not fit), or with "
             f"train_step(..., compile=False), where each member steps in turn. (torch: {str(exc).splitlines()[0]})"
         ) from None
-
-
-def _micro_split(batch: Any, n: int, dim: int) -> list[Any]:
-    if dim == 0:
-        return _micro_batches(batch, n)
-    flat, spec = pytree.tree_flatten(batch)
-    moved = [leaf.transpose(0, 1) if isinstance(leaf, torch.Tensor) else leaf for leaf in flat]
-    parts = _micro_batches(pytree.tree_unflatten(moved, spec), n)
-    return [
-        pytree.tree_map(lambda t: t.transpose(0, 1) if isinstance(t, torch.Tensor) else t, p) for p in parts
-    ]
-
-
-def kept_rows(keep: torch.Tensor, old: list[torch.Tensor], new: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``new`` for the members ``keep`` (a 1-d bool) marks, ``old`` for the others (row by row)."""
-    out = []
-    for o, n in zip(old, new):
-        if n is o:
-            out.append(o)
-        else:
-            out.append(torch.where(keep.reshape(-1, *([1] * (o.ndim - 1))), n, o))
-    return out

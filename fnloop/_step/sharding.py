@@ -1,4 +1,4 @@
-"""The collectives of a sharded step, inside its one graph: gather the parameters, scatter the gradients.
+"""Sharding: the step on this rank's chunks, with the collectives inside its one graph.
 
 fnloop shards as FSDP2 does (``Shard(0)``, see ``fnloop._core.shards``) but
 with the collectives in its own traced step, as torchtitan's SimpleFSDP does
@@ -22,8 +22,56 @@ from typing import Any
 import torch
 
 from fnloop._core.shards import Shards
+from fnloop._step.kernel import Gradient, Grads, Updated
+from fnloop._step.replicas import averaged
 
-__all__ = ["chunk", "gathered", "scattered"]
+__all__ = ["all_ranks", "chunk", "gathered", "scattered", "sharded_gradient", "sharded_update"]
+
+StageUpdate = Any
+"""The update stage: ``(grads, opt_state, params, iteration, total=None) -> Updated``."""
+
+
+def sharded_gradient(gradient: Gradient, shards: Shards, group: Any) -> Gradient:
+    """``gradient`` of a sharded state: on the whole parameters, its gradients this rank's chunks of the mean.
+
+    With ``shards.params`` (``"full"``) the parameters given are this rank's
+    chunks, gathered before the forward; the loss, the metrics and the
+    floating buffers are averaged over the ranks as data parallel averages
+    them. ``group`` ``None`` (one process): the chunks are the whole.
+    """
+    if group is None:
+        return gradient
+
+    def gradient_of_chunks(params: dict, buffers: dict, batch: Any) -> Grads:
+        whole = gathered(params, shards, group) if shards.params else params
+        found = averaged(gradient(whole, buffers, batch), group, grads=False)
+        return found._replace(grads=scattered(found.grads, shards, group))
+
+    return gradient_of_chunks
+
+
+def sharded_update(update: StageUpdate, shards: Shards, group: Any) -> StageUpdate:
+    """``update`` on this rank's chunks, any sum over the whole model an all-reduce.
+
+    Without ``shards.params`` (``"optimizer"``) the parameters are whole on
+    every rank: the update runs on this rank's chunk of each, and every
+    rank's updated chunks are gathered back into the whole.
+    """
+    total = (lambda value: summed(value, group)) if group is not None else None
+
+    def update_of_chunks(grads: dict, opt_state: Any, params: dict, iteration: torch.Tensor) -> Updated:
+        split = shards.names
+        mine = (
+            params
+            if shards.params
+            else {k: chunk(v, shards, k) if k in split else v for k, v in params.items()}
+        )
+        found = update(grads, opt_state, mine, iteration, total)
+        if shards.params or group is None:
+            return found
+        return found._replace(trained=gathered(found.trained, shards, group))
+
+    return update_of_chunks
 
 
 def chunk(whole: torch.Tensor, shards: Shards, name: str) -> torch.Tensor:

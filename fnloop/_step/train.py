@@ -1,9 +1,15 @@
-"""The training step as a value: ``TrainStep``, one step or several per call, in place where the fold owns the state."""
+"""The training step as a value: ``TrainStep``, one path from a call's layout to the state it records.
+
+``apply`` reads the call's ``Layout`` (``inputs.py``), runs the kernel
+transformed for it (``layout.py``) eagerly or compiled (``compiler.py``),
+and records what it computed (``_recorded``): every call, whatever the
+layout, goes this one way.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import attrs
 import torch
@@ -11,11 +17,11 @@ from torch.utils import _pytree as pytree
 
 from fnloop._core.failure import StepFailed, unwrapped
 from fnloop._core.metrics import Scalar
-from fnloop._core.population import PerMember, Population, member_metric
-from fnloop._core.shards import Shards
+from fnloop._core.population import member_metric
 from fnloop._core.state import TrainState, unchecked
 from fnloop._core.steps import Applied
 from fnloop._step.batching import flatten_batch
+from fnloop._step.compiler import Form, leaf_name
 from fnloop._step.donation import Targets, opt_containers, shared
 from fnloop._step.errors import (
     _GRAPH_BREAK,
@@ -28,25 +34,57 @@ from fnloop._step.errors import (
     _compile_failed,
     _nonfinite_message,
 )
-from fnloop._step.jit import (
-    Entry,
-    Jit,
-    OverBudget,
-    RandomInGraph,
-    TraceError,
-)
-from fnloop._step.kernel import (
-    LossFn,
-    _cloned,
-    _device,
-    _leaf_name,
-)
+from fnloop._step.inputs import layout_of, member_batch, stacked
+from fnloop._step.jit import Entry, Jit, OverBudget, RandomInGraph, TraceError
+from fnloop._step.kernel import Kernel, LossFn, _device
+from fnloop._step.layout import Layout
 from fnloop._step.pool import ScalarPool
 from fnloop._step.seeding import _seeded, step_seed
-from fnloop.distributed import world_size
 from fnloop.optim import Optimizer
 
 __all__ = ["TrainStep"]
+
+
+class Outputs(NamedTuple):
+    """What a call computed, one value per step (``steps > 1``) and per member (a population).
+
+    ``every``: whether every step of a call that stops at a non-finite one was finite.
+    """
+
+    loss: torch.Tensor
+    finite: torch.Tensor
+    metrics: dict[str, torch.Tensor]
+    every: torch.Tensor | None = None
+
+
+class Memo:
+    """What a step keeps between calls, never part of its meaning: input tensors refilled each call, names, homes.
+
+    The iteration and seed inputs are one 0-d tensor per device, refilled
+    each step (the compiled graph reads them only); ``targets`` is the last
+    layout's donation targets (see ``TrainStep._targets``); the recorded loss
+    and metrics live in long-lived homes (``fnloop/_step/pool.py``).
+    """
+
+    def __init__(self) -> None:
+        self.inputs: dict[Any, torch.Tensor] = {}
+        self.targets: list[Any] = []
+        self.names: dict[tuple[str, int], str] = {}
+        self.pool = ScalarPool()
+
+    def tensor(self, key: Any, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        found = self.inputs.get(key)
+        if found is None:
+            found = self.inputs[key] = make()
+        return found
+
+    def member_name(self, metric: str, m: int) -> str:
+        """A population's metric name (``loss/3``), made once: a step records every member's."""
+        key = (metric, m)
+        found = self.names.get(key)
+        if found is None:
+            found = self.names[key] = member_metric(metric, m)
+        return found
 
 
 @attrs.frozen(eq=False, repr=False)
@@ -64,29 +102,26 @@ class TrainStep(Applied):
     loss_fn: LossFn
     optimizer: Optimizer
     recompiles: int
+    kernel: Kernel
     function: Callable[..., Any]
-    """The kernel, ``(params, buffers, opt_state, iteration, batch) -> (loss, finite, metrics)``, run eagerly."""
+    """The kernel run eagerly on a single run's state: ``(params, buffers, opt_state, iteration, batch, shards) -> (loss, finite, metrics)``."""
     jit: Jit | None = None
-    """The kernel traced and compiled, when ``compiled``."""
+    """The kernel traced and compiled, one step per call, when ``compiled``."""
+    multi: Jit | None = None
+    """The kernel run ``steps_per_call`` times in one compiled graph, when compiled and ``steps_per_call > 1``."""
+    members: Jit | None = None
+    """The population's kernel (every member at once, vmapped), traced and compiled, when ``compiled``."""
     skip_nonfinite: bool = False
     """Skip non-finite steps and count them (metric ``skipped``) instead of raising ``NonFiniteLoss``."""
     fixed: dict[str, float] = attrs.field(factory=dict)
     """The optimizer's fixed learning rates, recorded every step as numbers (no graph output)."""
     rank: int = 0
     """This process's rank under torch.distributed: dropout draws differ per rank."""
+    world: int = 1
+    """How many processes train together, fixed when the step is built."""
     steps_per_call: int = 1
     """How many iterations the fold runs in one call (``steps``), at call boundaries."""
-    multi: Jit | None = None
-    """The kernel run ``steps_per_call`` times in one compiled graph, when compiled and ``steps_per_call > 1``."""
-    members: Jit | None = None
-    """The population's kernel (every member at once, vmapped), traced and compiled, when ``compiled``."""
-    _counters: dict[torch.device, torch.Tensor] = attrs.field(factory=dict)
-    _seeds: dict[torch.device, torch.Tensor] = attrs.field(factory=dict)
-    _layout: list[Any] = attrs.field(factory=list)
-    _training: dict[Any, torch.Tensor] = attrs.field(factory=dict)
-    _names: dict[tuple[str, int], str] = attrs.field(factory=dict)
-    # The recorded loss and metrics live in long-lived homes: see fnloop/_step/pool.py.
-    _pool: ScalarPool = attrs.field(factory=ScalarPool)
+    _memo: Memo = attrs.field(factory=Memo, alias="_memo")
 
     donates = True
 
@@ -99,7 +134,7 @@ class TrainStep(Applied):
 
     def finish(self) -> None:
         """Drop the layout of the run's states kept between steps (see ``_targets``)."""
-        self._layout.clear()
+        self._memo.targets.clear()
 
     def donating(self, state: TrainState, batch: Any, /) -> TrainState:
         """The step, reusing the storage of ``state``'s params, buffers and optimizer state.
@@ -119,7 +154,7 @@ class TrainStep(Applied):
         step's loss and metrics recorded at its own iteration; its
         ``iteration`` is the last step's index (the fold advances it).
         """
-        return unwrapped(self._several, _copied(state), batches, mine=False)
+        return unwrapped(self.apply, state, batches, owned=False)
 
     def donating_steps(self, state: TrainState, batches: Sequence[Any], /) -> TrainState:
         """``steps``, reusing the storage of ``state``'s tensors, on the terms of ``donating``."""
@@ -139,180 +174,186 @@ class TrainStep(Applied):
         if not mine:
             state = _copied(state)
             leaves, ospec = pytree.tree_flatten(state.opt_state)
-        if len(batches) == 1:
-            return self._single(state, batches[0], leaves, ospec, mine)
-        return self._several(state, batches, mine=mine)
+        scan = self.multi is not None and len(batches) > 1
+        layout = layout_of(
+            state, batches, rank=self.rank, world=self.world, scan=scan, stop=not self.skip_nonfinite
+        )
+        if layout.steps == len(batches):
+            return self._call(state, batches, leaves, ospec, layout, mine, within=False)
+        # The steps one by one, each seeded as alone: eager, or a population's.
+        i = state.iteration
+        for j, batch in enumerate(batches):
+            state = unchecked(state, iteration=i + j) if j else state
+            state = self._call(state, [batch], leaves, ospec, layout, mine, within=True)
+        return state
 
-    def _single(
-        self, state: TrainState, batch: Any, leaves: list[torch.Tensor], ospec: pytree.TreeSpec, mine: bool
+    def _call(
+        self,
+        state: TrainState,
+        batches: Sequence[Any],
+        leaves: list[torch.Tensor],
+        ospec: pytree.TreeSpec,
+        layout: Layout,
+        mine: bool,
+        *,
+        within: bool,
     ) -> TrainState:
-        """One step writing into ``state``'s tensors (the caller's own when ``mine``, else copies)."""
-        if state.population is not None:
-            return self._members(state, batch, leaves, ospec, mine)
-        _not_per_member(batch)
-        params, buffers, opt_state = state.params, state.buffers, state.opt_state
+        """One call of the kernel for ``layout``, writing into ``state``'s tensors (the caller's own when ``mine``).
+
+        ``within``: the call is one step of several (the state reached is the
+        one a non-finite step leaves).
+        """
+        population = state.population
+        if population is not None and not any(population.training):
+            return state  # every member has stopped: nothing trains, nothing is recorded
         if not self.model.training:
             self.model.train()
-        i = state.iteration
-        shards = _layout(state, self.rank)
+        params, buffers = state.params, state.buffers
         device = leaves[0].device if leaves else _device(params)
-        iteration = self._iteration(device)
-        iteration.fill_(i)
+        iteration = self._memo.tensor(("iteration", device), lambda: _zero(device))
+        iteration.fill_(state.iteration)
         donated = [*params.values(), *buffers.values(), *leaves]
         versions = [t._version for t in donated]
-        jit = self.jit
         try:
-            if jit is None:
-                with _seeded(device, state.rng, i, self.rank):
-                    loss, finite, metrics = self.function(
-                        params, buffers, opt_state, iteration, batch, shards
-                    )
+            if self.jit is None:
+                outputs = self._eager(state, batches[0], iteration, device, layout)
             else:
-                tensors, batch_structure = flatten_batch(batch)
-                structure = (tuple(params), tuple(buffers), ospec, batch_structure, shards)
-                seed = self._seed(device)
-                seed.fill_(step_seed(state.rng, i, self.rank))  # what the graph's random ops draw from
-                flat = [*donated, iteration, seed, *tensors]
-                entry = self._entry(jit, structure, flat, i)
-                if entry.draws:  # an op the trace could not give the seed to draws from the generator
-                    with _seeded(device, state.rng, i, self.rank):
-                        outputs = entry.compiled(*flat)
-                else:
-                    outputs = entry.compiled(*flat)
-                loss, finite, metrics = outputs[0], outputs[1], dict(zip(entry.context, outputs[2:]))
+                outputs = self._compiled(state, batches, donated, ospec, iteration, device, layout)
         except BaseException as exc:  # noqa: BLE001 - re-raised, wrapped for the fold
             # Stopped after writing into the state (an error or a forced Ctrl-C
             # between two kernels)? Then the state given is torn; the fold must know.
             raise StepFailed(exc, torn=mine and _wrote(donated, versions)) from None
-        keep = self._pool.keep
-        recorded: dict[str, Scalar] = {
-            "loss": keep(loss),
-            **self.fixed,
-            **{name: keep(value) for name, value in metrics.items()},
-        }
-        if self.skip_nonfinite:
-            recorded["skipped"] = keep(self._skipped(state, finite))
-        elif not finite.item():
-            # One flag read per step: cheap on a CPU, a sync on a GPU (skip_nonfinite=True has none).
-            raise StepFailed(NonFiniteLoss(_nonfinite_message(i, loss), i))
-        return unchecked(state, metrics=state.metrics.record(i, recorded))
+        # Eager, a population's members step in turn: those before a non-finite one were written.
+        torn = self.jit is None and population is not None and mine and _wrote(donated, versions)
+        return self._recorded(state, layout, outputs, reached=state if within else None, torn=torn)
 
-    def _skipped(self, state: TrainState, finite: torch.Tensor, name: str = "skipped") -> torch.Tensor:
-        # The running count lives in the metrics (saved with the state), so it survives a resume.
-        series = state.metrics.series.get(name)
-        before = series[-1][1] if series else 0
-        return (~finite).to(torch.int64) + before
-
-    def _members(
-        self, state: TrainState, batch: Any, leaves: list[torch.Tensor], ospec: pytree.TreeSpec, mine: bool
-    ) -> TrainState:
-        """One step of every member of a population that still trains (see ``fnloop/_step/members.py``)."""
-        population = _population_of(state, self.rank)
-        params, buffers, opt_state = state.params, state.buffers, state.opt_state
-        if not self.model.training:
-            self.model.train()
-        i, size, training = state.iteration, population.size, population.training
-        if not any(training):  # every member has stopped: nothing trains, nothing is recorded
-            return state
-        shared = type(batch) is not PerMember
-        inner = batch if shared else _member_rows(batch, size, i)
-        device = leaves[0].device if leaves else _device(params)
-        iteration = self._iteration(device)
-        iteration.fill_(i)
-        donated = [*params.values(), *buffers.values(), *leaves]
-        versions = [t._version for t in donated]
-        columns: dict[str, list[Any]] = {}  # name -> each member's value (None: stopped)
-        try:
-            if self.members is None:  # eager: each member's own step on its rows, as its solo run steps
-                for m, seed in enumerate(population.seeds):
-                    if not training[m]:
-                        continue
-                    rows = _rows(params, m), _rows(buffers, m), _rows(opt_state, m)
-                    own = inner if shared else _rows(inner, m)
-                    with _seeded(device, seed, i, self.rank):
-                        loss, finite, metrics = self.function(*rows, iteration, own, None)
-                    for name, value in {"loss": loss, "finite": finite, **metrics}.items():
-                        columns.setdefault(name, [None] * size)[m] = value
-                finite_all = torch.stack([f for f in columns["finite"] if f is not None])
-            else:
-                tensors, batch_structure = flatten_batch(inner)
-                structure = (
-                    tuple(params),
-                    tuple(buffers),
-                    ospec,
-                    batch_structure,
-                    size,
-                    shared,
-                    not self.skip_nonfinite,
+    def _eager(
+        self, state: TrainState, batch: Any, iteration: torch.Tensor, device: torch.device, layout: Layout
+    ) -> Outputs:
+        """One step run op by op; a population's members each in turn, as their solo runs step."""
+        i, population = state.iteration, state.population
+        if population is None:
+            with _seeded(device, state.rng, i, self.rank):
+                return Outputs(
+                    *self.function(
+                        state.params, state.buffers, state.opt_state, iteration, batch, layout.shards
+                    )
                 )
-                seeds = torch.tensor(
-                    [step_seed(s, i, self.rank) for s in population.seeds], dtype=torch.int64, device=device
-                )
-                trains = self._trains(device, training)
-                flat = [*donated, iteration, seeds, trains, *tensors]
-                entry = self._entry(self.members, structure, flat, i)
-                outputs = entry.compiled(*flat)
-                finite_all = outputs[1] | ~trains
-                # Each value of the graph's (one per member) in one home, recorded row by row.
-                keep_rows = self._pool.keep_rows
-                for name, column in zip(("loss", "finite", *entry.context), outputs):
-                    columns[name] = keep_rows(column) if name != "finite" else list(column.unbind(0))
-        except BaseException as exc:  # noqa: BLE001 - re-raised, wrapped for the fold
-            raise StepFailed(exc, torn=mine and _wrote(donated, versions)) from None
-        finite_column = columns.pop("finite")
-        if not self.skip_nonfinite and not finite_all.all().item():  # one flag read for every member
-            m = next(m for m, f in enumerate(finite_column) if training[m] and not f.item())
-            message = _nonfinite_message(i, columns["loss"][m])
-            error = NonFiniteLoss(f"member {m} ({population.labels[m]}) of the population: {message}", i)
-            # Compiled, the graph left every member as it was. Eager, the members before this one
-            # were written: a state the step owned is torn.
-            torn = self.members is None and mine and _wrote(donated, versions)
-            raise StepFailed(error, torn=torn)
-        names = self._member_names(size)
-        recorded: dict[str, Scalar] = {}
-        keep = self._pool.keep
-        for m in range(size):
-            if not training[m]:  # a stopped member records nothing more
+        inner = member_batch(batch, population, i)
+        rows: list[Outputs | None] = []
+        for m, seed in enumerate(population.seeds):
+            if not population.training[m]:
+                rows.append(None)
                 continue
-            recorded.update({names(k, m): v for k, v in self.fixed.items()})
-            for name, values in columns.items():
-                value = values[m]
-                recorded[names(name, m)] = keep(value) if self.members is None else value
+            own = inner if layout.shared else _rows(inner, m)
+            mine = _rows(state.params, m), _rows(state.buffers, m), _rows(state.opt_state, m)
+            with _seeded(device, seed, i, self.rank):
+                rows.append(Outputs(*self.function(*mine, iteration, own, None)))
+        return _by_member(rows)
+
+    def _compiled(
+        self,
+        state: TrainState,
+        batches: Sequence[Any],
+        donated: list[torch.Tensor],
+        ospec: pytree.TreeSpec,
+        iteration: torch.Tensor,
+        device: torch.device,
+        layout: Layout,
+    ) -> Outputs:
+        """The call's compiled graph for ``layout``, on the flat form (``compiler.Form``)."""
+        i, population = state.iteration, state.population
+        rng, rank = state.rng, self.rank
+        extra: list[torch.Tensor] = []
+        if population is not None:
+            jit = self.members
+            tensors, structure = flatten_batch(member_batch(batches[0], population, i))
+            seeds = torch.tensor(
+                [step_seed(s, i, rank) for s in population.seeds], dtype=torch.int64, device=device
+            )
+            key = ("training", device, population.training)
+            extra = [self._memo.tensor(key, lambda: torch.tensor(population.training, device=device))]
+        elif layout.steps > 1:
+            jit = self.multi
+            tensors, structure = stacked(batches, i)
+            seeds = torch.tensor([step_seed(rng, i + j, rank) for j in range(layout.steps)], device=device)
+        else:
+            jit = self.jit
+            tensors, structure = flatten_batch(batches[0])
+            seeds = self._memo.tensor(("seed", device), lambda: _zero(device))
+            seeds.fill_(step_seed(rng, i, rank))  # what the graph's random ops draw from
+        assert jit is not None
+        form = Form(tuple(state.params), tuple(state.buffers), ospec, structure, layout)
+        flat = [*donated, iteration, seeds, *extra, *tensors]
+        entry = self._entry(jit, form, flat, i)
+        if entry.draws:  # an op the trace could not give the seed to draws from the generator
+            with _seeded(device, rng, i, rank):
+                out = entry.compiled(*flat)
+        else:
+            out = entry.compiled(*flat)
+        names = entry.context
+        every = out[2 + len(names)] if len(out) > 2 + len(names) else None
+        return Outputs(out[0], out[1], dict(zip(names, out[2:])), every)
+
+    def _recorded(
+        self, state: TrainState, layout: Layout, out: Outputs, *, reached: TrainState | None, torn: bool
+    ) -> TrainState:
+        """``state`` with the call's loss and metrics recorded, each step's at its own iteration.
+
+        A non-finite step raises ``NonFiniteLoss`` (unless ``skip_nonfinite``),
+        with the state reached before it.
+        """
+        i, n, population = state.iteration, layout.steps, state.population
+        pool, metrics = self._memo.pool, state.metrics
+        values = {"loss": out.loss, **out.metrics}
+        columns: dict[str, Sequence[Scalar]] = {}
+        if population is None:
+            rows = {k: [pool.keep(v)] if n == 1 else v.unbind(0) for k, v in values.items()}
+            columns = {"loss": rows.pop("loss"), **{k: [v] * n for k, v in self.fixed.items()}, **rows}
             if self.skip_nonfinite:
-                skipped = names("skipped", m)
-                recorded[skipped] = keep(self._skipped(state, finite_column[m], skipped))
-        return unchecked(state, metrics=state.metrics.record(i, recorded))
+                counts = _count(metrics, "skipped") + (~out.finite).to(torch.int64).reshape(n).cumsum(0)
+                columns["skipped"] = [pool.keep(counts[0])] if n == 1 else counts.unbind(0)
+            elif not (out.finite if out.every is None else out.every).item():  # one flag read per call
+                j = int((~out.finite.reshape(n)).nonzero()[0])
+                error = NonFiniteLoss(_nonfinite_message(i + j, out.loss.reshape(n)[j]), i + j)
+                if n > 1:
+                    done = {name: column[:j] for name, column in columns.items()}
+                    reached = unchecked(state, metrics=metrics.record_steps(i, done), iteration=i + j)
+                raise StepFailed(error, reached=reached)
+        else:
+            training, name = population.training, self._memo.member_name
+            flags = out.finite.tolist()  # one read for every member
+            bad = [m for m, f in enumerate(flags) if training[m] and not f]
+            if bad and not self.skip_nonfinite:
+                m = bad[0]
+                message = _nonfinite_message(i, out.loss[m])
+                error = NonFiniteLoss(f"member {m} ({population.labels[m]}) of the population: {message}", i)
+                raise StepFailed(error, torn=torn, reached=reached)
+            # Each value of the call (one per member) in one home, recorded row by row.
+            homes = {k: pool.keep_rows(v) for k, v in values.items()}
+            for m in range(population.size):
+                if not training[m]:  # a stopped member records nothing more
+                    continue
+                columns.update({name(k, m): [v] for k, v in self.fixed.items()})
+                columns.update({name(k, m): [column[m]] for k, column in homes.items()})
+                if self.skip_nonfinite:
+                    skipped = name("skipped", m)
+                    columns[skipped] = [
+                        pool.keep((~out.finite[m]).to(torch.int64) + _count(metrics, skipped))
+                    ]
+        if n == 1:
+            return unchecked(state, metrics=metrics.record(i, {k: v[0] for k, v in columns.items()}))
+        return unchecked(state, iteration=i + n - 1, metrics=metrics.record_steps(i, columns))
 
-    def _member_names(self, size: int) -> Callable[[str, int], str]:
-        # A population's metric names (loss/3), made once: a step records every member's.
-        cache = self._names
-
-        def name(metric: str, m: int) -> str:
-            key = (metric, m)
-            found = cache.get(key)
-            if found is None:
-                found = cache[key] = member_metric(metric, m)
-            return found
-
-        return name
-
-    def _trains(self, device: torch.device, training: tuple[bool, ...]) -> torch.Tensor:
-        # One tensor per pattern of members still training, kept: a run has very few.
-        key = (device, training)
-        tensor = self._training.get(key)
-        if tensor is None:
-            tensor = self._training[key] = torch.tensor(training, dtype=torch.bool, device=device)
-        return tensor
-
-    def _entry(self, jit: Jit, structure: Any, flat: list[torch.Tensor], iteration: int) -> Entry:
+    def _entry(self, jit: Jit, form: Form, flat: list[torch.Tensor], iteration: int) -> Entry:
         try:
-            return jit.entry(structure, flat)
+            return jit.entry(form, flat)
         except OverBudget as over:
             index, before, after = over.change
             what = (
                 "the structure of the state or batch changed"
                 if index is None
-                else f"{_leaf_name(structure, index)} was {before}, is now {after}"
+                else f"{leaf_name(form, index)} was {before}, is now {after}"
             )
             raise RecompileError(
                 _RECOMPILED.format(i=iteration, n=jit.compiles, budget=self.recompiles, change=what)
@@ -328,86 +369,14 @@ class TrainStep(Applied):
         # Donation keeps the same containers from step to step, so the optimizer
         # state's leaves, structure and what the step writes into are worked out
         # once per layout.
-        cached = self._layout
+        cached = self._memo.targets
         if cached and cached[1].same(state):
             return cached[0], cached[1], cached[2]
         leaves, spec = pytree.tree_flatten(state.opt_state)
         containers = {id(c) for c in opt_containers(state.opt_state)}
         targets = Targets(state, leaves, containers)
-        self._layout[:] = [leaves, targets, spec]
+        cached[:] = [leaves, targets, spec]
         return leaves, targets, spec
-
-    def _several(self, state: TrainState, batches: Sequence[Any], *, mine: bool) -> TrainState:
-        """``len(batches)`` steps writing into ``state``'s tensors (the caller's own when ``mine``)."""
-        params, buffers, opt_state = state.params, state.buffers, state.opt_state
-        i, n = state.iteration, len(batches)
-        multi = self.multi
-        if multi is None or state.population is not None:  # the steps one by one, each seeded as alone
-            leaves, spec = pytree.tree_flatten(opt_state)
-            for j, batch in enumerate(batches):
-                at = unchecked(state, iteration=i + j) if j else state
-                try:
-                    state = self._single(at, batch, leaves, spec, mine)
-                except StepFailed as failed:
-                    if isinstance(failed.error, NonFiniteLoss):
-                        failed.reached = at
-                    raise
-            return state
-        for batch in batches:
-            _not_per_member(batch)
-        if not self.model.training:
-            self.model.train()
-        leaves, ospec = pytree.tree_flatten(opt_state)
-        device = leaves[0].device if leaves else _device(params)
-        iteration = self._iteration(device)
-        iteration.fill_(i)
-        donated = [*params.values(), *buffers.values(), *leaves]
-        versions = [t._version for t in donated]
-        try:
-            tensors, batch_structure = _stacked(batches, i)
-            shards = _layout(state, self.rank)
-            structure = (
-                tuple(params),
-                tuple(buffers),
-                ospec,
-                batch_structure,
-                n,
-                not self.skip_nonfinite,
-                shards,
-            )
-            seeds = torch.tensor(
-                [step_seed(state.rng, i + j, self.rank) for j in range(n)], dtype=torch.int64, device=device
-            )
-            flat = [*donated, iteration, seeds, *tensors]
-            entry = self._entry(multi, structure, flat, i)
-            outputs = entry.compiled(*flat)
-        except BaseException as exc:  # noqa: BLE001 - re-raised, wrapped for the fold
-            raise StepFailed(exc, torn=mine and _wrote(donated, versions)) from None
-        return self._recorded(state, outputs, entry.context, n)
-
-    def _recorded(
-        self, state: TrainState, outputs: Sequence[torch.Tensor], names: Sequence[str], n: int
-    ) -> TrainState:
-        """``state`` with each of the ``n`` steps' loss and metrics recorded at its own iteration."""
-        i = state.iteration
-        losses = outputs[0].unbind(0)
-        columns: dict[str, Sequence[Scalar]] = {
-            "loss": losses,
-            **{name: [value] * n for name, value in self.fixed.items()},
-            **{name: values.unbind(0) for name, values in zip(names, outputs[2:])},
-        }
-        metrics = state.metrics
-        if self.skip_nonfinite:
-            series = metrics.series.get("skipped")
-            before = series[-1][1] if series else 0
-            columns["skipped"] = ((~outputs[1]).to(torch.int64).cumsum(0) + before).unbind(0)
-        elif not outputs[-1].item():  # one flag read per call: were all the steps finite?
-            j = int((~outputs[1]).nonzero()[0])
-            error = NonFiniteLoss(_nonfinite_message(i + j, losses[j]), i + j)
-            done = {name: column[:j] for name, column in columns.items()}
-            reached = unchecked(state, metrics=metrics.record_steps(i, done), iteration=i + j)
-            raise StepFailed(error, reached=reached)
-        return unchecked(state, iteration=i + n - 1, metrics=metrics.record_steps(i, columns))
 
     @property
     def compiled(self) -> bool:
@@ -422,75 +391,39 @@ class TrainStep(Applied):
         """
         return sum(0 if jit is None else jit.compiles for jit in (self.jit, self.multi, self.members))
 
-    def _iteration(self, device: torch.device) -> torch.Tensor:
-        # One 0-d tensor per device, refilled each step: the compiled graph reads it only.
-        tensor = self._counters.get(device)
-        if tensor is None:
-            tensor = self._counters[device] = torch.zeros((), dtype=torch.int64, device=device)
-        return tensor
-
-    def _seed(self, device: torch.device) -> torch.Tensor:
-        tensor = self._seeds.get(device)
-        if tensor is None:
-            tensor = self._seeds[device] = torch.zeros((), dtype=torch.int64, device=device)
-        return tensor
-
     def __repr__(self) -> str:
         return f"train_step({type(self.model).__name__}, {getattr(self.loss_fn, '__name__', self.loss_fn)!r}, {self.optimizer!r})"
 
 
-def _layout(state: TrainState, rank: int) -> Shards | None:
-    """The state's ``Shards``, checked against the process group this process is in."""
-    shards = state.shards
-    if shards is None:
-        return None
-    world = world_size()
-    if shards.world != world or shards.rank != rank:
-        raise ValueError(
-            f"the state is rank {shards.rank}'s part of a state sharded over {shards.world} rank(s), "
-            f"but this process is rank {rank} of {world}. A sharded state trains on the ranks it was "
-            "built for: build it with fnloop.init(..., shard=...) on each rank, or load a checkpoint "
-            "with a template built so (fnloop.checkpoint.resume reshards it to this world size)."
+def _zero(device: torch.device) -> torch.Tensor:
+    return torch.zeros((), dtype=torch.int64, device=device)
+
+
+def _count(metrics: Any, name: str) -> Any:
+    """The running count ``name`` last recorded (0 before): it lives in the metrics, so it survives a resume."""
+    series = metrics.series.get(name)
+    return series[-1][1] if series else 0
+
+
+def _by_member(rows: list[Outputs | None]) -> Outputs:
+    """The members' eager results as a population's compiled step gives them: one row per member.
+
+    A member that no longer trains gets a finite placeholder, recorded nowhere.
+    """
+    first = next(row for row in rows if row is not None)
+    true = torch.ones((), dtype=torch.bool, device=first.finite.device)
+    filled = [
+        row
+        or Outputs(
+            torch.zeros_like(first.loss), true, {k: torch.zeros_like(v) for k, v in first.metrics.items()}
         )
-    return shards
-
-
-def _population_of(state: TrainState, rank: int) -> Population:
-    """The state's ``Population``, refused where a population's step does not run yet."""
-    population = state.population
-    assert population is not None
-    if state.shards is not None or world_size() > 1:
-        raise ValueError(
-            "a population's step runs in a single process: its members are the batch of one step, "
-            "not shards or replicas of one another. Train the population without torchrun and "
-            "without fnloop.init(..., shard=...)."
-        )
-    return population
-
-
-def _member_rows(batch: PerMember, size: int, i: int) -> Any:
-    """The tensors of a per-member batch, refused unless each has one row per member, members first."""
-    for path, leaf in pytree.tree_flatten_with_path(batch.batch)[0]:
-        if isinstance(leaf, torch.Tensor) and (leaf.ndim == 0 or leaf.shape[0] != size):
-            n = leaf.shape[0] if leaf.ndim else 0
-            rows = "no member dimension" if leaf.ndim == 0 else f"rows for {n} member{'s' * (n != 1)}"
-            raise ValueError(
-                f"train_step at iteration {i}: a PerMember batch gives member m the row m of each of its "
-                f"tensors, and the population has {size} members, but its tensor "
-                f"batch{pytree.keystr(path)} of shape {tuple(leaf.shape)} has {rows}. Give "
-                f"fnloop.data.per_member one stream per member, {size} in all, in the members' order."
-            )
-    return batch.batch
-
-
-def _not_per_member(batch: Any) -> None:
-    """Refuse a per-member batch given to a single run's step."""
-    if type(batch) is PerMember:
-        raise ValueError(
-            "train_step: a PerMember batch (fnloop.data.per_member) gives each member of a population its own batch, "
-            "but this state is a single run's (state.population is None). Give the run one stream itself "
-            "(streams[m] of the list given to per_member), or train a population (fnloop.population)."
-        )
+        for row in rows
+    ]
+    return Outputs(
+        torch.stack([row.loss for row in filled]),
+        torch.stack([torch.as_tensor(row.finite, device=true.device).reshape(()) for row in filled]),
+        {k: torch.stack([row.metrics[k] for row in filled]) for k in first.metrics},
+    )
 
 
 def _rows(tree: Any, m: int) -> Any:
@@ -513,22 +446,5 @@ def _copied(state: TrainState) -> TrainState:
     )
 
 
-def _stacked(batches: Sequence[Any], iteration: int) -> tuple[list[torch.Tensor], Any]:
-    """The batches' tensors stacked position by position, and their common structure."""
-    flats = [flatten_batch(batch) for batch in batches]
-    tensors, structure = flats[0]
-    shapes = [t.shape for t in tensors]
-    for j, (other, other_structure) in enumerate(flats[1:], 1):
-        if other_structure != structure or [t.shape for t in other] != shapes:
-            raise ValueError(
-                f"steps_per_call={len(batches)}: the batches of one call are stacked into one input, so "
-                f"they must share one structure and shapes, but the batch for iteration {iteration + j} "
-                f"({_described(other, other_structure)}) differs from iteration {iteration}'s "
-                f"({_described(tensors, structure)}). Give batches of one size (drop_last=True for a "
-                "DataLoader)."
-            )
-    return [torch.stack(column) for column in zip(*(t for t, _ in flats))], structure
-
-
-def _described(tensors: list[torch.Tensor], structure: Any) -> str:
-    return f"{structure!r:.60}, shapes {[tuple(t.shape) for t in tensors]}"
+def _cloned(tree: Any) -> Any:
+    return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, tree)

@@ -1,0 +1,56 @@
+"""Accumulation: the gradient stage run on micro-batches, and their gradients averaged.
+
+``train_step(..., accumulate=n)`` cuts each batch into ``n`` equal
+micro-batches on their rows, runs the gradient stage on each in turn (the
+forward's running statistics carried from one to the next, as ``n`` eager
+forwards would), and averages the gradients, the losses and the metrics:
+one optimizer update per batch, with the working memory of a micro-batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from fnloop._step.kernel import Gradient, Grads
+
+__all__ = ["accumulated", "micro_batches"]
+
+
+def accumulated(gradient: Gradient, n: int, dim: int = 0) -> Gradient:
+    """``gradient`` averaged over ``n`` micro-batches, cut on the batch's dimension ``dim``.
+
+    ``dim`` is 1 for a population whose members each have their own rows
+    (members first, then each member's rows).
+    """
+    if n == 1:
+        return gradient
+
+    def accumulated_gradient(params: dict, buffers: dict, batch: Any) -> Grads:
+        grads: dict[str, torch.Tensor] = {}
+        losses, parts = [], []
+        for micro in micro_batches(batch, n, dim):
+            found = gradient(params, buffers, micro)
+            grads = {k: grads[k] + v for k, v in found.grads.items()} if grads else found.grads
+            buffers = found.buffers
+            losses.append(found.loss)
+            parts.append(found.metrics)
+        metrics = {k: torch.stack([m[k] for m in parts]).float().mean(0) for k in parts[0]}
+        return Grads({k: v / n for k, v in grads.items()}, buffers, torch.stack(losses).mean(0), metrics)
+
+    return accumulated_gradient
+
+
+def micro_batches(batch: Any, n: int, dim: int = 0) -> list[Any]:
+    """``batch`` cut into ``n`` equal parts on dimension ``dim`` of each of its tensors (views)."""
+    flat, spec = pytree.tree_flatten(batch)
+    for leaf in flat:
+        if isinstance(leaf, torch.Tensor) and leaf.shape[dim] % n:
+            raise ValueError(
+                f"cannot split a batch of {leaf.shape[dim]} rows into accumulate={n} equal micro-batches; "
+                "choose a batch size divisible by accumulate."
+            )
+    chunks = [leaf.chunk(n, dim) if isinstance(leaf, torch.Tensor) else [leaf] * n for leaf in flat]
+    return [pytree.tree_unflatten([c[k] for c in chunks], spec) for k in range(n)]

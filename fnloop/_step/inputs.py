@@ -1,0 +1,114 @@
+"""A call of the step as it comes: its ``Layout`` read from the state and the batches, refused where it does not fit."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from fnloop._core.population import PerMember, Population
+from fnloop._core.shards import Shards
+from fnloop._core.state import TrainState
+from fnloop._step.batching import flatten_batch
+from fnloop._step.layout import Layout
+
+__all__ = ["layout_of", "member_batch", "stacked"]
+
+
+def layout_of(
+    state: TrainState, batches: Sequence[Any], *, rank: int, world: int, scan: bool, stop: bool
+) -> Layout:
+    """The layout of a call of the step on ``state`` and ``batches``, checked.
+
+    ``scan``: the call's steps may run as one (a compiled step's loop); else
+    the layout is that of one step, and the caller runs them one by one.
+    """
+    if state.population is not None:
+        population = _population_of(state, world)
+        shared = type(batches[0]) is not PerMember
+        return Layout(members=population.size, shared=shared, stop=stop)
+    for batch in batches:
+        _not_per_member(batch)
+    steps = len(batches) if scan else 1
+    return Layout(shards=_sharded(state, rank, world), steps=steps, stop=stop)
+
+
+def member_batch(batch: Any, population: Population, i: int) -> Any:
+    """What a population's step takes of ``batch``: itself, or a ``PerMember``'s tensors, checked."""
+    return batch if type(batch) is not PerMember else _member_rows(batch, population.size, i)
+
+
+def _sharded(state: TrainState, rank: int, world: int) -> Shards | None:
+    """The state's ``Shards``, checked against the process group this process is in."""
+    shards = state.shards
+    if shards is None:
+        return None
+    if shards.world != world or shards.rank != rank:
+        raise ValueError(
+            f"the state is rank {shards.rank}'s part of a state sharded over {shards.world} rank(s), "
+            f"but this process is rank {rank} of {world}. A sharded state trains on the ranks it was "
+            "built for: build it with fnloop.init(..., shard=...) on each rank, or load a checkpoint "
+            "with a template built so (fnloop.checkpoint.resume reshards it to this world size)."
+        )
+    return shards
+
+
+def _population_of(state: TrainState, world: int) -> Population:
+    """The state's ``Population``, refused where a population's step does not run yet."""
+    population = state.population
+    assert population is not None
+    if state.shards is not None or world > 1:
+        raise ValueError(
+            "a population's step runs in a single process: its members are the batch of one step, "
+            "not shards or replicas of one another. Train the population without torchrun and "
+            "without fnloop.init(..., shard=...)."
+        )
+    return population
+
+
+def _member_rows(batch: PerMember, size: int, i: int) -> Any:
+    """The tensors of a per-member batch, refused unless each has one row per member, members first."""
+    for path, leaf in pytree.tree_flatten_with_path(batch.batch)[0]:
+        if isinstance(leaf, torch.Tensor) and (leaf.ndim == 0 or leaf.shape[0] != size):
+            n = leaf.shape[0] if leaf.ndim else 0
+            rows = "no member dimension" if leaf.ndim == 0 else f"rows for {n} member{'s' * (n != 1)}"
+            raise ValueError(
+                f"train_step at iteration {i}: a PerMember batch gives member m the row m of each of its "
+                f"tensors, and the population has {size} members, but its tensor "
+                f"batch{pytree.keystr(path)} of shape {tuple(leaf.shape)} has {rows}. Give "
+                f"fnloop.data.per_member one stream per member, {size} in all, in the members' order."
+            )
+    return batch.batch
+
+
+def _not_per_member(batch: Any) -> None:
+    """Refuse a per-member batch given to a single run's step."""
+    if type(batch) is PerMember:
+        raise ValueError(
+            "train_step: a PerMember batch (fnloop.data.per_member) gives each member of a population its own batch, "
+            "but this state is a single run's (state.population is None). Give the run one stream itself "
+            "(streams[m] of the list given to per_member), or train a population (fnloop.population)."
+        )
+
+
+def stacked(batches: Sequence[Any], iteration: int) -> tuple[list[torch.Tensor], Any]:
+    """The batches' tensors stacked position by position, and their common structure."""
+    flats = [flatten_batch(batch) for batch in batches]
+    tensors, structure = flats[0]
+    shapes = [t.shape for t in tensors]
+    for j, (other, other_structure) in enumerate(flats[1:], 1):
+        if other_structure != structure or [t.shape for t in other] != shapes:
+            raise ValueError(
+                f"steps_per_call={len(batches)}: the batches of one call are stacked into one input, so "
+                f"they must share one structure and shapes, but the batch for iteration {iteration + j} "
+                f"({_described(other, other_structure)}) differs from iteration {iteration}'s "
+                f"({_described(tensors, structure)}). Give batches of one size (drop_last=True for a "
+                "DataLoader)."
+            )
+    return [torch.stack(column) for column in zip(*(t for t, _ in flats))], structure
+
+
+def _described(tensors: list[torch.Tensor], structure: Any) -> str:
+    return f"{structure!r:.60}, shapes {[tuple(t.shape) for t in tensors]}"

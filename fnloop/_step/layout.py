@@ -1,0 +1,138 @@
+"""The layout of one call of the step, and the kernel transformed for it.
+
+A ``Layout`` says what a call of the step is made of: a single run or a
+population's stacked members, a whole state or this rank's shards, one step
+or several. ``transformed(kernel, layout, group)`` is the step for it: the
+kernel's stages (``kernel.py``), each wrapped by the transformations the
+layout asks for, in one order::
+
+    gradient = value_and_grad(loss)          members: the loss vmapped  (members.py)
+             -> accumulated                  accumulate > 1             (accumulate.py)
+             -> replicated | sharded         data parallel | sharded    (replicas.py, sharding.py)
+    update   = kernel.update                 members: vmapped           (members.py)
+             -> sharded                      sharded                    (sharding.py)
+
+Several steps per call are a loop over this whole step (``compiler.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+from torch.utils import _pytree as pytree
+
+from fnloop._core.shards import Shards
+from fnloop._step.accumulate import accumulated
+from fnloop._step.kernel import Kernel, Stepped, Update, state_of, value_and_grad
+from fnloop._step.members import member_finite, member_gradient, member_update
+from fnloop._step.replicas import replicated
+from fnloop._step.sharding import all_ranks, sharded_gradient, sharded_update
+
+__all__ = ["Layout", "in_place", "transformed"]
+
+
+@attrs.frozen
+class Layout:
+    """What one call of the step is made of; hashable, part of a compiled graph's key.
+
+    Args:
+        members: a population's size (its tensors stacked, members first), or ``None``.
+        shared: every member trains on the batch (else member ``m`` on row ``m``).
+        shards: the state's layout across ranks, or ``None`` (whole on every rank).
+        steps: how many steps one call runs (stacked batches, one loop).
+        stop: a non-finite step stops the run (else it is skipped and counted).
+    """
+
+    members: int | None = None
+    shared: bool = True
+    shards: Shards | None = None
+    steps: int = 1
+    stop: bool = True
+
+
+def transformed(kernel: Kernel, layout: Layout, group: Any) -> Update:
+    """The step of ``kernel`` for ``layout``: ``(params, buffers, opt_state, iteration, batch) -> Stepped``, pure.
+
+    ``group``: the data-parallel ranks (``None`` in one process).
+    """
+    members, shards = layout.members is not None, layout.shards
+    if members:
+        gradient = member_gradient(kernel, layout.shared)
+        update, finite = member_update(kernel), member_finite(kernel)
+    else:
+        gradient = value_and_grad(kernel.forward, kernel.fixed, hold=kernel.holding)
+        update, finite = kernel.update, kernel.finite
+    gradient = accumulated(gradient, kernel.accumulate, dim=1 if members and not layout.shared else 0)
+    if shards is not None:
+        gradient, update = sharded_gradient(gradient, shards, group), sharded_update(update, shards, group)
+        if group is not None:  # each rank saw its own chunks of the gradients
+            finite = _on_every_rank(finite, group)
+    elif group is not None:
+        gradient = replicated(gradient, group)
+
+    def step(params: dict, buffers: dict, opt_state: Any, iteration: torch.Tensor, batch: Any) -> Stepped:
+        # The forward writes running statistics into the buffers it is given.
+        found = gradient(params, {k: v.clone() for k, v in buffers.items()}, batch)
+        trained, new_opt_state, rates = update(found.grads, opt_state, params, iteration)
+        return Stepped(
+            kernel.merged(params, trained),
+            found.buffers,
+            new_opt_state,
+            found.loss,
+            finite(found.loss, found.grads),
+            {**rates, **found.metrics},
+        )
+
+    return step
+
+
+def _on_every_rank(finite: Callable[..., torch.Tensor], group: Any) -> Callable[..., torch.Tensor]:
+    return lambda loss, grads: all_ranks(finite(loss, grads), group)
+
+
+def in_place(kernel: Kernel, group: Any) -> Callable[..., Any]:
+    """The step run eagerly on a single run's state it may write into: ``(..., batch, shards) -> (loss, finite, metrics)``.
+
+    Whether the step is finite is read on the host (free on a CPU; one sync
+    per step on a GPU), and a finite one updates params and optimizer state
+    in place (the optimizer's ``update_``): no second copy of the state is
+    made, as ``torch.optim`` makes none. A sharded state runs the pure step,
+    its results written into the state.
+    """
+    gradient = accumulated(
+        value_and_grad(kernel.forward, kernel.fixed, hold=kernel.holding), kernel.accumulate
+    )
+    if group is not None:
+        gradient = replicated(gradient, group)
+
+    def step(
+        params: dict,
+        buffers: dict,
+        opt_state: Any,
+        iteration: torch.Tensor,
+        batch: Any,
+        shards: Shards | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        if shards is not None:
+            stepped = transformed(kernel, Layout(shards=shards), group)(
+                params, buffers, opt_state, iteration, batch
+            )
+            if stepped.finite:
+                old = [*params.values(), *buffers.values(), *pytree.tree_leaves(opt_state)]
+                for before, after in zip(old, state_of(stepped)):
+                    if after is not before:
+                        before.copy_(after)
+            return stepped.loss, stepped.finite, stepped.metrics
+        found = gradient(params, {k: v.clone() for k, v in buffers.items()}, batch)
+        finite = kernel.finite(found.loss, found.grads)
+        if not finite:
+            return found.loss, finite, {**kernel.rates(iteration, opt_state), **found.metrics}
+        rates = kernel.update_(found.grads, opt_state, params, iteration)
+        if buffers:
+            torch._foreach_copy_(list(buffers.values()), [found.buffers[k] for k in buffers])
+        return found.loss, finite, {**rates, **found.metrics}
+
+    return step
