@@ -13,7 +13,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fnloop._step import jit as _jit
+from fnloop._compile import jit as _jit
 
 calls = st.lists(
     st.tuples(st.integers(1, 3), st.sampled_from([torch.float32, torch.float64]), st.sampled_from("ab")),
@@ -26,19 +26,19 @@ PURE = {"a": lambda x, y: [x.sum() + y.sum()], "b": lambda x, y: [x.sum() - y.su
 
 
 def fake_compile(function, leaves, options, cache=None, no_random=None):
-    function(*leaves)  # the trace
-    return function.pure, False
+    _, context = function(None, *leaves)  # the trace
+    return function.pure, False, context
 
 
 def make(structure):
     traced = []
 
-    def flat(x, y):
+    def flat(draws, x, y):
         traced.append(structure)
-        return PURE[structure](x, y)
+        return PURE[structure](x, y), traced
 
     flat.pure = PURE[structure]  # what the "compiled" graph runs, without the trace's side effect
-    return flat, traced
+    return flat
 
 
 def leaves(rows, dtype):

@@ -15,9 +15,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn import functional as F
 
 import fnloop as fl
-from fnloop._step import cache as cache_module
-from fnloop._step.cache import CompileCache, default_cache, graph_key
-from fnloop._step.probes import remembered_probes
+from fnloop._compile import cache as cache_module
+from fnloop._compile.cache import CompileCache, default_cache, graph_key
+from fnloop._compile.probes import remembered_probes
 
 X = torch.linspace(-1, 1, 24).reshape(6, 4)
 Y = torch.tensor([0, 1, 2, 0, 1, 2])
@@ -186,7 +186,7 @@ def _key_of_base(cache: CompileCache) -> str:
         raise _Stop
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("fnloop._step.jit.graph_key", keyed)
+        patch.setattr("fnloop._compile.jit.graph_key", keyed)
         step.jit.cache = cache
         with pytest.raises(_Stop):
             step(fl.init(module, optimizer, seed=0, max_iter=2), BATCH)

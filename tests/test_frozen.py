@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import fnloop as fl
-from fnloop._step.jit import trace
+from fnloop._compile import trace
 from fnloop._step.kernel import Kernel
 from fnloop._step.layout import Layout, transformed
 
@@ -96,12 +96,12 @@ def _products(model: torch.nn.Module) -> list[str]:
     state = fl.init(model, OPT, seed=0, max_iter=1)
     update = transformed(Kernel(model, loss_fn, OPT), Layout(), None)
 
-    def flat(*leaves):
+    def flat(draws, *leaves):
         params = dict(zip(state.params, leaves))
         new = update(params, {}, state.opt_state, torch.tensor(0), DATA[0])
-        return [*new.params.values(), new.loss]
+        return [*new.params.values(), new.loss], None
 
-    graph = trace(flat, list(state.params.values()))
+    graph = trace(flat, list(state.params.values())).graph
     matmuls = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
     return [str(n.target) for n in graph.graph.nodes if n.target in matmuls]
 

@@ -169,7 +169,7 @@ def test_a_graph_that_recomputes_is_built_without_inductors_locality_reordering(
     # Forward and backward are one graph: reordered for locality, the recomputed ops moved up beside
     # the forward ops reading the same inputs, and checkpointing saved 15% of GPT-2's working
     # memory, not 62% (benchmarks/bench_remat.py).
-    import fnloop._step.jit as jit
+    import fnloop._compile.jit as jit
 
     seen = []
     real = jit.default_options

@@ -710,17 +710,18 @@ class _Scaled(torch.nn.Module):
 def test_a_compile_failure_names_the_op_and_the_models_lines_that_made_it():
     from torch.func import functional_call
 
-    from fnloop._step.jit import _located, trace
+    from fnloop._compile import trace
+    from fnloop._compile.trace import located
 
     model = _Scaled()
 
-    def scaled(x: torch.Tensor) -> list[torch.Tensor]:
-        return [functional_call(model, {}, (x,))]
+    def scaled(draws, x: torch.Tensor) -> tuple[list[torch.Tensor], None]:
+        return [functional_call(model, {}, (x,))], None
 
     x = torch.ones(3)
-    node = next(n for n in trace(scaled, [x]).graph.nodes if n.target is torch.ops.aten.sin.default)
+    node = next(n for n in trace(scaled, [x]).graph.graph.nodes if n.target is torch.ops.aten.sin.default)
     error = RuntimeError(f"some inductor failure\nWhile executing %{node.name} : ...")
-    failed = _located(scaled, [x], True, error)
+    failed = located(scaled, [x], True, error)
     assert failed.op == "aten.sin.default"
     assert failed.where is not None and "test_step.py" in failed.where, failed.where
     assert "torch.sin(x) * 3.0" in failed.where

@@ -200,7 +200,7 @@ def train_step(
         recompiles: how many graphs beyond the first the step may compile before
             ``RecompileError`` (a signature seen before reuses its graph).
         options: inductor settings, as ``torch.compile(options=...)`` takes
-            them, over fnloop's defaults (``fnloop._step.options.default_options``:
+            them, over fnloop's defaults (``fnloop._compile.default_options``:
             the C++ wrapper for a single step's graph, and on the CPU no
             layout optimization).
         skip_nonfinite: what to do after a step whose loss or any gradient is

@@ -7,23 +7,9 @@ seen, and refusing beyond its budget of graphs (``OverBudget``, which the
 step reports as ``RecompileError``). The step calls the graph with the
 state's own tensors, which the graph overwrites with the new state.
 
-Behind this interface, on private torch APIs:
-
-* ``fnloop/_step/jit.py`` traces with ``make_fx`` on fake tensors (with
-  inductor's decompositions, oneDNN off) and compiles with
-  ``torch._inductor.standalone_compile``. It never touches dynamo's state: a
-  user's own ``torch.compile``d functions stay compiled across a fnloop run.
-* ``fnloop/_step/cache.py``: compiled graphs on disk, one file per graph
-  (``$FNLOOP_CACHE_DIR``, else ``~/.cache/fnloop``; ``off`` turns it off),
-  keyed by the traced graph, its inputs' layout, inductor's configuration,
-  torch's version and the machine, so a second process starts warm. A
-  damaged file is ignored and built again.
-* ``fnloop/_step/probes.py``: inductor's checks of the CPU's vector
-  instructions, each a fresh Python interpreter in every new process (about
-  a second in all), answered once per machine, compiler and torch and
-  remembered in a file beside the graph cache.
-* ``fnloop/_step/seeding.py``: the graph's random ops draw from a seed input,
-  a function of ``(rng, iteration)``.
+Tracing, compiling, the graph cache and the seed inputs are the compiler
+room's (``fnloop/_compile/``, whose door note names the private torch APIs
+it uses). This module says what is traced: the step for a ``Form``.
 """
 
 from __future__ import annotations
@@ -35,12 +21,10 @@ import attrs
 import torch
 from torch.utils import _pytree as pytree
 
-from fnloop._step.batching import unflatten_batch
+from fnloop._compile import HAS_SCAN, Draws, Jit, Traceable, scan, unflatten_batch
 from fnloop._step.errors import _RANDOM_STEPS
-from fnloop._step.jit import Flat, Jit, _decompositions
 from fnloop._step.kernel import Kernel, Update, kept, state_of
 from fnloop._step.layout import Layout, transformed
-from fnloop._step.seeding import drawing_from
 
 __all__ = ["UNROLL", "Form", "compile_step", "leaf_name"]
 
@@ -107,7 +91,7 @@ def compile_step(
     """
     updates: dict[Layout, Update] = {}
 
-    def make(form: Hashable) -> tuple[Flat, list[str]]:
+    def make(form: Hashable) -> Traceable:
         assert isinstance(form, Form)
         layout = form.layout
         update = updates.get(layout)
@@ -121,6 +105,7 @@ def compile_step(
 
 def _guarded(
     update: Update,
+    draws: Draws,
     form: Form,
     state: list[torch.Tensor],
     iteration: torch.Tensor,
@@ -135,7 +120,7 @@ def _guarded(
     member that trains), and where ``gate`` (the steps before were finite) holds.
     """
     params, buffers, opt_state = form.unflattened(state)
-    with drawing_from(seed):
+    with draws.from_(seed):
         new = update(params, buffers, opt_state, iteration, batch)
     keep = new.finite
     if training is not None:
@@ -152,22 +137,21 @@ def _guarded(
     )
 
 
-def one(update: Update, form: Form) -> tuple[Flat, list[str]]:
+def one(update: Update, form: Form) -> Traceable:
     """One step as a function of the flat form, writing the new state into its state inputs."""
-    names: list[str] = []
     c, members = form.width, form.layout.members is not None
 
-    def flat(*leaves: torch.Tensor) -> list[torch.Tensor]:
+    def flat(draws: Draws, *leaves: torch.Tensor) -> tuple[list[torch.Tensor], list[str]]:
         state, iteration, seed = list(leaves[:c]), leaves[c], leaves[c + 1]
         training = leaves[c + 2] if members else None
         batch = unflatten_batch(leaves[c + 2 + members :], form.batch)
-        after, _, out, names[:] = _guarded(update, form, state, iteration, seed, training, batch, None)
+        after, _, out, names = _guarded(update, draws, form, state, iteration, seed, training, batch, None)
         for old, value in zip(state, after):
             if value is not old:
                 old.copy_(value)
-        return out
+        return out, names
 
-    return flat, names
+    return flat
 
 
 UNROLL = 1
@@ -180,7 +164,7 @@ on a tiny model, and double the compile.
 """
 
 
-def several(update: Update, form: Form) -> tuple[Flat, list[str]]:
+def several(update: Update, form: Form) -> Traceable:
     """``form.layout.steps`` steps in one graph (``n``), the batches and the steps' seeds stacked.
 
     Inputs: params, buffers, optimizer state, the first iteration, the ``n``
@@ -200,19 +184,13 @@ def several(update: Update, form: Form) -> tuple[Flat, list[str]]:
     step), and the loop is handed the traced graph: torch's compiler, which
     traces a loop's body itself, meets only tensor ops.
     """
-    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, make_fx
-
-    try:
-        from torch._higher_order_ops.scan import scan_op
-    except ImportError:  # torch before 2.6: every step written out
-        scan_op = None  # type: ignore[assignment]
-
     n, stop = form.layout.steps, form.layout.stop
-    names: list[str] = []
+    names: list[str] = []  # the metrics' names, as the steps give them
     c = form.width
-    unroll = UNROLL if scan_op is not None and n > UNROLL and n % UNROLL == 0 else n
+    unroll = UNROLL if HAS_SCAN and n > UNROLL and n % UNROLL == 0 else n
 
     def steps(
+        draws: Draws,
         state: list[torch.Tensor],
         iteration: torch.Tensor,
         seeds: torch.Tensor,
@@ -224,19 +202,19 @@ def several(update: Update, form: Form) -> tuple[Flat, list[str]]:
         for j in range(unroll):
             batch = unflatten_batch([x[j] for x in xs], form.batch)
             state, keep, outputs, names[:] = _guarded(
-                update, form, state, iteration + j, seeds[j], None, batch, gate
+                update, draws, form, state, iteration + j, seeds[j], None, batch, gate
             )
             if stop:
                 gate = keep
             out += outputs
         return state, gate, out
 
-    def flat(*leaves: torch.Tensor) -> list[torch.Tensor]:
+    def flat(draws: Draws, *leaves: torch.Tensor) -> tuple[list[torch.Tensor], list[str]]:
         state, iteration, seeds = list(leaves[:c]), leaves[c], leaves[c + 1]
         xs = list(leaves[c + 2 :])
         gate = torch.ones((), dtype=torch.bool, device=iteration.device) if stop else None
         if unroll == n:
-            final, gate, out = steps(state, iteration, seeds, xs, gate)
+            final, gate, out = steps(draws, state, iteration, seeds, xs, gate)
             per = len(out) // n
             stacked = [torch.stack(out[q::per]) for q in range(per)]
         else:
@@ -247,7 +225,7 @@ def several(update: Update, form: Form) -> tuple[Flat, list[str]]:
                 # One turn of the loop: the carry (state, iteration, gate), then this turn's rows.
                 carry, row = flat[:width], flat[width:]
                 after, gate, out = steps(
-                    list(carry[:c]), carry[c], row[0], list(row[1:]), carry[c + 1] if stop else None
+                    draws, list(carry[:c]), carry[c], row[0], list(row[1:]), carry[c + 1] if stop else None
                 )
                 # A loop's outputs may not be its inputs: what the steps passed through (frozen
                 # parameters) leaves each turn as a copy.
@@ -256,14 +234,7 @@ def several(update: Update, form: Form) -> tuple[Flat, list[str]]:
 
             init: list[torch.Tensor] = [*state, iteration, *([gate] if gate is not None else [])]
             width = len(init)
-            # The body is traced on its own first, as the rest of the step is (Python runs
-            # once, now, and autograd records its backward); the loop then meets tensor ops only.
-            with disable_proxy_modes_tracing():
-                body = make_fx(turn, decomposition_table=_decompositions(True))(
-                    *[t.clone() for t in init], *[r[0].clone() for r in rows]
-                )
-            body, constants = _lifted(body)
-            flat_out = scan_op(body, init, rows, additional_inputs=_constants(constants))
+            flat_out = scan(turn, init, rows, draws)
             carry, ys = flat_out[:width], flat_out[width:]
             final, gate = carry[:c], (carry[c + 1] if stop else None)
             # The outputs of one step; ys[j * per + q] is output q of step j of each turn.
@@ -272,33 +243,6 @@ def several(update: Update, form: Form) -> tuple[Flat, list[str]]:
         for old, new in zip(state, final):
             if new is not old:
                 old.copy_(new)
-        return [*stacked, gate] if gate is not None else stacked
+        return ([*stacked, gate] if gate is not None else stacked), names
 
-    return flat, names
-
-
-def _lifted(body: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
-    """``body`` with its tensor constants (a ``torch.tensor(...)`` in the model, say) as inputs after the others.
-
-    A loop's body may not hold tensors of its own: the loop passes them in.
-    Constants nothing uses are dropped first.
-    """
-    graph = body.graph
-    graph.eliminate_dead_code()
-    last = [node for node in graph.nodes if node.op == "placeholder"][-1]
-    constants: list[torch.Tensor] = []
-    for node in list(graph.nodes):
-        value = getattr(body, str(node.target), None) if node.op == "get_attr" else None
-        if isinstance(value, torch.Tensor):
-            with graph.inserting_after(last):
-                last = graph.placeholder(f"constant_{len(constants)}")
-            node.replace_all_uses_with(last)
-            graph.erase_node(node)
-            constants.append(value)
-    body.recompile()
-    return body, constants
-
-
-def _constants(constants: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    # Made where the loop is traced, so the outer graph holds them as its own constants.
-    return tuple(torch.ops.aten.lift_fresh_copy.default(t) for t in constants)
+    return flat

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import re
 
 import torch
 
@@ -116,32 +115,3 @@ _COMPILE_FAILED = (
     "graph. train_step(..., compile=False) runs the same step eagerly. The compiler's error is "
     "chained above."
 )
-
-
-class CompileFailed(RuntimeError):
-    """Inductor failed to compile a traced graph: ``op`` and ``where`` (source lines) if known."""
-
-    def __init__(self, op: str | None, where: str | None) -> None:
-        super().__init__(op, where)
-        self.op = op
-        self.where = where
-
-
-def _user_frames(stack: str | None) -> str | None:
-    """The innermost frames of ``stack`` outside fnloop and torch's machinery: the module's forward that made the op.
-
-    The trace records, for an op made inside a module's ``forward``, where in
-    that ``forward`` it was made (torch's own modules, such as ``linear.py``,
-    count: they say which kind of layer it was).
-    """
-    if not stack:
-        return None
-    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)', stack)
-    kept = [
-        f
-        for f in frames
-        if "/fnloop/_" not in f[0] and ("/torch/" not in f[0] or "/torch/nn/modules/" in f[0])
-    ]
-    if not kept:
-        return None
-    return "; ".join(f"{path}:{line} in {fn}: {code.strip()}" for path, line, fn, code in kept[-2:])

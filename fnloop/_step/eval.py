@@ -10,11 +10,10 @@ import attrs
 import torch
 from torch.func import functional_call
 
+from fnloop._compile import Draws, Jit, Traceable, flatten_batch, unflatten_batch
 from fnloop._core.population import member_metric
 from fnloop._core.state import TrainState
-from fnloop._step.batching import flatten_batch, unflatten_batch
 from fnloop._step.export import whole_params
-from fnloop._step.jit import Flat, Jit
 
 __all__ = ["EvalStep", "eval_step", "plain_module"]
 
@@ -123,19 +122,17 @@ def eval_step(
         out = fn(forward, batch)
         return dict(out) if isinstance(out, Mapping) else {"value": out}
 
-    def make(structure: Any) -> tuple[Flat, list[str]]:
+    def make(structure: Any) -> Traceable:
         pkeys, bkeys, batch_structure, members = structure
-        names: list[str] = []
         a, b = len(pkeys), len(pkeys) + len(bkeys)
         evaluation = kernel if members is None else _each_member(kernel)
 
-        def flat(*leaves: torch.Tensor) -> list[torch.Tensor]:
+        def flat(draws: Draws, *leaves: torch.Tensor) -> tuple[list[torch.Tensor], list[str]]:
             params, buffers = dict(zip(pkeys, leaves[:a])), dict(zip(bkeys, leaves[a:b]))
             out = evaluation(params, buffers, unflatten_batch(leaves[b:], batch_structure))
-            names[:] = out
-            return list(out.values())
+            return list(out.values()), list(out)
 
-        return flat, names
+        return flat
 
     jit = Jit(make, options=options) if compile else None
     return EvalStep(model, kernel, jit, (fn, compile, None if options is None else dict(options)))

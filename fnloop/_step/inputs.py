@@ -8,10 +8,10 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from fnloop._compile import flatten_batch
 from fnloop._core.population import PerMember, Population
 from fnloop._core.shards import Shards
 from fnloop._core.state import TrainState
-from fnloop._step.batching import flatten_batch
 from fnloop._step.layout import Layout
 
 __all__ = ["layout_of", "member_batch", "stacked"]

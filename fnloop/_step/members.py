@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
+from fnloop._compile import DrawOutsideMembers
 from fnloop._step.kernel import Gradient, Kernel, Updated, all_finite, value_and_grad
-from fnloop._step.seeding import DrawOutsideMembers
 
 __all__ = ["PopulationUnbatchable", "member_finite", "member_gradient", "member_update"]
 

@@ -3,7 +3,7 @@
 fnloop's step takes gradients with ``torch.autograd.grad`` and traces forward
 and backward together; torch's reentrant checkpointing supports neither. The
 non-reentrant form runs the checkpointed region again in the backward, which
-the trace records (see ``fnloop/_step/seeding.py`` for its dropout masks).
+the trace records (see ``fnloop/_compile/seeding.py`` for its dropout masks).
 """
 
 from __future__ import annotations

@@ -15,19 +15,18 @@ import attrs
 import torch
 from torch.utils import _pytree as pytree
 
+from fnloop._compile import CompileFailed, Entry, Jit, OverBudget, RandomInGraph, TraceError, flatten_batch
 from fnloop._core.failure import StepFailed, unwrapped
 from fnloop._core.metrics import Scalar
 from fnloop._core.population import member_metric
 from fnloop._core.state import TrainState, unchecked
 from fnloop._core.steps import Applied
-from fnloop._step.batching import flatten_batch
 from fnloop._step.compiler import Form, leaf_name
 from fnloop._step.donation import Targets, opt_containers, shared
 from fnloop._step.errors import (
     _GRAPH_BREAK,
     _RECOMPILED,
     CompileError,
-    CompileFailed,
     GraphBreakError,
     NonFiniteLoss,
     RecompileError,
@@ -35,11 +34,10 @@ from fnloop._step.errors import (
     _nonfinite_message,
 )
 from fnloop._step.inputs import layout_of, member_batch, stacked
-from fnloop._step.jit import Entry, Jit, OverBudget, RandomInGraph, TraceError
 from fnloop._step.kernel import Kernel, LossFn, _device
 from fnloop._step.layout import Layout
 from fnloop._step.pool import ScalarPool
-from fnloop._step.seeding import _seeded, step_seed
+from fnloop._step.seeds import seeded, step_seed
 from fnloop.optim import Optimizer
 
 __all__ = ["TrainStep"]
@@ -233,7 +231,7 @@ class TrainStep(Applied):
         """One step run op by op; a population's members each in turn, as their solo runs step."""
         i, population = state.iteration, state.population
         if population is None:
-            with _seeded(device, state.rng, i, self.rank):
+            with seeded(device, state.rng, i, self.rank):
                 return Outputs(
                     *self.function(
                         state.params, state.buffers, state.opt_state, iteration, batch, layout.shards
@@ -247,7 +245,7 @@ class TrainStep(Applied):
                 continue
             own = inner if layout.shared else _rows(inner, m)
             mine = _rows(state.params, m), _rows(state.buffers, m), _rows(state.opt_state, m)
-            with _seeded(device, seed, i, self.rank):
+            with seeded(device, seed, i, self.rank):
                 rows.append(Outputs(*self.function(*mine, iteration, own, None)))
         return _by_member(rows)
 
@@ -287,7 +285,7 @@ class TrainStep(Applied):
         flat = [*donated, iteration, seeds, *extra, *tensors]
         entry = self._entry(jit, form, flat, i)
         if entry.draws:  # an op the trace could not give the seed to draws from the generator
-            with _seeded(device, rng, i, rank):
+            with seeded(device, rng, i, rank):
                 out = entry.compiled(*flat)
         else:
             out = entry.compiled(*flat)

@@ -17,7 +17,7 @@ from fnloop._core.phase import Phase
 from fnloop._core.state import TrainState
 from fnloop._core.stateful import stateful
 from fnloop._step.export import whole_params
-from fnloop._step.seeding import _seeded
+from fnloop._step.seeds import seeded
 from fnloop.data import Batches
 from fnloop.hooks._evaluate import due
 
@@ -96,7 +96,7 @@ class _PreciseBN:
             self.model.train()
             for m, _ in momenta:
                 m.momentum = None
-            with torch.no_grad(), _seeded(device, state.rng ^ _SALT, state.iteration):
+            with torch.no_grad(), seeded(device, state.rng ^ _SALT, state.iteration):
                 done = 0
                 for batch in self._batches():
                     self.forward(model, batch)

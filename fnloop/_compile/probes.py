@@ -34,13 +34,13 @@ from typing import Any
 import torch
 
 from fnloop._atomic import write_atomically
+from fnloop._compile.patches import probe_load
 
 __all__ = ["remembered_probes"]
 
 _FILE = "cpu-probes.json"
 _lock = threading.Lock()
-_ORIGINAL: dict[str, Callable[[object, str], bool]] = {}
-_DEPTH = [0]
+"""Serializes this process's writes of the record (probes may run on inductor's threads)."""
 
 
 @functools.cache
@@ -104,43 +104,24 @@ def remembered_probes(directory: Path | None) -> Iterator[None]:
         >>> with remembered_probes(None):
         ...     pass
     """
-    vec_isa = _vec_isa()
-    if directory is None or vec_isa is None:
+    if directory is None:
         yield
         return
     record = directory / _FILE
-    original: Callable[[object, str], bool] = _ORIGINAL.setdefault("probe", vec_isa._probe_load)
 
-    def probe_load(self: object, output_path: str) -> bool:
+    def answer(original: Callable[[Any, str], bool], isa: Any, output_path: str) -> bool:
         key = _entry(output_path)
         if key is None:
-            return original(self, output_path)
+            return original(isa, output_path)
         known = _read(record).get(key)
         if known is not None:
             return known
-        answer = original(self, output_path)
+        found = original(isa, output_path)
         with _lock:
             answers = _read(record)
-            answers[key] = answer
+            answers[key] = found
             _write(record, answers)
-        return answer
+        return found
 
-    with _lock:
-        _DEPTH[0] += 1
-        vec_isa._probe_load = probe_load
-    try:
+    with probe_load(answer):
         yield
-    finally:
-        with _lock:
-            _DEPTH[0] -= 1
-            if _DEPTH[0] == 0:
-                vec_isa._probe_load = original
-
-
-def _vec_isa() -> Any:
-    try:
-        from torch._inductor.cpu_vec_isa import VecISA
-    except ImportError:
-        return None
-    # Only torch versions whose probe is this one function are taught to remember it.
-    return VecISA if callable(getattr(VecISA, "_probe_load", None)) else None

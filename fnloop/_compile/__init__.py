@@ -1,0 +1,81 @@
+"""The compiler room: trace a function of flat tensors once, compile it with inductor, call it with no guards but ours.
+
+Everything fnloop does with torch's tracer and compiler lives here; the rest
+of fnloop imports this package's names, never its modules. The step
+(``fnloop/_step/compiler.py``) hands a ``Jit`` a function ``f(draws,
+*tensors) -> (outputs, context)`` per call structure; the ``Jit`` traces it
+(``trace.py``: a ``Traced`` record), compiles the graph (``jit.py``), keeps it
+on disk (``cache.py``), and calls it.
+
+Modules: ``jit.py`` (``Jit``, ``Entry``: one graph per signature, a budget),
+``trace.py`` (``make_fx`` on fake tensors, the ``Traced`` record, where an
+inductor error came from), ``seeding.py`` (random ops drawn from a seed
+input: ``Draws``), ``loop.py`` (``scan`` over a traced body), ``cache.py``
+(compiled graphs on disk), ``probes.py`` (inductor's CPU probes remembered),
+``options.py`` (fnloop's inductor settings), ``batching.py`` (a batch as
+tensors and a static structure), ``patches.py`` (every process-wide change,
+behind one lock), ``errors.py``.
+
+Private torch APIs used here, each where it is used:
+
+- ``torch.fx.experimental.proxy_tensor.make_fx`` and
+  ``disable_proxy_modes_tracing``, ``torch.compiler._non_strict_tracing_context``,
+  ``torch._subclasses.fake_tensor`` and ``torch.fx.experimental.symbolic_shapes``
+  exceptions (``trace.py``, ``loop.py``);
+- ``torch._inductor.standalone_compile``, ``torch._inductor.config``,
+  ``torch._inductor.decomposition.select_decomp_table`` (``jit.py``,
+  ``trace.py``, ``options.py``); ``torch._inductor.CompiledArtifact`` and
+  ``torch._functorch.config`` (``cache.py``);
+- ``torch._inductor.inductor_prims.random`` (``seeding.py``, GPU only);
+- ``torch._higher_order_ops.scan.scan_op`` (``loop.py``);
+- ``torch._inductor.cpu_vec_isa.VecISA._probe_load``, ``torch._C._set_mkldnn_enabled``,
+  and ``torch.get_rng_state``/``set_rng_state`` replaced for a block (``patches.py``).
+
+Outside the room, the step uses ``torch.nn.utils.stateless._reparametrize_module``
+(``fnloop/_step/kernel.py``, what ``functional_call`` uses) and
+``torch.distributed._functional_collectives`` (``fnloop/_step/sharding.py``,
+``replicas.py``).
+
+Tested on torch 2.13 (CI, ``constraints.txt``); older torch back to 2.4 takes
+the fallbacks marked in the code (no ``standalone_compile``: dynamo over the
+traced graph; no ``scan``: every step written out). Switches:
+``$FNLOOP_CACHE_DIR`` (``off`` turns the graph cache off) and
+``train_step(..., options=...)`` (inductor's settings over ``default_options``).
+
+Before changing anything here, run the models suite (``tests/test_models.py``),
+``tests/test_remat.py``, ``tests/test_compile_cache.py``,
+``tests/test_steps_per_call.py`` and ``tests/test_population.py``, and
+``benchmarks/bench_step.py`` against the change.
+"""
+
+from fnloop._compile.batching import flatten_batch, unflatten_batch
+from fnloop._compile.cache import CompileCache, default_cache
+from fnloop._compile.errors import CompileFailed, OverBudget, RandomInGraph, TraceError
+from fnloop._compile.jit import Entry, Jit
+from fnloop._compile.loop import HAS_SCAN, scan
+from fnloop._compile.options import default_options, inductor_options
+from fnloop._compile.seeding import DrawOutsideMembers, Draws
+from fnloop._compile.trace import Flat, Traceable, Traced, trace
+
+__all__ = [
+    "HAS_SCAN",
+    "CompileCache",
+    "CompileFailed",
+    "DrawOutsideMembers",
+    "Draws",
+    "Entry",
+    "Flat",
+    "Jit",
+    "OverBudget",
+    "RandomInGraph",
+    "TraceError",
+    "Traceable",
+    "Traced",
+    "default_cache",
+    "default_options",
+    "flatten_batch",
+    "inductor_options",
+    "scan",
+    "trace",
+    "unflatten_batch",
+]

@@ -1,0 +1,248 @@
+"""Trace once per signature, compile with inductor, call the compiled graph with no guards but ours.
+
+``torch.compile`` re-checks every input at every call through dynamo's guards
+and frame hook; on a small model that costs more than the step's arithmetic
+(about 30 us of the tiny benchmark's 55). A training step, like ``jax.jit``,
+needs less: its Python is traced once into one graph of aten ops
+(``make_fx`` on fake tensors, so nothing real runs), inductor compiles that
+graph (``torch._inductor.standalone_compile``), and each later call checks
+only what the graph was specialized on (the structure and static values the
+caller passes as ``structure``, and each tensor's shape, strides, dtype and
+device), then calls the compiled graph directly.
+
+The consequence is jit's: Python code in the step runs once, at trace time.
+A ``print`` prints once; a Python number read from a global is baked in. Use
+tensors for anything that changes between steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from fnloop._compile.cache import CompileCache, default_cache, graph_key
+from fnloop._compile.errors import CompileFailed, OverBudget, RandomInGraph
+from fnloop._compile.options import default_options, inductor_options
+from fnloop._compile.probes import remembered_probes
+from fnloop._compile.trace import Flat, Traceable, located, trace
+
+__all__ = ["Entry", "Jit"]
+
+
+def _signature(leaves: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
+    return [(t.shape, t.stride(), t.dtype, t.device) for t in leaves]
+
+
+def _compile(
+    function: Traceable,
+    leaves: list[torch.Tensor],
+    options: Mapping[str, Any],
+    cache: CompileCache | None = None,
+    no_random: str | None = None,
+) -> tuple[Flat, bool, Any]:
+    """``function`` traced on ``leaves`` and compiled: the graph, whether it draws from torch's generator, its context.
+
+    Random ops the trace knows (dropout's, ``rand``, ``randn``, ...) draw
+    from the seed the function names; any other random op draws from
+    torch's generator, which the caller then seeds. With a ``cache``, the
+    traced graph is looked up there first (see ``fnloop/_compile/cache.py``)
+    and what inductor builds is kept there. ``no_random``: the message of
+    the ``RandomInGraph`` raised, before anything is compiled, when the graph
+    draws from the generator (the name of each such op is added to it).
+    """
+    drawn = not options.get("fallback_random", False)
+    traced = trace(function, leaves, drawn=drawn)
+    if traced.draws and no_random is not None:
+        raise RandomInGraph(
+            f"{no_random} The ops that draw from torch's generator: {sorted(set(traced.draws))}."
+        )
+    nodes = traced.nodes
+    ops = sum(node.op == "call_function" for node in nodes)
+    options = {
+        **default_options(leaves, _has_loops(nodes), ops, traced.recomputes, _shards(nodes)),
+        **options,
+    }
+
+    def failed(exc: BaseException) -> CompileFailed:
+        return located(function, leaves, drawn, exc)
+
+    compiled = _built(traced.graph, leaves, options, cache, nodes, failed)
+    return compiled, bool(traced.draws), traced.context
+
+
+def _built(
+    graph: torch.fx.GraphModule,
+    leaves: list[torch.Tensor],
+    options: Mapping[str, Any],
+    cache: CompileCache | None,
+    nodes: list[torch.fx.Node],
+    failed: Callable[[BaseException], CompileFailed],
+) -> Flat:
+    """What inductor builds from ``graph``, or finds in ``cache``; ``failed`` makes inductor's errors ours."""
+    import torch._inductor
+
+    standalone = getattr(torch._inductor, "standalone_compile", None)
+    if standalone is None:  # torch before 2.8: dynamo over the traced graph (flat inputs, cheap guards)
+        return torch.compile(graph, fullgraph=True, dynamic=False, options=dict(options))
+    with remembered_probes(None if cache is None else cache.directory):
+        # A graph with tensor constants (a tensor a closure captured) is not
+        # reloadable on torch 2.13: the loaded graph expects them as inputs
+        # (and crashes under the C++ wrapper); inductor's own cache still serves it.
+        # Nor is a graph with a loop (torch 2.13's caches refuse higher-order operators).
+        uncached = cache is None or _has_constants(graph) or _has_loops(nodes)
+        key = None if uncached else graph_key(graph, leaves, options)
+        if cache is not None and key is not None:
+            found = cache.load(key)
+            if found is not None:
+                return found
+        # A loop's graph cannot be saved: inductor would warn so at every compile.
+        quiet = (
+            _quiet("torch._inductor.standalone_compile") if _has_loops(nodes) else contextlib.nullcontext()
+        )
+        try:
+            with torch._inductor.config.patch(dict(options)), quiet:
+                compiled = standalone(graph, leaves, dynamic_shapes="from_example_inputs")
+        except Exception as exc:
+            raise failed(exc) from exc
+        if cache is not None and key is not None:
+            cache.save(key, compiled)
+    return compiled
+
+
+@contextlib.contextmanager
+def _quiet(logger: str) -> Iterator[None]:
+    log = logging.getLogger(logger)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+def _has_loops(nodes: list[torch.fx.Node]) -> bool:
+    return any(isinstance(node.target, torch._ops.HigherOrderOperator) for node in nodes)
+
+
+def _shards(nodes: list[torch.fx.Node]) -> bool:
+    """Whether the graph gathers or scatters across ranks (a sharded step's collectives)."""
+    names = ("all_gather_into_tensor", "reduce_scatter_tensor")
+    return any(
+        isinstance(node.target, torch._ops.OpOverload) and node.target.name().split("::")[-1] in names
+        for node in nodes
+    )
+
+
+def _has_constants(graph: torch.fx.GraphModule) -> bool:
+    return any(
+        node.op == "get_attr" and isinstance(getattr(graph, str(node.target), None), torch.Tensor)
+        for node in graph.graph.nodes
+    )
+
+
+class _Default:
+    def __repr__(self) -> str:
+        return "DEFAULT"
+
+
+DEFAULT = _Default()
+"""``Jit``'s cache when none is given: ``default_cache()``, read when the ``Jit`` is made."""
+
+
+class Jit:
+    """A flat function compiled once per signature; ``compiles`` counts the graphs built.
+
+    ``make(structure)`` returns the function for one ``structure`` (a hashable
+    description of how the flat tensors are put back together, and of any
+    static values): ``f(draws, *tensors) -> (outputs, context)``, traced once
+    (see ``trace.py``); the context (the names of its outputs, say) is kept
+    with the graph. ``entry(structure, tensors)`` finds, or traces and compiles, the
+    graph for that call: a new structure, or tensors of another shape,
+    strides, dtype or device, compile again. ``cache`` keeps compiled graphs
+    between processes (by default where ``$FNLOOP_CACHE_DIR`` says; ``None``
+    turns it off): a graph found there is loaded instead of compiled, and
+    still counts in ``compiles``.
+    """
+
+    def __init__(
+        self,
+        make: Callable[[Hashable], Traceable],
+        budget: int | None = None,
+        options: Mapping[str, Any] | None = None,
+        cache: CompileCache | _Default | None = DEFAULT,
+        no_random: str | None = None,
+    ) -> None:
+        self._make = make
+        self.no_random = no_random
+        """Refuse graphs that draw from torch's generator, with this message (``RandomInGraph``)."""
+        self.cache = default_cache() if isinstance(cache, _Default) else cache
+        """Where compiled graphs are kept between processes (``None``: nowhere); see ``fnloop/_compile/cache.py``."""
+        self.budget = budget
+        self.options = inductor_options(options)
+        self._cache: dict[Hashable, Entry] = {}
+        self._last: Entry | None = None
+        self._last_structure: Hashable = None
+        self.compiles = 0
+
+    def entry(self, structure: Hashable, leaves: list[torch.Tensor]) -> Entry:
+        """The compiled graph for ``leaves`` put together as ``structure``."""
+        signature = _signature(leaves)
+        last = self._last
+        # The common case: what the last call had. Tuple equality tries identity
+        # first, so the structure seen last is kept to compare against.
+        known = self._last_structure
+        if last is not None and last.signature == signature and (structure is known or structure == known):
+            self._last_structure = structure
+            return last
+        found = self._cache.get((structure, tuple(signature)))
+        if found is None:
+            if self.budget is not None and self.compiles >= self.budget:
+                raise OverBudget(self._change(structure, signature))
+            function = self._make(structure)
+            found = Entry(
+                structure, signature, *_compile(function, leaves, self.options, self.cache, self.no_random)
+            )
+            self._cache[(structure, tuple(signature))] = found
+            self.compiles += 1
+        self._last, self._last_structure = found, structure
+        return found
+
+    def __call__(self, structure: Hashable, leaves: list[torch.Tensor]) -> tuple[Sequence[torch.Tensor], Any]:
+        """The outputs of the graph for this call, and its context."""
+        found = self.entry(structure, leaves)
+        return found.compiled(*leaves), found.context
+
+    def _change(self, structure: Hashable, signature: list[tuple[Any, ...]]) -> tuple[int | None, Any, Any]:
+        last = self._last
+        if last is None or last.structure != structure or len(last.signature) != len(signature):
+            return (None, None if last is None else last.structure, structure)
+        for index, (before, after) in enumerate(zip(last.signature, signature)):
+            if before != after:
+                return (index, _describe(before), _describe(after))
+        raise AssertionError("unreachable: the signatures are equal")
+
+
+@attrs.frozen(eq=False)
+class Entry:
+    """One compiled graph: ``compiled(*tensors)``, and what it was built for.
+
+    ``draws`` says whether the graph draws from torch's generator (a random
+    op the trace does not draw from its seed input): a caller seeds the
+    generator only for those.
+    """
+
+    structure: Hashable
+    signature: list[tuple[Any, ...]]
+    compiled: Flat
+    draws: bool
+    context: Any
+
+
+def _describe(meta: tuple[Any, ...]) -> str:
+    shape, stride, dtype, device = meta
+    return f"shape {tuple(shape)}, strides {stride}, {dtype}, on {device}"

@@ -1,0 +1,191 @@
+"""Trace a function of flat tensors into one graph of aten ops (``make_fx`` on fake tensors): a ``Traced`` record.
+
+The function traced takes the trace's ``Draws`` first (where its random ops
+draw from, see ``seeding.py``), then the flat tensors, and returns its output
+tensors and a context of its own (their names, say), which the record keeps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from fnloop._compile.errors import CompileFailed, TraceError, user_frames
+from fnloop._compile.patches import onednn_off
+from fnloop._compile.seeding import Draws
+
+__all__ = ["Flat", "Traceable", "Traced", "decompositions", "generator_draws", "trace"]
+
+Flat = Callable[..., Sequence[torch.Tensor]]
+"""A function of flat tensors to a list of tensors (what a compiled graph is)."""
+
+Traceable = Callable[..., tuple[Sequence[torch.Tensor], Any]]
+"""``f(draws, *tensors) -> (outputs, context)``: what ``trace`` takes."""
+
+
+@attrs.frozen(eq=False)
+class Traced:
+    """One traced graph and what the trace learned of it.
+
+    Attributes:
+        graph: the graph of aten ops.
+        nodes: the nodes of the graph and of its subgraphs (a loop's body).
+        draws: the ops that draw from torch's generator when they run (not
+            from the seed input): the caller seeds the generator for those.
+        recomputes: whether the trace ran part of the forward again in the
+            backward (activation checkpointing).
+        context: what the traced function returned beside its outputs.
+    """
+
+    graph: torch.fx.GraphModule
+    nodes: list[torch.fx.Node]
+    draws: list[str]
+    recomputes: bool
+    context: Any
+
+
+_TO_NUMBER = (
+    "the traced function converts a tensor to a Python number (.item(), float(t) or int(t), for "
+    "example inside a print or an f-string). While tracing, the value is not known (a print shows a "
+    "symbol such as zuf0), and at run time it would force a host sync. To watch a value, return it "
+    "as a metric (a tensor) and write it with a hook; to debug with print, run eagerly."
+)
+
+
+def trace(
+    function: Traceable, leaves: Sequence[torch.Tensor], *, drawn: bool = True, stack_traces: bool = False
+) -> Traced:
+    """``function`` traced on fake copies of ``leaves``; nothing real runs.
+
+    ``drawn``: random ops draw from the seed the function names (off when
+    inductor is told ``fallback_random``, which then runs torch's own).
+    Raises ``TraceError`` where the function needs a tensor's value in Python.
+    """
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    draws = Draws()
+    context: list[Any] = [None]
+
+    def flat(*tensors: torch.Tensor) -> list[torch.Tensor]:
+        outputs, context[0] = function(draws, *tensors)
+        return list(outputs)
+
+    try:
+        # Without oneDNN while tracing: ops that choose a oneDNN kernel in Python-visible
+        # ways record it in the graph, and the CPU LSTM's (mkldnn_rnn_layer) left its backward
+        # without the workspace its forward makes once compiled. Ops that choose at run time
+        # (convolutions) are recorded as the generic op and still run on oneDNN.
+        with onednn_off(), _tracing_as_a_function():
+            graph = make_fx(
+                flat,
+                decomposition_table=decompositions(draws if drawn else None),
+                tracing_mode="fake",
+                _allow_non_fake_inputs=True,
+                record_stack_traces=stack_traces,
+            )(*leaves)
+    except _data_dependent() as exc:
+        raise TraceError(str(exc)) from exc
+    # A number read out of a tensor whose value nothing in the graph uses (print(loss.item()))
+    # traces without complaint; inductor then fails on it with an internal assertion.
+    if any(node.target is torch.ops.aten._local_scalar_dense.default for node in graph.graph.nodes):
+        raise TraceError(_TO_NUMBER)
+    nodes = [
+        node
+        for module in graph.modules()
+        if isinstance(module, torch.fx.GraphModule)
+        for node in module.graph.nodes
+    ]
+    return Traced(graph, nodes, generator_draws(nodes), draws.restored > 0, context[0])
+
+
+def decompositions(draws: Draws | None) -> dict[Any, Callable[..., Any]]:
+    """Inductor's own decompositions, and the random ops drawn from the seeds ``draws`` is given.
+
+    The graph is traced with the decompositions inductor applies when it
+    compiles it: traced without them, a ``reshape`` was recorded as a ``view``
+    valid for the strides of the undecomposed ops, which inductor's re-trace
+    with its decompositions then gave other strides (GPT-2's attention:
+    "Cannot view a tensor with shape ... and strides ...").
+    """
+    import torch._inductor.lowering  # noqa: F401 - some of inductor's decompositions consult it
+    from torch._inductor.decomposition import select_decomp_table
+
+    return {**select_decomp_table(), **(draws.decompositions() if draws is not None else {})}
+
+
+@functools.cache
+def _data_dependent() -> tuple[type[BaseException], ...]:
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    return (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
+
+
+def _tracing_as_a_function() -> contextlib.AbstractContextManager[Any]:
+    """torch told that a make_fx trace of forward and backward runs (as torchtitan's is).
+
+    Selective activation checkpointing (``create_selective_checkpoint_contexts``)
+    otherwise takes a proxy mode for AOTAutograd's, caches every op of the
+    region and leaves recomputation to a partitioner this trace has none of:
+    nothing would be recomputed, and an in-place op on a cached output fails.
+    Told, it recomputes in the backward as it does eagerly, which the trace
+    records. Nothing else in torch reads the flag.
+    """
+    context = getattr(torch.compiler, "_non_strict_tracing_context", None)
+    return context() if context is not None else contextlib.nullcontext()
+
+
+def _argument(node: torch.fx.Node, name: str) -> Any:
+    schema = node.target._schema  # type: ignore[union-attr]
+    for index, argument in enumerate(schema.arguments):
+        if argument.name == name:
+            if name in node.kwargs:
+                return node.kwargs[name]
+            return node.args[index] if index < len(node.args) else argument.default_value
+    return None
+
+
+def generator_draws(nodes: Sequence[torch.fx.Node]) -> list[str]:
+    """The ops among ``nodes`` that draw from torch's generator when they run.
+
+    An op draws when it is tagged as seeded and it would draw numbers: fused
+    attention with a ``dropout_p`` of zero draws none, though its tag says it
+    may (the CPU flash-attention op carries the tag whatever ``dropout_p``
+    is). The random ops the step draws from its seed are not among them.
+    """
+    found = []
+    for node in nodes:
+        target = node.target
+        if (
+            not isinstance(target, torch._ops.OpOverload)
+            or torch.Tag.nondeterministic_seeded not in target.tags
+        ):
+            continue
+        if _argument(node, "dropout_p") in (0, 0.0):
+            continue
+        found.append(str(target))
+    return found
+
+
+def located(
+    function: Traceable, leaves: Sequence[torch.Tensor], drawn: bool, error: BaseException
+) -> CompileFailed:
+    """Which node of the graph ``error`` came from, traced again with stack traces to say where."""
+    names = re.findall(r"While executing %(\w+)", str(error))
+    target = re.findall(r"target: (\S+)", str(error))
+    if not names and not target:
+        return CompileFailed(None, None)
+    try:
+        graph = trace(function, leaves, drawn=drawn, stack_traces=True).graph
+    except Exception:  # noqa: BLE001 - the first error is the one to report
+        return CompileFailed(target[0] if target else None, None)
+    for node in graph.graph.nodes:
+        if names and node.name == names[-1]:
+            return CompileFailed(str(node.target), user_frames(node.meta.get("stack_trace")))
+    return CompileFailed(target[0] if target else None, None)
