@@ -295,3 +295,15 @@ def test_a_users_own_compiled_function_survives_a_run() -> None:
     _run(fl.train_step(_model(), classify, OPT, steps_per_call=4), _start())  # traced afresh
     mine(x)
     assert counter.frame_count == 1
+
+
+def test_an_injected_learning_rate_recorded_as_a_metric_runs_in_a_call_as_in_single_steps():
+    # The learning rate `inject` keeps in the state is recorded as a metric: it left the loop's
+    # body as one of its inputs, which torch's loop refuses ("scan might be aliasing the input").
+    opt = fl.optim.inject(fl.optim.adam, lr=1e-2)
+    start = fl.init(_model(), opt, seed=0, max_iter=4)
+    single = _run(fl.train_step(_model(), classify, opt), start)
+    several = _run(fl.train_step(_model(), classify, opt, steps_per_call=2), start)
+    assert [(i, float(v)) for i, v in several.metrics.series["lr"]] == [(i, 1e-2) for i in range(4)]
+    for name in single.params:
+        assert torch.equal(several.params[name], single.params[name]), name

@@ -247,16 +247,42 @@ def train_step(
         raise TypeError(f"'skip_nonfinite' must be a bool ({got(skip_nonfinite)}).")
     steps_per_call = _check_positive("steps_per_call", steps_per_call)
     kernel = Kernel(model, loss_fn, optimizer, accumulate, autocast, eager=not compile)
-    group = _group()  # the ranks the step averages over, fixed with the step
+    return step_of(
+        kernel,
+        compile=compile,
+        donate=donate,
+        recompiles=recompiles,
+        options=options,
+        skip_nonfinite=skip_nonfinite,
+        steps_per_call=steps_per_call,
+    )
+
+
+def step_of(
+    kernel: Kernel,
+    *,
+    compile: bool,
+    donate: bool = True,
+    recompiles: int = 0,
+    options: Mapping[str, Any] | None = None,
+    skip_nonfinite: bool = False,
+    steps_per_call: int = 1,
+) -> Step:
+    """The step of ``kernel``, on the terms of ``train_step`` (whose arguments are checked there).
+
+    The process group the step averages over, this process's rank and the
+    world size are read now, and fixed with the step.
+    """
+    group = _group()
     jit = multi = members = None
     if compile:  # one step per call, several, and a population's (traced when such a state first comes)
         jit, members = (compile_step(kernel, group, 1 + recompiles, options) for _ in range(2))
         if steps_per_call > 1:
             multi = compile_step(kernel, group, 1 + recompiles, options, steps_per_call)
     step = TrainStep(
-        model,
-        loss_fn,
-        optimizer,
+        kernel.model,
+        kernel.loss_fn,
+        kernel.optimizer,
         recompiles,
         kernel,
         in_place(kernel, group),
@@ -264,7 +290,7 @@ def train_step(
         multi,
         members,
         skip_nonfinite,
-        fixed_learning_rates(optimizer),
+        fixed_learning_rates(kernel.optimizer),
         rank(),
         world_size(),
         steps_per_call,

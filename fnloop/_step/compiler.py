@@ -228,9 +228,11 @@ def several(update: Update, form: Form) -> Traceable:
                     draws, list(carry[:c]), carry[c], row[0], list(row[1:]), carry[c + 1] if stop else None
                 )
                 # A loop's outputs may not be its inputs: what the steps passed through (frozen
-                # parameters) leaves each turn as a copy.
-                after = [t.clone() if any(t is x for x in carry) else t for t in after]
-                return [*after, carry[c] + unroll, *([gate] if stop else []), *out]
+                # parameters, an injected learning rate recorded as a metric) leaves each turn as a copy.
+                return [
+                    t.clone() if any(t is x for x in flat) else t
+                    for t in [*after, carry[c] + unroll, *([gate] if stop else []), *out]
+                ]
 
             init: list[torch.Tensor] = [*state, iteration, *([gate] if gate is not None else [])]
             width = len(init)

@@ -4,7 +4,7 @@
 
     Kernel.loss(params, buffers, batch)                    -> (loss, metrics)
     value_and_grad(loss)(params, buffers, batch)           -> Grads(grads, buffers, loss, metrics)
-    Kernel.update(grads, opt_state, params, iteration)     -> Updated(trained, opt_state, rates)
+    Kernel.update(grads, opt_state, params, iteration)     -> Updated(trained, opt_state, metrics)
 
 All three are pure functions of plain dicts of tensors (``buffers`` aside: the
 forward writes running statistics into the dict it is given, which the step
@@ -40,7 +40,17 @@ from fnloop._step.remat import gradients, reentrant_refused
 from fnloop.optim import Optimizer, learning_rates
 from fnloop.optim._base import over_shards
 
-__all__ = ["Grads", "Kernel", "LossFn", "Stepped", "Updated", "frozen", "kept", "value_and_grad"]
+__all__ = [
+    "Grads",
+    "Kernel",
+    "LossFn",
+    "Stepped",
+    "UpdateStage",
+    "Updated",
+    "frozen",
+    "kept",
+    "value_and_grad",
+]
 
 LossFn = Callable[[Callable[..., Any], Any], Any]
 """``loss_fn(model, batch) -> loss`` or ``(loss, metrics)``; ``model`` runs the forward on the state."""
@@ -63,11 +73,19 @@ Gradient = Callable[..., Grads]
 
 
 class Updated(NamedTuple):
-    """What the update stage computes: the trained parameters' new values, the optimizer's state, the rates."""
+    """What the update stage computes: the trained parameters' new values, the optimizer's state, metrics.
+
+    ``metrics``: the learning rates the update applied (those that are
+    tensors), and what a transformation of the stage adds; recorded like the loss.
+    """
 
     trained: dict[str, torch.Tensor]
     opt_state: Any
-    rates: dict[str, torch.Tensor]
+    metrics: dict[str, torch.Tensor]
+
+
+UpdateStage = Callable[..., Updated]
+"""The update stage: ``(grads, opt_state, params, iteration, total=None) -> Updated``."""
 
 
 class Stepped(NamedTuple):
@@ -106,6 +124,9 @@ class Kernel:
     autocast: torch.dtype | None = None
     eager: bool = False
     """Run op by op: the finiteness check is the one that is fast so."""
+    transforms: tuple[Callable[[UpdateStage], UpdateStage], ...] = ()
+    """Transformations of the update stage beyond fnloop's own, applied in order before them
+    (see ``docs/architecture.md#adding-a-transformation``)."""
     fixed: frozenset[str] = attrs.field()
     _checked: list[bool] = attrs.field(factory=list, alias="_checked")
     """Whether a forward has run: the first checks the model's activation checkpointing."""
@@ -163,6 +184,13 @@ class Kernel:
         with _matching(self.fixed):
             self.optimizer.update_(grads, opt_state, self.trained(params), iteration)
         return self.rates(iteration, opt_state)
+
+    def transformed_update(self) -> UpdateStage:
+        """The update stage with ``transforms`` applied."""
+        update: UpdateStage = self.update
+        for transform in self.transforms:
+            update = transform(update)
+        return update
 
     def rates(self, iteration: torch.Tensor, opt_state: Any) -> dict[str, torch.Tensor]:
         """The learning rates the update applies that are tensors: a schedule's, or the state's (``inject``).

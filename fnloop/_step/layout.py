@@ -59,12 +59,13 @@ def transformed(kernel: Kernel, layout: Layout, group: Any) -> Update:
     ``group``: the data-parallel ranks (``None`` in one process).
     """
     members, shards = layout.members is not None, layout.shards
+    update = kernel.transformed_update()
     if members:
         gradient = member_gradient(kernel, layout.shared)
-        update, finite = member_update(kernel), member_finite(kernel)
+        update, finite = member_update(update), member_finite(kernel)
     else:
         gradient = value_and_grad(kernel.forward, kernel.fixed, hold=kernel.holding)
-        update, finite = kernel.update, kernel.finite
+        finite = kernel.finite
     gradient = accumulated(gradient, kernel.accumulate, dim=1 if members and not layout.shared else 0)
     if shards is not None:
         gradient, update = sharded_gradient(gradient, shards, group), sharded_update(update, shards, group)
@@ -76,14 +77,14 @@ def transformed(kernel: Kernel, layout: Layout, group: Any) -> Update:
     def step(params: dict, buffers: dict, opt_state: Any, iteration: torch.Tensor, batch: Any) -> Stepped:
         # The forward writes running statistics into the buffers it is given.
         found = gradient(params, {k: v.clone() for k, v in buffers.items()}, batch)
-        trained, new_opt_state, rates = update(found.grads, opt_state, params, iteration)
+        trained, new_opt_state, metrics = update(found.grads, opt_state, params, iteration)
         return Stepped(
             kernel.merged(params, trained),
             found.buffers,
             new_opt_state,
             found.loss,
             finite(found.loss, found.grads),
-            {**rates, **found.metrics},
+            {**metrics, **found.metrics},
         )
 
     return step
@@ -99,8 +100,8 @@ def in_place(kernel: Kernel, group: Any) -> Callable[..., Any]:
     Whether the step is finite is read on the host (free on a CPU; one sync
     per step on a GPU), and a finite one updates params and optimizer state
     in place (the optimizer's ``update_``): no second copy of the state is
-    made, as ``torch.optim`` makes none. A sharded state runs the pure step,
-    its results written into the state.
+    made, as ``torch.optim`` makes none. A sharded state, or a kernel with
+    transformations of its own, runs the pure step, its results written into the state.
     """
     gradient = accumulated(
         value_and_grad(kernel.forward, kernel.fixed, hold=kernel.holding), kernel.accumulate
@@ -116,7 +117,7 @@ def in_place(kernel: Kernel, group: Any) -> Callable[..., Any]:
         batch: Any,
         shards: Shards | None,
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        if shards is not None:
+        if shards is not None or kernel.transforms:  # the pure step, written into the state
             stepped = transformed(kernel, Layout(shards=shards), group)(
                 params, buffers, opt_state, iteration, batch
             )

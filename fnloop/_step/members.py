@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from fnloop._compile import DrawOutsideMembers
-from fnloop._step.kernel import Gradient, Kernel, Updated, all_finite, value_and_grad
+from fnloop._step.kernel import Gradient, Kernel, Updated, UpdateStage, all_finite, value_and_grad
 
 __all__ = ["PopulationUnbatchable", "member_finite", "member_gradient", "member_update"]
 
@@ -48,21 +48,21 @@ def member_gradient(kernel: Kernel, shared: bool) -> Gradient:
     return value_and_grad(loss, kernel.fixed, backward=_not_recomputed)
 
 
-def member_update(kernel: Kernel) -> Any:
+def member_update(update: UpdateStage) -> UpdateStage:
     """The update stage vmapped over the members: each one's optimizer sees its own state and rates."""
     from torch.func import vmap
 
     def one(grads: dict, opt_state: Any, params: dict, iteration: torch.Tensor) -> tuple:
-        return tuple(kernel.update(grads, opt_state, params, iteration))
+        return tuple(update(grads, opt_state, params, iteration))
 
     stepped = vmap(one, in_dims=(0, 0, 0, None), randomness="error")
 
-    def update(
+    def every_member(
         grads: dict, opt_state: Any, params: dict, iteration: torch.Tensor, total: Any = None
     ) -> Updated:
         return Updated(*stepped(grads, opt_state, params, iteration))
 
-    return update
+    return every_member
 
 
 def member_finite(kernel: Kernel) -> Any:

@@ -22,13 +22,10 @@ from typing import Any
 import torch
 
 from fnloop._core.shards import Shards
-from fnloop._step.kernel import Gradient, Grads, Updated
+from fnloop._step.kernel import Gradient, Grads, Updated, UpdateStage
 from fnloop._step.replicas import averaged
 
 __all__ = ["all_ranks", "chunk", "gathered", "scattered", "sharded_gradient", "sharded_update"]
-
-StageUpdate = Any
-"""The update stage: ``(grads, opt_state, params, iteration, total=None) -> Updated``."""
 
 
 def sharded_gradient(gradient: Gradient, shards: Shards, group: Any) -> Gradient:
@@ -50,7 +47,7 @@ def sharded_gradient(gradient: Gradient, shards: Shards, group: Any) -> Gradient
     return gradient_of_chunks
 
 
-def sharded_update(update: StageUpdate, shards: Shards, group: Any) -> StageUpdate:
+def sharded_update(update: UpdateStage, shards: Shards, group: Any) -> UpdateStage:
     """``update`` on this rank's chunks, any sum over the whole model an all-reduce.
 
     Without ``shards.params`` (``"optimizer"``) the parameters are whole on
