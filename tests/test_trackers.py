@@ -327,7 +327,7 @@ def test_a_kill_at_any_call_of_a_resume_leaves_what_the_next_attempt_completes(s
     from mlflow.entities import ViewType
     from mlflow.tracking import MlflowClient
 
-    from fnloop import _trackers
+    from fnloop.writers import _mlflow as _trackers
 
     uri, client = store
     fl.run(
@@ -386,7 +386,7 @@ def test_a_kill_at_any_call_of_a_resume_leaves_what_the_next_attempt_completes(s
 
 def test_a_run_killed_before_its_first_checkpoint_and_run_again_leaves_one_run(store, monkeypatch):
     # The run of the killed attempt was left RUNNING beside the new one, as if both were live.
-    from fnloop import _trackers
+    from fnloop.writers import _mlflow as _trackers
 
     uri, client = store
     mortal = Mortal(_trackers._client(uri))

@@ -172,13 +172,15 @@ def test_writers_pickle_and_compare_by_configuration(tmp_path):
 
 def test_values_are_converted_only_when_a_line_is_written(monkeypatch, tmp_path):
     calls: list[int] = []
-    convert = writers.to_floats
+    convert = fl._core.metrics.to_floats
 
     def counting(values):
         calls.append(1)
         return convert(values)
 
-    monkeypatch.setattr(writers, "to_floats", counting)
+    # Every module that converts: the line (all writers read it), the console, the metrics.
+    monkeypatch.setattr(writers._line, "to_floats", counting)
+    monkeypatch.setattr(writers._console, "to_floats", counting)
     monkeypatch.setattr(fl._core.metrics, "to_floats", counting)
     step = lambda s, b: fl.record(s, loss=torch.tensor(float(b)), acc=torch.tensor(0.5))  # noqa: E731
     hooks = [fl.every(10, fl.hooks.log(writers.jsonl(tmp_path / "m.jsonl"), writers.tensorboard(tmp_path)))]
