@@ -15,9 +15,8 @@ it uses). This module says what is traced: the step for a ``Form``.
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
-import attrs
 import torch
 from torch.utils import _pytree as pytree
 
@@ -29,8 +28,7 @@ from fnloop._step.layout import Layout, transformed
 __all__ = ["UNROLL", "Form", "compile_step", "leaf_name"]
 
 
-@attrs.frozen
-class Form:
+class Form(NamedTuple):
     """How a call's flat tensors are put back together: the one flat form every compiled step takes.
 
     Inputs, in order: the state (``params``' tensors, ``buffers``', the
@@ -40,7 +38,8 @@ class Form:
     on a new first dimension for several steps). Outputs: ``loss, finite,
     *metrics``, each one value per step and per member, and for several
     steps that stop at a non-finite one, whether every step was finite.
-    The graph writes the new state into the state's input tensors.
+    The graph writes the new state into the state's input tensors. (A
+    tuple: one is built every call, and compared with the last call's.)
     """
 
     params: tuple[str, ...]

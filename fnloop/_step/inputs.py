@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,12 +28,16 @@ def layout_of(
     """
     if state.population is not None:
         population = _population_of(state, world)
-        shared = type(batches[0]) is not PerMember
-        return Layout(members=population.size, shared=shared, stop=stop)
+        return _layout(population.size, type(batches[0]) is not PerMember, None, 1, stop)
     for batch in batches:
         _not_per_member(batch)
-    steps = len(batches) if scan else 1
-    return Layout(shards=_sharded(state, rank, world), steps=steps, stop=stop)
+    return _layout(None, True, _sharded(state, rank, world), len(batches) if scan else 1, stop)
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(members: int | None, shared: bool, shards: Shards | None, steps: int, stop: bool) -> Layout:
+    # One object per distinct layout: a call's compiled graph is found by comparing it with the last call's.
+    return Layout(members, shared, shards, steps, stop)
 
 
 def member_batch(batch: Any, population: Population, i: int) -> Any:

@@ -9,18 +9,18 @@ layout, goes this one way.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import attrs
 import torch
 from torch.utils import _pytree as pytree
 
-from fnloop._compile import CompileFailed, Entry, Jit, OverBudget, RandomInGraph, TraceError, flatten_batch
+from fnloop._compile import CompileFailed, Entry, Jit, OverBudget, RandomInGraph, TraceError
 from fnloop._core.failure import StepFailed, unwrapped
-from fnloop._core.metrics import Scalar
 from fnloop._core.population import member_metric
 from fnloop._core.state import TrainState, unchecked
 from fnloop._core.steps import Applied
+from fnloop._step.calls import MEMBERS, ONE_RUN, Inputs, Outputs, Recording
 from fnloop._step.compiler import Form, leaf_name
 from fnloop._step.donation import Targets, opt_containers, shared
 from fnloop._step.errors import (
@@ -28,31 +28,17 @@ from fnloop._step.errors import (
     _RECOMPILED,
     CompileError,
     GraphBreakError,
-    NonFiniteLoss,
     RecompileError,
     _compile_failed,
-    _nonfinite_message,
 )
-from fnloop._step.inputs import layout_of, member_batch, stacked
+from fnloop._step.inputs import layout_of
 from fnloop._step.kernel import Kernel, LossFn, _device
 from fnloop._step.layout import Layout
 from fnloop._step.pool import ScalarPool
-from fnloop._step.seeds import seeded, step_seed
+from fnloop._step.seeds import seeded
 from fnloop.optim import Optimizer
 
 __all__ = ["TrainStep"]
-
-
-class Outputs(NamedTuple):
-    """What a call computed, one value per step (``steps > 1``) and per member (a population).
-
-    ``every``: whether every step of a call that stops at a non-finite one was finite.
-    """
-
-    loss: torch.Tensor
-    finite: torch.Tensor
-    metrics: dict[str, torch.Tensor]
-    every: torch.Tensor | None = None
 
 
 class Memo:
@@ -120,6 +106,13 @@ class TrainStep(Applied):
     steps_per_call: int = 1
     """How many iterations the fold runs in one call (``steps``), at call boundaries."""
     _memo: Memo = attrs.field(factory=Memo, alias="_memo")
+    _how: Recording = attrs.field(
+        default=attrs.Factory(
+            lambda self: Recording(self.fixed, self.skip_nonfinite, self._memo.pool, self._memo.member_name),
+            takes_self=True,
+        ),
+        alias="_how",
+    )
 
     donates = True
 
@@ -201,147 +194,55 @@ class TrainStep(Applied):
         ``within``: the call is one step of several (the state reached is the
         one a non-finite step leaves).
         """
-        population = state.population
-        if population is not None and not any(population.training):
-            return state  # every member has stopped: nothing trains, nothing is recorded
+        call = ONE_RUN if layout.members is None else MEMBERS
+        if call.idle(state):  # every member has stopped: nothing trains, nothing is recorded
+            return state
         if not self.model.training:
             self.model.train()
-        params, buffers = state.params, state.buffers
+        i, params, buffers, rank = state.iteration, state.params, state.buffers, self.rank
         device = leaves[0].device if leaves else _device(params)
         iteration = self._memo.tensor(("iteration", device), lambda: _zero(device))
-        iteration.fill_(state.iteration)
+        iteration.fill_(i)
         donated = [*params.values(), *buffers.values(), *leaves]
         versions = [t._version for t in donated]
         try:
             if self.jit is None:
-                outputs = self._eager(state, batches[0], iteration, device, layout)
+                out = call.eager(self.function, state, batches[0], iteration, rank, layout)
             else:
-                outputs = self._compiled(state, batches, donated, ospec, iteration, device, layout)
+                given = call.inputs(state, batches, rank, layout, self._memo.tensor, device)
+                out = self._compiled(state, donated, ospec, iteration, given, layout)
         except BaseException as exc:  # noqa: BLE001 - re-raised, wrapped for the fold
             # Stopped after writing into the state (an error or a forced Ctrl-C
             # between two kernels)? Then the state given is torn; the fold must know.
             raise StepFailed(exc, torn=mine and _wrote(donated, versions)) from None
-        # Eager, a population's members step in turn: those before a non-finite one were written.
-        torn = self.jit is None and population is not None and mine and _wrote(donated, versions)
-        return self._recorded(state, layout, outputs, reached=state if within else None, torn=torn)
-
-    def _eager(
-        self, state: TrainState, batch: Any, iteration: torch.Tensor, device: torch.device, layout: Layout
-    ) -> Outputs:
-        """One step run op by op; a population's members each in turn, as their solo runs step."""
-        i, population = state.iteration, state.population
-        if population is None:
-            with seeded(device, state.rng, i, self.rank):
-                return Outputs(
-                    *self.function(
-                        state.params, state.buffers, state.opt_state, iteration, batch, layout.shards
-                    )
-                )
-        inner = member_batch(batch, population, i)
-        rows: list[Outputs | None] = []
-        for m, seed in enumerate(population.seeds):
-            if not population.training[m]:
-                rows.append(None)
-                continue
-            own = inner if layout.shared else _rows(inner, m)
-            mine = _rows(state.params, m), _rows(state.buffers, m), _rows(state.opt_state, m)
-            with seeded(device, seed, i, self.rank):
-                rows.append(Outputs(*self.function(*mine, iteration, own, None)))
-        return _by_member(rows)
+        # Eager, a population's members step in turn: those before a non-finite one were written
+        # (a single run's eager step writes nothing when it is not finite).
+        torn = self.jit is None and mine and _wrote(donated, versions)
+        return call.recorded(state, layout, out, self._how, reached=state if within else None, torn=torn)
 
     def _compiled(
         self,
         state: TrainState,
-        batches: Sequence[Any],
         donated: list[torch.Tensor],
         ospec: pytree.TreeSpec,
         iteration: torch.Tensor,
-        device: torch.device,
+        given: Inputs,
         layout: Layout,
     ) -> Outputs:
         """The call's compiled graph for ``layout``, on the flat form (``compiler.Form``)."""
-        i, population = state.iteration, state.population
-        rng, rank = state.rng, self.rank
-        extra: list[torch.Tensor] = []
-        if population is not None:
-            jit = self.members
-            tensors, structure = flatten_batch(member_batch(batches[0], population, i))
-            seeds = torch.tensor(
-                [step_seed(s, i, rank) for s in population.seeds], dtype=torch.int64, device=device
-            )
-            key = ("training", device, population.training)
-            extra = [self._memo.tensor(key, lambda: torch.tensor(population.training, device=device))]
-        elif layout.steps > 1:
-            jit = self.multi
-            tensors, structure = stacked(batches, i)
-            seeds = torch.tensor([step_seed(rng, i + j, rank) for j in range(layout.steps)], device=device)
-        else:
-            jit = self.jit
-            tensors, structure = flatten_batch(batches[0])
-            seeds = self._memo.tensor(("seed", device), lambda: _zero(device))
-            seeds.fill_(step_seed(rng, i, rank))  # what the graph's random ops draw from
+        jit = self.members if layout.members is not None else self.multi if layout.steps > 1 else self.jit
         assert jit is not None
-        form = Form(tuple(state.params), tuple(state.buffers), ospec, structure, layout)
-        flat = [*donated, iteration, seeds, *extra, *tensors]
-        entry = self._entry(jit, form, flat, i)
+        form = Form(tuple(state.params), tuple(state.buffers), ospec, given.structure, layout)
+        flat = [*donated, iteration, given.seeds, *given.extra, *given.tensors]
+        entry = self._entry(jit, form, flat, state.iteration)
         if entry.draws:  # an op the trace could not give the seed to draws from the generator
-            with seeded(device, rng, i, rank):
+            with seeded(iteration.device, state.rng, state.iteration, self.rank):
                 out = entry.compiled(*flat)
         else:
             out = entry.compiled(*flat)
         names = entry.context
         every = out[2 + len(names)] if len(out) > 2 + len(names) else None
         return Outputs(out[0], out[1], dict(zip(names, out[2:])), every)
-
-    def _recorded(
-        self, state: TrainState, layout: Layout, out: Outputs, *, reached: TrainState | None, torn: bool
-    ) -> TrainState:
-        """``state`` with the call's loss and metrics recorded, each step's at its own iteration.
-
-        A non-finite step raises ``NonFiniteLoss`` (unless ``skip_nonfinite``),
-        with the state reached before it.
-        """
-        i, n, population = state.iteration, layout.steps, state.population
-        pool, metrics = self._memo.pool, state.metrics
-        values = {"loss": out.loss, **out.metrics}
-        columns: dict[str, Sequence[Scalar]] = {}
-        if population is None:
-            rows = {k: [pool.keep(v)] if n == 1 else v.unbind(0) for k, v in values.items()}
-            columns = {"loss": rows.pop("loss"), **{k: [v] * n for k, v in self.fixed.items()}, **rows}
-            if self.skip_nonfinite:
-                counts = _count(metrics, "skipped") + (~out.finite).to(torch.int64).reshape(n).cumsum(0)
-                columns["skipped"] = [pool.keep(counts[0])] if n == 1 else counts.unbind(0)
-            elif not (out.finite if out.every is None else out.every).item():  # one flag read per call
-                j = int((~out.finite.reshape(n)).nonzero()[0])
-                error = NonFiniteLoss(_nonfinite_message(i + j, out.loss.reshape(n)[j]), i + j)
-                if n > 1:
-                    done = {name: column[:j] for name, column in columns.items()}
-                    reached = unchecked(state, metrics=metrics.record_steps(i, done), iteration=i + j)
-                raise StepFailed(error, reached=reached)
-        else:
-            training, name = population.training, self._memo.member_name
-            flags = out.finite.tolist()  # one read for every member
-            bad = [m for m, f in enumerate(flags) if training[m] and not f]
-            if bad and not self.skip_nonfinite:
-                m = bad[0]
-                message = _nonfinite_message(i, out.loss[m])
-                error = NonFiniteLoss(f"member {m} ({population.labels[m]}) of the population: {message}", i)
-                raise StepFailed(error, torn=torn, reached=reached)
-            # Each value of the call (one per member) in one home, recorded row by row.
-            homes = {k: pool.keep_rows(v) for k, v in values.items()}
-            for m in range(population.size):
-                if not training[m]:  # a stopped member records nothing more
-                    continue
-                columns.update({name(k, m): [v] for k, v in self.fixed.items()})
-                columns.update({name(k, m): [column[m]] for k, column in homes.items()})
-                if self.skip_nonfinite:
-                    skipped = name("skipped", m)
-                    columns[skipped] = [
-                        pool.keep((~out.finite[m]).to(torch.int64) + _count(metrics, skipped))
-                    ]
-        if n == 1:
-            return unchecked(state, metrics=metrics.record(i, {k: v[0] for k, v in columns.items()}))
-        return unchecked(state, iteration=i + n - 1, metrics=metrics.record_steps(i, columns))
 
     def _entry(self, jit: Jit, form: Form, flat: list[torch.Tensor], iteration: int) -> Entry:
         try:
@@ -395,38 +296,6 @@ class TrainStep(Applied):
 
 def _zero(device: torch.device) -> torch.Tensor:
     return torch.zeros((), dtype=torch.int64, device=device)
-
-
-def _count(metrics: Any, name: str) -> Any:
-    """The running count ``name`` last recorded (0 before): it lives in the metrics, so it survives a resume."""
-    series = metrics.series.get(name)
-    return series[-1][1] if series else 0
-
-
-def _by_member(rows: list[Outputs | None]) -> Outputs:
-    """The members' eager results as a population's compiled step gives them: one row per member.
-
-    A member that no longer trains gets a finite placeholder, recorded nowhere.
-    """
-    first = next(row for row in rows if row is not None)
-    true = torch.ones((), dtype=torch.bool, device=first.finite.device)
-    filled = [
-        row
-        or Outputs(
-            torch.zeros_like(first.loss), true, {k: torch.zeros_like(v) for k, v in first.metrics.items()}
-        )
-        for row in rows
-    ]
-    return Outputs(
-        torch.stack([row.loss for row in filled]),
-        torch.stack([torch.as_tensor(row.finite, device=true.device).reshape(()) for row in filled]),
-        {k: torch.stack([row.metrics[k] for row in filled]) for k in first.metrics},
-    )
-
-
-def _rows(tree: Any, m: int) -> Any:
-    """Member ``m``'s rows of a stacked tree: views, so an eager step writing into them writes the population's."""
-    return pytree.tree_map(lambda t: t[m] if isinstance(t, torch.Tensor) else t, tree)
 
 
 def _wrote(tensors: list[torch.Tensor], versions: list[int]) -> bool:
