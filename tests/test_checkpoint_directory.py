@@ -118,7 +118,7 @@ def test_abandoned_files_obey_keep(tmp_path):
 
 
 def test_renames_and_pruning_tolerate_files_vanishing(tmp_path, monkeypatch):
-    from fnloop.hooks import _checkpoint as module
+    from fnloop.hooks import _saving as module  # the periodic checkpoint hook's module
 
     for i in (1, 2, 5, 6):
         checkpoint.save(TrainState(max_iter=9, iteration=i), checkpoint.path_for(tmp_path, i))

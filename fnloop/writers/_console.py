@@ -71,6 +71,7 @@ def format_line(line: Line) -> str:
     ``time`` there is no ETA.
 
     Examples:
+        >>> from fnloop import Metrics
         >>> m = Metrics().record(0, {"loss": 2.0, "lr": 0.1}).record(1, {"loss": 1.0, "lr": 0.1, "time": 0.5})
         >>> format_line(Line(2, 10, m, ("loss", "lr", "time")))
         'eta: 0:00:04  iter: 2  loss: 1.5  lr: 1.000e-01  time: 0.5000'
