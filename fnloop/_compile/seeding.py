@@ -3,7 +3,7 @@
 A step's randomness is a function of the run's seed and the iteration
 (``fnloop/_step/seeds.py``). Run eagerly, a step draws from torch's
 generator, seeded for the step. Traced, its random ops draw from a seed the
-step takes as an input (``drawing_from``): on a GPU through inductor's counter-based generator,
+step takes as an input (``Draws.from_``): on a GPU through inductor's counter-based generator,
 on the CPU through ``fnloop::drawn``, torch's own generator seeded from that
 input (inductor's CPU generator cost a GPT-2 step about a tenth of its time).
 The compiled graph is then a pure function of its inputs, and a loop of

@@ -4,7 +4,7 @@
 and asks it three things, the only places where a population differs from a
 single run outside the kernel's transformations: how the step runs eagerly
 (``eager``), what the compiled graph is given beside the state (``inputs``),
-and what is recorded (``columns``). Everything else (donation, the compiled
+and what is recorded (``recorded``). Everything else (donation, the compiled
 call, the failure's report, recording the columns) is the step's one path.
 """
 
