@@ -4,8 +4,8 @@
 and asks it three things, the only places where a population differs from a
 single run outside the kernel's transformations: how the step runs eagerly
 (``eager``), what the compiled graph is given beside the state (``inputs``),
-and what is recorded (``recorded``). Everything else (donation, the compiled
-call, the failure's report, recording the columns) is the step's one path.
+and what is recorded (``recorded``). Everything else (donation, the call,
+eager or compiled, and the report of a failure) is the step's one path.
 """
 
 from __future__ import annotations
