@@ -95,12 +95,20 @@ class Call(Protocol):
         """What the compiled graph is given beside the state and the iteration, on ``device``."""
 
     def recorded(
-        self, state: TrainState, layout: Layout, out: Outputs, how: Recording, *, reached: Any, torn: bool
+        self,
+        state: TrainState,
+        layout: Layout,
+        out: Outputs,
+        how: Recording,
+        *,
+        reached: Any,
+        torn: Callable[[], bool],
     ) -> TrainState:
         """``state`` with the call's loss and metrics recorded, each step's at its own iteration.
 
         A non-finite step raises ``StepFailed`` (``NonFiniteLoss``, unless
-        skipped), with the state reached before it and whether ``state`` was torn.
+        skipped), with the state reached before it and whether ``state`` was torn
+        (``torn()``, asked only then).
         """
 
 
@@ -142,7 +150,14 @@ class _OneRun:
         return Inputs(seed, [], *flatten_batch(batches[0]))
 
     def recorded(
-        self, state: TrainState, layout: Layout, out: Outputs, how: Recording, *, reached: Any, torn: bool
+        self,
+        state: TrainState,
+        layout: Layout,
+        out: Outputs,
+        how: Recording,
+        *,
+        reached: Any,
+        torn: Callable[[], bool],
     ) -> TrainState:
         i, n, metrics = state.iteration, layout.steps, state.metrics
         if not how.skip_nonfinite and not (out.finite if out.every is None else out.every).item():
@@ -229,7 +244,14 @@ class _Members:
         return Inputs(seeds, [training], *flatten_batch(member_batch(batches[0], population, i)))
 
     def recorded(
-        self, state: TrainState, layout: Layout, out: Outputs, how: Recording, *, reached: Any, torn: bool
+        self,
+        state: TrainState,
+        layout: Layout,
+        out: Outputs,
+        how: Recording,
+        *,
+        reached: Any,
+        torn: Callable[[], bool],
     ) -> TrainState:
         i, population, metrics, pool, name = (
             state.iteration,
@@ -246,7 +268,7 @@ class _Members:
             m = bad[0]
             message = _nonfinite_message(i, out.loss[m])
             error = NonFiniteLoss(f"member {m} ({population.labels[m]}) of the population: {message}", i)
-            raise StepFailed(error, torn=torn, reached=reached)
+            raise StepFailed(error, torn=torn(), reached=reached)
         # Each value of the call (one per member) in one home, recorded row by row.
         homes = {k: pool.keep_rows(v) for k, v in {"loss": out.loss, **out.metrics}.items()}
         values: dict[str, Scalar] = {}

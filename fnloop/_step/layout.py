@@ -109,6 +109,8 @@ def in_place(kernel: Kernel, group: Any) -> Callable[..., Any]:
     if group is not None:
         gradient = replicated(gradient, group)
 
+    pures: dict[Shards | None, Update] = {}  # the pure step per layout, built once
+
     def step(
         params: dict,
         buffers: dict,
@@ -118,9 +120,10 @@ def in_place(kernel: Kernel, group: Any) -> Callable[..., Any]:
         shards: Shards | None,
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         if shards is not None or kernel.transforms:  # the pure step, written into the state
-            stepped = transformed(kernel, Layout(shards=shards), group)(
-                params, buffers, opt_state, iteration, batch
-            )
+            pure = pures.get(shards)
+            if pure is None:
+                pure = pures[shards] = transformed(kernel, Layout(shards=shards), group)
+            stepped = pure(params, buffers, opt_state, iteration, batch)
             if stepped.finite:
                 old = [*params.values(), *buffers.values(), *pytree.tree_leaves(opt_state)]
                 for before, after in zip(old, state_of(stepped)):

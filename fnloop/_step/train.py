@@ -215,9 +215,12 @@ class TrainStep(Applied):
             # Stopped after writing into the state (an error or a forced Ctrl-C
             # between two kernels)? Then the state given is torn; the fold must know.
             raise StepFailed(exc, torn=mine and _wrote(donated, versions)) from None
+
         # Eager, a population's members step in turn: those before a non-finite one were written
-        # (a single run's eager step writes nothing when it is not finite).
-        torn = self.jit is None and mine and _wrote(donated, versions)
+        # (a single run's eager step writes nothing when it is not finite). Asked on failure only.
+        def torn() -> bool:
+            return self.jit is None and mine and _wrote(donated, versions)
+
         return call.recorded(state, layout, out, self._how, reached=state if within else None, torn=torn)
 
     def _compiled(
