@@ -21,6 +21,7 @@ import torch
 from hypothesis import strategies as st
 
 from fnloop._core.combinators import Hook, every, on, once, when
+from fnloop._core.declared import declared
 from fnloop._core.metrics import Metrics
 from fnloop._core.phase import Phase
 from fnloop._core.state import Clock, TrainState, Unclaimed
@@ -87,10 +88,11 @@ def without_clock(state: TrainState) -> TrainState:
 
 
 def _is_timer_state(value: Any) -> bool:
+    from fnloop.checkpoint._codec import type_name
     from fnloop.hooks import TimerState
 
     # Loaded without its hook, a timer's state is still data, named by the record's type.
-    unclaimed = type(value) is Unclaimed and getattr(value.data, "type", "").endswith(".TimerState")
+    unclaimed = type(value) is Unclaimed and getattr(value.data, "type", None) == type_name(TimerState)
     return type(value) is TimerState or unclaimed
 
 
@@ -296,8 +298,8 @@ def check_hook(hook: Hook, state: TrainState, phases: tuple[Phase, ...] = tuple(
         found = first_difference(out, restored(state, phase))
         if found is not None:
             raise AssertionError(f"{hook!r} behaves differently after pickling, in {phase!r}: {found}")
-        acts_in = getattr(hook, "acts_in", None)
-        if type(acts_in) is frozenset and phase not in acts_in and out is not state:
+        acts_in = declared(hook).acts_in
+        if acts_in is not None and phase not in acts_in and out is not state:
             raise AssertionError(
                 f"{hook!r} declares acts_in={sorted(p.name for p in acts_in)} but changed the state "
                 f"in {phase!r}; the fold would not call it there. Add the phase to acts_in."

@@ -7,6 +7,7 @@ from typing import Protocol, runtime_checkable
 
 import attrs
 
+from fnloop._core.declared import declared
 from fnloop._core.messages import describe, non_negative_int, positive_int
 from fnloop._core.phase import Phase
 from fnloop._core.schedule import Schedule, scheduled
@@ -81,7 +82,7 @@ def state_names(hook: object) -> tuple[str, ...]:
         >>> state_names(chain(stateful("a", 0, lambda s, p, m: (s, m)), identity))
         ('a',)
     """
-    return tuple(getattr(hook, "state_names", ()))
+    return declared(hook).state_names
 
 
 def _check_unique(hooks: tuple[object, ...]) -> None:
@@ -129,8 +130,8 @@ class _Tested(_Wrapper):
 
     def when_due(self) -> Hook:
         """Where the schedule says this fires, its test passes: the fold calls the hook inside."""
-        inner = getattr(self.hook, "when_due", None)
-        return inner() if callable(inner) else self.hook  # type: ignore[no-any-return]
+        inner = declared(self.hook).when_due
+        return self.hook if inner is None else inner()
 
 
 @attrs.frozen(repr=False)

@@ -24,6 +24,7 @@ import math
 from typing import Any
 
 from fnloop._core.combinators import Chain, Hook, identity, returned
+from fnloop._core.declared import declared
 from fnloop._core.phase import Phase
 from fnloop._core.schedule import Schedule, scheduled
 from fnloop._core.state import TrainState
@@ -96,8 +97,8 @@ class Plan:
 
 def _due(hook: Any) -> Hook:
     """What to call for ``hook`` where its schedule says it may act (its ``when_due()``, or itself)."""
-    due = getattr(hook, "when_due", None)
-    return due() if callable(due) else hook  # type: ignore[no-any-return]
+    due = declared(hook).when_due
+    return hook if due is None else due()
 
 
 def plan(hook: Hook, phase: Phase) -> Due:

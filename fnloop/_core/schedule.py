@@ -18,6 +18,7 @@ from typing import Any
 
 import attrs
 
+from fnloop._core.declared import declared
 from fnloop._core.messages import non_negative_int
 from fnloop._core.phase import Phase
 
@@ -113,16 +114,15 @@ def scheduled(hook: Any, phase: Phase) -> Schedule | None:
     A hook declares it with a ``acts_at(phase)`` method, or with ``acts_in``,
     the frozenset of phases it may act in at all.
     """
-    declare = getattr(hook, "acts_at", None)
-    if callable(declare):
-        declared = declare(phase)
-        if declared is not None and type(declared) is not Schedule:
+    says = declared(hook)
+    if says.acts_at is not None:
+        schedule = says.acts_at(phase)
+        if schedule is not None and type(schedule) is not Schedule:
             raise TypeError(
-                f"{hook!r:.80}.acts_at({phase!r}) returned {declared!r:.80}; a hook's schedule is a "
+                f"{hook!r:.80}.acts_at({phase!r}) returned {schedule!r:.80}; a hook's schedule is a "
                 "fnloop.Schedule, or None for a phase it never acts in."
             )
-        return declared
-    acts_in = getattr(hook, "acts_in", None)
-    if type(acts_in) is frozenset and phase not in acts_in:
+        return schedule
+    if says.acts_in is not None and phase not in says.acts_in:
         return None  # the hook says it returns its input unchanged here
     return _ALWAYS

@@ -8,6 +8,7 @@ from typing import Any
 import attrs
 
 from fnloop._core.combinators import Hook, check_hook
+from fnloop._core.declared import declared
 from fnloop._core.messages import describe, non_empty_str
 from fnloop._core.phase import Phase
 from fnloop._core.state import TrainState, Unclaimed, unchecked
@@ -76,8 +77,7 @@ class Stateful:
 
     @_acts.default
     def _declared(self) -> frozenset[Phase] | None:
-        declared = getattr(self.update, "acts_in", None)
-        return declared if type(declared) is frozenset else None
+        return declared(self.update).acts_in
 
     def __call__(self, state: TrainState, phase: Phase, /) -> TrainState:
         acts_in = self._acts

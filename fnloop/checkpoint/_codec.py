@@ -33,6 +33,7 @@ __all__ = [
     "decode",
     "encode",
     "is_namedtuple",
+    "type_name",
     "with_article",
 ]
 
@@ -92,7 +93,8 @@ SAVABLE = (
 _FIX_SAVE = "Keep code and other objects out of the state: store the data they are built from."
 
 
-def _type_name(cls: type) -> str:
+def type_name(cls: type) -> str:
+    """The name a checkpoint records for a record of class ``cls``: its module and qualified name."""
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
@@ -128,10 +130,10 @@ class _Encoder:
             return {"kind": value.kind, "type": value.type, "fields": self.pairs(value.items(), path, ".")}
         if attrs.has(kind):
             fields = [(f.name, getattr(value, f.name)) for f in attrs.fields(kind)]
-            return {"kind": "record", "type": _type_name(kind), "fields": self.pairs(fields, path, ".")}
+            return {"kind": "record", "type": type_name(kind), "fields": self.pairs(fields, path, ".")}
         if is_namedtuple(value):
             fields = list(zip(kind._fields, value))
-            return {"kind": "namedtuple", "type": _type_name(kind), "fields": self.pairs(fields, path, ".")}
+            return {"kind": "namedtuple", "type": type_name(kind), "fields": self.pairs(fields, path, ".")}
         if isinstance(value, Mapping):
             for key in value:
                 if type(key) is not str and type(key) is not int:
