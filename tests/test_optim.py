@@ -432,6 +432,32 @@ def test_clip_records_norm_and_matches_torch() -> None:
     assert all(torch.equal(unclipped[k], small[k]) for k in g)
 
 
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: chain(clip_by_global_norm(0.5), sgd(1.0)),
+        lambda: partition(lambda name, t: "all", {"all": chain(clip_by_global_norm(0.5), sgd(1.0))}),
+        lambda: O.inject(lambda lr: chain(clip_by_global_norm(0.5), sgd(lr)), lr=1.0),
+    ],
+    ids=["chain", "partition", "inject"],
+)
+def test_over_shards_reaches_a_global_norm_inside_each_combinator(build: Callable[[], Optimizer]) -> None:
+    # A sharded step's sum over ranks; here, two ranks holding the same chunks: the norm is sqrt(2) times.
+    g = make_params()
+    opt = build()
+    sharded = opt.over_shards(lambda value: 2 * value)
+    assert isinstance(sharded, Optimizer) and sharded == opt  # the sum is not part of what it is
+    local, _ = opt.update(g, opt.init(g), g, torch.tensor(0))
+    whole, _ = sharded.update(g, sharded.init(g), g, torch.tensor(0))
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(v) for v in g.values()]))
+    for k in g:  # sgd(1.0): the parameters move by the clipped gradient
+        torch.testing.assert_close(g[k] - local[k], g[k] * (0.5 / (norm + 1e-6)), rtol=1e-6, atol=0)
+        torch.testing.assert_close(g[k] - whole[k], g[k] * (0.5 / (norm * 2**0.5 + 1e-6)), rtol=1e-6, atol=0)
+    assert isinstance(clip_by_global_norm(1.0), O.OverShards) and not isinstance(
+        sgd(1.0).transform, O.OverShards
+    )
+
+
 def test_decay_mask_spares_biases_and_norms() -> None:
     opt = adamw(0.1, weight_decay=0.5, decay_mask=exclude_bias_and_norm)
     params = make_params()

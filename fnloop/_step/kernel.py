@@ -38,7 +38,6 @@ from torch.utils import _pytree as pytree
 from fnloop._step.errors import _NUMBER_METRIC, GraphBreakError, _number
 from fnloop._step.remat import gradients, reentrant_refused
 from fnloop.optim import Optimizer, learning_rates
-from fnloop.optim._base import over_shards
 
 __all__ = [
     "Grads",
@@ -171,9 +170,9 @@ class Kernel:
         chunks (a sharded step's), for transformations that reduce over the
         whole model (a global norm).
         """
-        across = over_shards(total) if total is not None else contextlib.nullcontext()
-        with _matching(self.fixed), across:
-            trained, new_state = self.optimizer.update(grads, opt_state, self.trained(params), iteration)
+        optimizer = self.optimizer if total is None else self.optimizer.over_shards(total)
+        with _matching(self.fixed):
+            trained, new_state = optimizer.update(grads, opt_state, self.trained(params), iteration)
         return Updated(trained, new_state, self.rates(iteration, opt_state))
 
     def update_(self, grads: dict, opt_state: Any, params: dict, iteration: torch.Tensor) -> dict:

@@ -113,13 +113,15 @@ class _BestUpdate:
     def __call__(self, state: TrainState, phase: Phase, best: Any) -> tuple[TrainState, Any]:
         # `best`: a Best, or a population's tuple of them (one per member).
         if phase is Phase.BEFORE_TRAIN:
-            return request(state, _Do(self, "claim"), f"hold {self.directory}", claim=True), best
+            return request(state, _Do(self, _BestUpdate.claim), f"hold {self.directory}", claim=True), best
         if phase is Phase.AFTER_TRAIN:
             # Warn only after success: a run that failed early may not have reached its first evaluation.
             bests = best if state.population is not None else (best,)
             ended = state.iteration == state.max_iter and all(b.iteration < 0 for b in bests)
             return request(
-                state, _Do(self, "finish" if ended else "release"), f"release {self.directory}"
+                state,
+                _Do(self, _BestUpdate.finish if ended else _BestUpdate.release),
+                f"release {self.directory}",
             ), best
         if phase is not Phase.AFTER_STEP:
             return state, best
@@ -151,7 +153,10 @@ class _BestUpdate:
                 value, iteration
             )
         return request(
-            state, _Do(self, "save"), f"best {self.metric} into {self.directory}", everywhere=_sharded(state)
+            state,
+            _Do(self, _BestUpdate.save),
+            f"best {self.metric} into {self.directory}",
+            everywhere=_sharded(state),
         ), Best(value, iteration)
 
     def claim(self, state: TrainState) -> None:

@@ -8,8 +8,9 @@ import functools
 import os
 import re
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
@@ -92,19 +93,22 @@ class Checkpoint:
     def __call__(self, state: TrainState, phase: Phase, /) -> TrainState:
         if phase is Phase.BEFORE_TRAIN:
             # Before the first step: a second run on this directory is refused at once.
-            return request(state, _Do(self, "claim"), f"hold {self.directory}", claim=True)
+            return request(state, _Do(self, Checkpoint.claim), f"hold {self.directory}", claim=True)
         if phase is Phase.AFTER_STEP:
             # Performed once every hook of the phase has run, on the state the
             # next iteration starts from (iteration == i + 1).
             if self.background:
                 return request(
                     state,
-                    _Do(self, "hand_over"),
+                    _Do(self, Checkpoint.hand_over),
                     f"checkpoint into {self.directory}, in the background",
                     everywhere=_sharded(state),
                 )
             return request(
-                state, _Do(self, "save"), f"checkpoint into {self.directory}", everywhere=_sharded(state)
+                state,
+                _Do(self, Checkpoint.save),
+                f"checkpoint into {self.directory}",
+                everywhere=_sharded(state),
             )
         if phase is Phase.AFTER_TRAIN:
             # The run ended, by success, failure or signal: save the state it
@@ -112,7 +116,7 @@ class Checkpoint:
             # end-of-run changes), unless that iteration is saved already.
             return request(
                 state,
-                _Do(self, "finish"),
+                _Do(self, Checkpoint.finish),
                 f"final checkpoint into {self.directory}",
                 start=True,
                 everywhere=_sharded(state),
@@ -327,13 +331,14 @@ def checkpoint(
 
 @attrs.frozen
 class _Do:
-    """An effect a checkpoint hook requests, as data: ``hook.<action>(state)``.
+    """An effect a checkpoint hook requests, as data: ``action(hook, state)``, ``action`` one of its methods.
 
-    Equal for equal hooks and actions, and picklable, as the hook itself is.
+    Equal for equal hooks and actions, and picklable, as the hook itself is
+    (a bound method would be neither: it compares its hook by identity).
     """
 
     hook: Checkpoint | _BestUpdate
-    action: str
+    action: Callable[[Any, TrainState], object]
 
     def __call__(self, state: TrainState) -> None:
-        getattr(self.hook, self.action)(state)
+        self.action(self.hook, state)

@@ -24,6 +24,8 @@ from fnloop._core.messages import describe, got
 __all__ = [
     "EmptyState",
     "GradientTransformation",
+    "OverShards",
+    "HasLearningRates",
     "InPlaceTransformation",
     "LearningRate",
     "OptState",
@@ -129,6 +131,17 @@ class InPlaceTransformation(Protocol):
 
 
 @runtime_checkable
+class HasLearningRates(Protocol):
+    """A transformation that says its learning rates: ``learning_rates(iteration)``, name -> rate.
+
+    ``scale_by_learning_rate``, ``chain`` and ``partition`` do; so can one of
+    your own. ``learning_rates(transform, iteration)`` asks it.
+    """
+
+    def learning_rates(self, iteration: torch.Tensor, /) -> Mapping[str, Any]: ...
+
+
+@runtime_checkable
 class RatesInState(Protocol):
     """A transformation whose learning rates its state holds (``inject``'s): known with the state only.
 
@@ -165,28 +178,29 @@ def update_in_place(
     return {k: u.clone() for k, u in new_updates.items()}
 
 
-_SUMMING: list[Callable[[torch.Tensor], torch.Tensor]] = []
+Sum: TypeAlias = Callable[[torch.Tensor], torch.Tensor]
+"""The sum over the ranks of a value computed from one rank's chunks (an all-reduce, in a sharded step)."""
 
 
-@contextlib.contextmanager
-def over_shards(sum_: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
-    """For the block, the updates a transformation sees are one rank's shards, and ``sum_`` sums over the ranks.
+@runtime_checkable
+class OverShards(Protocol):
+    """A transformation that reduces over the whole model (a global norm), or holds one that does.
 
-    A sharded step (``fnloop.init(..., shard=...)``) updates each rank's shards
-    only; a transformation that reduces over the whole model (a global norm)
-    asks ``summing_over_shards()`` for the sum, which the step traces into its
-    graph as an all-reduce.
+    A sharded step (``fnloop.init(..., shard=...)``) gives the update one
+    rank's chunks of the updates. It updates with ``over_shards(sum_)``: the
+    same transformation, computing its whole-model values with ``sum_``, the
+    sum over the ranks of a value computed from one rank's chunks (an
+    all-reduce in the step's graph). ``clip_by_global_norm`` offers it, and
+    ``chain``, ``partition`` and ``inject`` pass it on to what they hold; a
+    combinator of your own should too.
     """
-    _SUMMING.append(sum_)
-    try:
-        yield
-    finally:
-        _SUMMING.pop()
+
+    def over_shards(self, sum_: Sum, /) -> Any: ...
 
 
-def summing_over_shards() -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """The sum over ranks of a value computed from one rank's shards, inside ``over_shards``; else ``None``."""
-    return _SUMMING[-1] if _SUMMING else None
+def over_shards(transform: Any, sum_: Sum) -> Any:
+    """``transform`` for a sharded step: its ``over_shards(sum_)``, or itself where it reduces over nothing."""
+    return transform.over_shards(sum_) if isinstance(transform, OverShards) else transform
 
 
 def check_keys(what: str, got: Mapping[str, Any], params: Mapping[str, Any], fix: str) -> None:
@@ -258,10 +272,9 @@ def learning_rates(
     """
     if isinstance(transform, Optimizer):
         transform = transform.transform
-    rates = getattr(transform, "learning_rates", None)
     if isinstance(transform, RatesInState):  # inject's: the rates its state holds, known with the state
         return {} if state is None else dict(transform.state_learning_rates(iteration, state))
-    return dict(rates(iteration)) if callable(rates) else {}
+    return dict(transform.learning_rates(iteration)) if isinstance(transform, HasLearningRates) else {}
 
 
 def fixed_learning_rates(transform: GradientTransformation | Optimizer) -> dict[str, float]:
@@ -373,6 +386,14 @@ class Optimizer:
         for k, p in params.items():
             if p.dtype != updates[k].dtype:
                 p.copy_((p + updates[k]).to(p.dtype))
+
+    def over_shards(self, sum_: Sum, /) -> Optimizer:
+        """This optimizer for a sharded step's update of one rank's chunks; ``sum_`` sums over the ranks.
+
+        See ``OverShards``: a transformation that reduces over the whole model
+        (``clip_by_global_norm``) then computes the whole model's value.
+        """
+        return Optimizer(over_shards(self.transform, sum_))
 
     def __repr__(self) -> str:
         return f"Optimizer({self.transform!r})"

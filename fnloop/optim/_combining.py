@@ -13,9 +13,11 @@ from fnloop.optim._base import (
     Optimizer,
     OptState,
     Params,
+    Sum,
     check_keys,
     describe,
     learning_rates,
+    over_shards,
     update_in_place,
 )
 
@@ -54,6 +56,9 @@ class _Chain:
             updates = update_in_place(transform, updates, inner, params, iteration)
         return updates
 
+    def over_shards(self, sum_: Sum, /) -> _Chain:
+        return _Chain(tuple(over_shards(t, sum_) for t in self.transforms))
+
     def learning_rates(self, iteration: torch.Tensor, /) -> dict[str, torch.Tensor | float]:
         rates: dict[str, torch.Tensor | float] = {}
         for transform in self.transforms:
@@ -66,7 +71,7 @@ class _Chain:
 
 
 def _check_transform(obj: object, where: str) -> None:
-    if not isinstance(obj, GradientTransformation) or not callable(getattr(obj, "update", None)):
+    if not isinstance(obj, GradientTransformation) or not callable(obj.update):
         raise TypeError(
             f"{where} expected a gradient transformation or an Optimizer, something with "
             f"init(params) and update(updates, state, params, iteration), but got {obj!r:.80} "
@@ -187,6 +192,9 @@ class _Partition:
                 update_in_place(transform, group, state[label], {k: params[k] for k in names}, iteration)
             )
         return {k: new_updates[k] for k in params}
+
+    def over_shards(self, sum_: Sum, /) -> _Partition:
+        return attrs.evolve(self, transforms={k: over_shards(t, sum_) for k, t in self.transforms.items()})
 
     def learning_rates(self, iteration: torch.Tensor, /) -> dict[str, torch.Tensor | float]:
         return {

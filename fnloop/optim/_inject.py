@@ -21,9 +21,11 @@ from fnloop.optim._base import (
     Optimizer,
     OptState,
     Params,
+    Sum,
     first_device,
     injecting,
     learning_rates,
+    over_shards,
     update_in_place,
 )
 
@@ -46,10 +48,16 @@ class InjectedState(NamedTuple):
 class _Injected:
     make: Callable[..., Optimizer]
     defaults: tuple[tuple[str, float], ...]
+    # A sharded step's sum over ranks (over_shards), passed on to what make builds.
+    summed: Sum | None = attrs.field(default=None, eq=False)
 
     def built(self, hyperparams: Mapping[str, torch.Tensor]) -> GradientTransformation:
         with injecting():
-            return self.make(**hyperparams).transform
+            built = self.make(**hyperparams).transform
+        return built if self.summed is None else over_shards(built, self.summed)
+
+    def over_shards(self, sum_: Sum, /) -> _Injected:
+        return attrs.evolve(self, summed=sum_)
 
     def init(self, params: Params, /) -> InjectedState:
         device = first_device(params)

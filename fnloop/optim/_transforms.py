@@ -19,11 +19,11 @@ from fnloop.optim._base import (
     EmptyState,
     GradientTransformation,
     Params,
+    Sum,
     _number,
     check_keys,
     describe,
     first_device,
-    summing_over_shards,
     zero_count,
 )
 
@@ -57,18 +57,22 @@ def _norm_dtype(params: Params) -> torch.dtype:
     return functools.reduce(torch.promote_types, dtypes) if dtypes else torch.float32
 
 
-def _global_norm(updates: Params) -> torch.Tensor:
-    """The L2 norm of all ``updates`` together: of the whole model's, when they are one rank's shards."""
+def _global_norm(updates: Params, summed: Sum | None) -> torch.Tensor:
+    """The L2 norm of all ``updates`` together; with ``summed``, of the whole model's: they are one rank's chunks."""
     first = next(iter(updates.values())).device
     norms = [torch.linalg.vector_norm(u).to(first) for u in updates.values()]
     total = torch.linalg.vector_norm(torch.stack(norms))
-    summed = summing_over_shards()
     return total if summed is None else torch.sqrt(summed(total.square()))
 
 
 @attrs.frozen(repr=False)
 class _ClipByGlobalNorm:
     max_norm: float
+    # A sharded step's sum over ranks (over_shards): the updates are this rank's chunks.
+    summed: Sum | None = attrs.field(default=None, eq=False)
+
+    def over_shards(self, sum_: Sum, /) -> _ClipByGlobalNorm:
+        return attrs.evolve(self, summed=sum_)
 
     def init(self, params: Params, /) -> ClipByGlobalNormState:
         zero = torch.zeros((), dtype=_norm_dtype(params), device=first_device(params))
@@ -80,7 +84,7 @@ class _ClipByGlobalNorm:
         if not updates:
             return updates, state
         # The same arithmetic as torch.nn.utils.clip_grad_norm_, coefficient clamp included.
-        total = _global_norm(updates)
+        total = _global_norm(updates, self.summed)
         coef = torch.clamp(self.max_norm / (total + 1e-6), max=1.0)
         return {k: u * coef for k, u in updates.items()}, ClipByGlobalNormState(total)
 
@@ -89,7 +93,7 @@ class _ClipByGlobalNorm:
     ) -> Params:
         if not updates:
             return updates
-        total = _global_norm(updates)
+        total = _global_norm(updates, self.summed)
         torch._foreach_mul_(list(updates.values()), torch.clamp(self.max_norm / (total + 1e-6), max=1.0))
         state.global_norm.copy_(total)
         return updates
