@@ -1,4 +1,15 @@
-"""Walking the state as a tree: records, mappings, sequences, tensors and plain values."""
+"""Walking the state as a tree: what a container is, once for every walk over fnloop's values.
+
+The rule: a container is an attrs record or a ``NamedTuple`` (its children
+are its fields), a mapping (its values, by key), a tuple or a list (its
+items); anything else, tensors included, is a leaf. Every walk sees every
+field of a record: the checkpoint's codec and ``fill``, the donation check,
+the background save's copy, ``leaves``. A field declared ``eq=False`` takes
+no part in ``==``, and nothing more: ``first_difference``, which answers
+``==`` bit for bit, leaves those out as ``==`` does (``compared=True``).
+Optimizer states are the same containers, and walked with torch's pytree
+where a step flattens them.
+"""
 
 from __future__ import annotations
 
@@ -9,20 +20,41 @@ from typing import Any
 import attrs
 import torch
 
-__all__ = ["children", "first_difference", "leaves"]
+__all__ = ["children", "first_difference", "leaves", "record_fields"]
 
 
-def children(node: Any) -> list[tuple[str, Any]] | None:
-    """``(path step, child)`` pairs of a container, or ``None`` for a leaf.
+_FIELDS: dict[tuple[type, bool], tuple[str, ...] | None] = {}
 
-    Containers are attrs records, named tuples, mappings, tuples and lists.
-    Path steps read like Python: ``.field``, ``['key']``, ``[0]``.
+
+def record_fields(kind: type, compared: bool = False) -> tuple[str, ...] | None:
+    """The field names of a record class (attrs or ``NamedTuple``), in order; ``None`` for any other class.
+
+    ``compared``: only the fields ``==`` compares (an attrs field's ``eq``).
+
+    Examples:
+        >>> from fnloop import Clock
+        >>> record_fields(Clock), record_fields(dict)
+        (('time', 'data_time', 'step_time'), None)
     """
-    if attrs.has(type(node)):
-        # Fields left out of equality (a message's context, say) are no part of the value.
-        return [(f".{f.name}", getattr(node, f.name)) for f in attrs.fields(type(node)) if f.eq]
-    if isinstance(node, tuple) and hasattr(node, "_fields"):
-        return [(f".{name}", value) for name, value in zip(node._fields, node)]
+    found = _FIELDS.get((kind, compared), ())
+    if found == ():  # a class not met before (one lookup per node after that)
+        if attrs.has(kind):
+            found = tuple(f.name for f in attrs.fields(kind) if f.eq or not compared)
+        else:
+            found = tuple(kind._fields) if issubclass(kind, tuple) and hasattr(kind, "_fields") else None
+        _FIELDS[kind, compared] = found
+    return found
+
+
+def children(node: Any, *, compared: bool = False) -> list[tuple[str, Any]] | None:
+    """``(path step, child)`` pairs of a container, or ``None`` for a leaf (see the module's rule).
+
+    Path steps read like Python: ``.field``, ``['key']``, ``[0]``. ``compared``:
+    a record's fields that ``==`` compares only.
+    """
+    names = record_fields(type(node), compared)
+    if names is not None:
+        return [(f".{name}", getattr(node, name)) for name in names]
     if isinstance(node, Mapping):
         return [(f"[{key!r}]", value) for key, value in node.items()]
     if isinstance(node, (tuple, list)):
@@ -70,7 +102,7 @@ def first_difference(a: Any, b: Any, path: str = "state") -> str | None:
         >>> first_difference({"w": torch.zeros(2)}, {"w": torch.tensor([0.0, 1.0])})
         "state['w']: values differ (max abs difference 1)"
     """
-    ka, kb = children(a), children(b)
+    ka, kb = children(a, compared=True), children(b, compared=True)
     if ka is None or kb is None:
         if (ka is None) != (kb is None):
             return f"{path}: {type(a).__name__} != {type(b).__name__}"

@@ -15,10 +15,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import attrs
 import torch
 
 from fnloop._core.state import TrainState
+from fnloop._core.tree import record_fields
 
 __all__ = ["Targets", "opt_containers", "shared"]
 
@@ -85,12 +85,8 @@ def _recorded(series: Any, targets: Targets) -> bool:
     return False
 
 
-_FIELDS: dict[type, tuple[str, ...] | None] = {}
-"""The field names of each attrs class met, ``None`` for other classes: one lookup per node."""
-
-
 def _holds(stack: list[Any], targets: frozenset[int]) -> bool:
-    fields = _FIELDS
+    """Whether a node of ``stack``'s trees is one of ``targets``: the containers of ``fnloop._core.tree``, walked flat."""
     while stack:
         node = stack.pop()
         kind = type(node)
@@ -106,9 +102,7 @@ def _holds(stack: list[Any], targets: frozenset[int]) -> bool:
         if kind is tuple or kind is list:
             stack.extend(node)
             continue
-        names = fields.get(kind, ())
-        if names == ():
-            names = fields[kind] = tuple(f.name for f in attrs.fields(kind)) if attrs.has(kind) else None
+        names = record_fields(kind)
         if names is not None:
             stack.extend([getattr(node, name) for name in names])
         elif isinstance(node, Mapping):

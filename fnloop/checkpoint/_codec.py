@@ -22,6 +22,7 @@ import torch
 
 from fnloop._core.phase import Phase
 from fnloop._core.state import Unclaimed
+from fnloop._core.tree import children, record_fields
 
 __all__ = [
     "DTYPES",
@@ -129,7 +130,7 @@ class _Encoder:
         if kind is Record:
             return {"kind": value.kind, "type": value.type, "fields": self.pairs(value.items(), path, ".")}
         if attrs.has(kind):
-            fields = [(f.name, getattr(value, f.name)) for f in attrs.fields(kind)]
+            fields = [(name, getattr(value, name)) for name in record_fields(kind) or ()]
             return {"kind": "record", "type": type_name(kind), "fields": self.pairs(fields, path, ".")}
         if is_namedtuple(value):
             fields = list(zip(kind._fields, value))
@@ -217,12 +218,8 @@ def _deepest(tree: Any, path: str, depth: int = 200) -> str:
             stack.append((node.data, at, level))
         elif kind is Record:
             stack += [(v, f"{at}.{k}", level + 1) for k, v in node.items()]
-        elif attrs.has(kind):
-            stack += [(getattr(node, f.name), f"{at}.{f.name}", level + 1) for f in attrs.fields(kind)]
-        elif isinstance(node, Mapping):
-            stack += [(v, f"{at}[{k!r}]", level + 1) for k, v in node.items()]
-        elif isinstance(node, (list, tuple)) and not isinstance(node, torch.Tensor):
-            stack += [(v, f"{at}[{i}]", level + 1) for i, v in enumerate(node)]
+        elif (kids := children(node)) is not None:
+            stack += [(v, at + step, level + 1) for step, v in kids]
     return path
 
 
