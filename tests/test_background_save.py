@@ -64,7 +64,21 @@ Write = Callable[[int], object]
 
 
 @pytest.fixture
-def writer(monkeypatch) -> Iterator[Callable[[Callable[[Path, Write], None]], None]]:
+def writers(monkeypatch) -> list[background.Writer]:
+    """The writer threads of the runs the test starts (each run's ``Driver`` makes its own), in order."""
+    made: list[background.Writer] = []
+    real = background.Writer.__init__
+
+    def init(self: background.Writer) -> None:
+        real(self)
+        made.append(self)
+
+    monkeypatch.setattr(background.Writer, "__init__", init)
+    return made
+
+
+@pytest.fixture
+def writer(monkeypatch, writers) -> Iterator[Callable[[Callable[[Path, Write], None]], None]]:
     """``writer(wrap)``: every atomic write goes through ``wrap(path, write)``, which calls the real one.
 
     At the end of the test the job in flight, if any, is waited for, so that
@@ -77,8 +91,9 @@ def writer(monkeypatch) -> Iterator[Callable[[Callable[[Path, Write], None]], No
 
     yield install
     monkeypatch.setattr(_files, "write_atomically", real)
-    with contextlib.suppress(BackgroundFailed):
-        background.wait()
+    for made in writers:
+        with contextlib.suppress(BackgroundFailed):
+            made.wait()
 
 
 class Gate:
@@ -127,14 +142,14 @@ def gate(writer) -> Iterator[Callable[[int], Gate]]:
 # -- the hand-over -----------------------------------------------------------------------------------
 
 
-def test_the_hand_over_returns_before_the_write_finishes(tmp_path, gate):
+def test_the_hand_over_returns_before_the_write_finishes(tmp_path, gate, writers):
     held = gate(1)
     states = fl.scan(start(3), plus_one, [None] * 3, [saver(tmp_path)])
     first = next(states)  # step 0 and its AFTER_STEP, whose save of iteration 1 is now held
     assert first.iteration == 1
     assert held.entered.wait(TIMEOUT), "the save of iteration 1 never started"
     assert not checkpoint.path_for(tmp_path, 1).exists()  # the fold went on with the save in flight
-    assert background.reading(first)  # and knows the save reads this state's tensors
+    assert writers[-1].reading(first)  # and knows the save reads this state's tensors
     held.open()
     final = list(states)[-1]
     assert final.iteration == 3
@@ -166,7 +181,7 @@ def test_one_save_at_a_time(tmp_path, writer):
     assert order == [1, 2, 3, 4, 5, 6]  # each once, in order: AFTER_TRAIN found iteration 6 saved
 
 
-def test_after_train_waits_for_the_save_in_flight(tmp_path, writer):
+def test_after_train_waits_for_the_save_in_flight(tmp_path, writer, writers):
     writes: list[int] = []
 
     def slow_last(path: Path, write: Write) -> None:
@@ -187,7 +202,7 @@ def test_after_train_waits_for_the_save_in_flight(tmp_path, writer):
     assert final.iteration == 3
     assert seen == [True], "AFTER_TRAIN began with the last save still in flight"
     assert writes == [1, 2, 3]  # and saved iteration 3 once, not a second time beside the writer
-    assert background._job is None
+    assert len(writers) == 1 and writers[0].job is None
 
 
 # -- failures ----------------------------------------------------------------------------------------
@@ -249,7 +264,9 @@ def test_a_failed_save_is_raised_by_the_next_hand_over_at_the_latest(tmp_path, w
     assert names(tmp_path) == [caught.value.state.iteration, 1]
 
 
-def test_a_failed_save_found_at_the_hand_over_after_a_donating_step_keeps_the_run_s_state(tmp_path, writer):
+def test_a_failed_save_found_at_the_hand_over_after_a_donating_step_keeps_the_run_s_state(
+    tmp_path, writer, writers
+):
     """The failure is raised after the next step wrote into its (owned) state: that state is whole all the same."""
 
     reached = threading.Event()
@@ -265,7 +282,7 @@ def test_a_failed_save_found_at_the_hand_over_after_a_donating_step_keeps_the_ru
         # Before step 2: the failed save has ended but is not yet settled, so the step may donate.
         if phase is Phase.BEFORE_STEP and state.iteration == 2:
             reached.set()
-            job = background._job
+            job = writers[-1].job
             assert job is not None and job.done.wait(TIMEOUT)
         return state
 

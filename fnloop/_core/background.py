@@ -1,10 +1,12 @@
-"""Effects off the training path: the process's one job in flight, which the fold knows of.
+"""Effects off the training path: a run's writer thread, which its fold carries and asks.
 
-An effect may hand its work to a writer thread (``submit``) and return at
-once; a checkpoint saved in the background does. The work reads a state,
-and states are values, so it needs no copy of it, with one exception: a
-donating step writes into the tensors of a state the fold owns. So the job
-says which state it reads, and the fold asks, at its phase boundaries:
+An effect may hand its work to a writer thread and return at once; a
+checkpoint saved in the background does, by returning a ``Job`` from its
+``perform``. The fold's ``Driver`` carries the run's ``Writer``, and the fold
+gives it the job. The work reads a state, and states are values, so it needs
+no copy of it, with one exception: a donating step writes into the tensors
+of a state the fold owns. So the job says which state it reads, and the fold
+asks its writer, at its phase boundaries:
 
 * ``check()``, as each unit begins: a job that failed is raised here, in
   the training thread, as a ``BackgroundFailed`` chained to its error; the
@@ -14,9 +16,9 @@ says which state it reads, and the fold asks, at its phase boundaries:
   ``owned=False`` and the step copies, which costs one extra state at most;
 * ``wait()``, before ``AFTER_TRAIN``: a run ends with its job done.
 
-At most one job is in flight: ``submit`` waits for the one before. The
-thread is not a daemon, so a process that exits with a job in flight ends
-it first.
+At most one job of a run is in flight: ``submit`` waits for the one before.
+The thread is not a daemon, so a process that exits with a job in flight
+ends it first.
 """
 
 from __future__ import annotations
@@ -25,13 +27,14 @@ import threading
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 
+import attrs
 import torch
 from torch.utils import _pytree as pytree
 
 from fnloop._core.state import TrainState
 from fnloop._core.tree import leaves
 
-__all__ = ["BackgroundFailed", "check", "reading", "submit", "wait"]
+__all__ = ["BackgroundFailed", "Job", "Writer"]
 
 
 class BackgroundFailed(RuntimeError):
@@ -47,20 +50,34 @@ class BackgroundFailed(RuntimeError):
     """
 
 
-class _Job:
-    """One piece of work in a writer thread, and what it reads."""
+@attrs.frozen
+class Job:
+    """Work for the run's writer thread, as an effect's ``perform`` returns it.
 
-    def __init__(
-        self,
-        work: Callable[[], Sequence[Warning]],
-        reads: TrainState,
-        what: str,
-        fix: str,
-    ) -> None:
-        self.what, self.fix = what, fix
-        self.work: Callable[[], Sequence[Warning]] | None = work
-        self.reads: TrainState | None = reads
-        self.storages = frozenset(_storages(t for _, t in leaves(reads) if isinstance(t, torch.Tensor)))
+    Args:
+        work: the effect; it returns the warnings to issue in the training
+            thread (a thread's own warnings would escape the caller's filters).
+        reads: the state whose tensors ``work`` reads: no donating step writes
+            into them while it runs.
+        what: what the work does, for the message of a failure ("the
+            checkpoint of iteration 12 into run/ckpt/ckpt-00000012.safetensors").
+        fix: what to do about a failure, for its message.
+    """
+
+    work: Callable[[], Sequence[Warning]]
+    reads: TrainState
+    what: str
+    fix: str
+
+
+class _Running:
+    """A job in its thread, and what it reads."""
+
+    def __init__(self, job: Job) -> None:
+        self.what, self.fix = job.what, job.fix
+        self.work: Callable[[], Sequence[Warning]] | None = job.work
+        self.reads: TrainState | None = job.reads
+        self.storages = frozenset(_storages(t for _, t in leaves(job.reads) if isinstance(t, torch.Tensor)))
         self.error: BaseException | None = None
         self.warnings: Sequence[Warning] = ()
         self.done = threading.Event()
@@ -77,89 +94,80 @@ class _Job:
             self.done.set()
 
 
-_job: _Job | None = None
-_guard = threading.Lock()
+class Writer:
+    """A run's writer thread: the job in flight, at most one. The fold's ``Driver`` carries it."""
 
+    def __init__(self) -> None:
+        self.job: _Running | None = None
+        """The job in flight, or the last one, not yet settled (``None``: none)."""
+        self._guard = threading.Lock()
 
-def submit(work: Callable[[], Sequence[Warning]], *, reads: TrainState, what: str, fix: str) -> None:
-    """Run ``work()`` in a writer thread once the job in flight has finished; return when it has started.
+    def submit(self, job: Job) -> None:
+        """Run ``job`` once the job in flight has finished; return when it has started.
 
-    Args:
-        work: the effect; it returns the warnings to issue in the training
-            thread (a thread's own warnings would escape the caller's filters).
-        reads: the state whose tensors ``work`` reads: no donating step writes
-            into them while it runs.
-        what: what the work does, for the message of a failure ("the
-            checkpoint of iteration 12 into run/ckpt/ckpt-00000012.safetensors").
-        fix: what to do about a failure, for its message.
+        Raises:
+            BackgroundFailed: the job before failed.
+        """
+        self.wait()
+        running = _Running(job)
+        with self._guard:
+            self.job = running
+        running.thread.start()
 
-    Raises:
-        BackgroundFailed: the job before failed.
-    """
-    global _job
-    wait()
-    job = _Job(work, reads, what, fix)
-    with _guard:
-        _job = job
-    job.thread.start()
+    def check(self) -> None:
+        """Settle the job in flight if it has finished: issue its warnings, raise its failure.
 
+        Raises:
+            BackgroundFailed: it failed.
+        """
+        job = self.job
+        if job is not None and job.done.is_set():
+            self._settle(job)
 
-def check() -> None:
-    """Settle the job in flight if it has finished: issue its warnings, raise its failure.
+    def wait(self) -> None:
+        """Wait for the job in flight, if any, and settle it as ``check`` does.
 
-    Raises:
-        BackgroundFailed: it failed.
-    """
-    job = _job
-    if job is not None and job.done.is_set():
-        _settle(job)
+        Raises:
+            BackgroundFailed: it failed.
+        """
+        job = self.job
+        if job is not None:
+            job.thread.join()
+            self._settle(job)
 
+    def reading(self, state: TrainState) -> bool:
+        """Whether the job in flight reads a tensor of ``state``'s params, buffers or optimizer state.
 
-def wait() -> None:
-    """Wait for the job in flight, if any, and settle it as ``check`` does.
+        Those are what a donating step writes into. Compared by storage, so a
+        view of one counts.
+        """
+        job = self.job
+        if job is None or job.done.is_set():
+            return False
+        read = job.reads
+        if read is not None and (
+            read.params is state.params
+            and read.buffers is state.buffers
+            and read.opt_state is state.opt_state
+        ):
+            return True  # the usual case: the state saved, as the next unit begins with it
+        written = [*state.params.values(), *state.buffers.values(), *pytree.tree_leaves(state.opt_state)]
+        return not job.storages.isdisjoint(_storages(t for t in written if isinstance(t, torch.Tensor)))
 
-    Raises:
-        BackgroundFailed: it failed.
-    """
-    job = _job
-    if job is not None:
+    def _settle(self, job: _Running) -> None:
+        with self._guard:
+            if self.job is job:
+                self.job = None
         job.thread.join()
-        _settle(job)
-
-
-def reading(state: TrainState) -> bool:
-    """Whether the job in flight reads a tensor of ``state``'s params, buffers or optimizer state.
-
-    Those are what a donating step writes into. Compared by storage, so a
-    view of one counts.
-    """
-    job = _job
-    if job is None or job.done.is_set():
-        return False
-    read = job.reads
-    if read is not None and (
-        read.params is state.params and read.buffers is state.buffers and read.opt_state is state.opt_state
-    ):
-        return True  # the usual case: the state saved, as the next unit begins with it
-    written = [*state.params.values(), *state.buffers.values(), *pytree.tree_leaves(state.opt_state)]
-    return not job.storages.isdisjoint(_storages(t for t in written if isinstance(t, torch.Tensor)))
-
-
-def _settle(job: _Job) -> None:
-    global _job
-    with _guard:
-        if _job is job:
-            _job = None
-    job.thread.join()
-    for warning in job.warnings:
-        warnings.warn(warning, stacklevel=2)
-    error = job.error
-    if error is not None:
-        job.error = None  # the exception's traceback holds the thread's frames
-        raise BackgroundFailed(
-            f"{job.what} failed in a background thread: {type(error).__name__}: {error} (raised here, in "
-            f"the training thread, at the first phase boundary after it). {job.fix}"
-        ) from error
+        for warning in job.warnings:
+            warnings.warn(warning, stacklevel=2)
+        error = job.error
+        if error is not None:
+            job.error = None  # the exception's traceback holds the thread's frames
+            raise BackgroundFailed(
+                f"{job.what} failed in a background thread: {type(error).__name__}: {error} (raised here, "
+                f"in the training thread, at the first phase boundary after it). {job.fix}"
+            ) from error
 
 
 def _storages(tensors: Iterable[torch.Tensor]) -> Iterable[object]:

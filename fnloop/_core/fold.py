@@ -25,7 +25,7 @@ from typing import Any
 
 import attrs
 
-from fnloop._core import background
+from fnloop._core.background import BackgroundFailed, Job, Writer
 from fnloop._core.combinators import Hook, returned, state_names
 from fnloop._core.failure import Last, StepFailed, ended_by
 from fnloop._core.messages import a_type
@@ -66,6 +66,7 @@ class Driver:
         stop: set by the signal handlers; the fold stops between two units when it is.
         rank: this process's rank, for messages.
         world: how many processes run together.
+        writer: the run's writer thread, which effects hand work to (``fnloop._core.background``).
     """
 
     hook: Hook
@@ -77,6 +78,7 @@ class Driver:
     stop: _Stop | None = None
     rank: int = 0
     world: int = 1
+    writer: Writer = attrs.field(factory=Writer, eq=False)
     donates: bool = attrs.field(init=False)
     """Whether the step may write into an owned state (read once: ``step.donates``)."""
 
@@ -104,7 +106,7 @@ def _fold(state: TrainState, batches: Iterable[Any], driver: Driver) -> Iterator
         # The step phases call only the hooks that can act there (see fnloop/_core/plan.py).
         due = Plan(hook)
         state = _drop_unclaimed(state, hook)
-        state = _phase(hook, _at(state, clock()), _BEFORE_TRAIN, driver.perform)
+        state = _phase(hook, _at(state, clock()), _BEFORE_TRAIN, driver)
         _check_max_iter(state, _BEFORE_TRAIN.name, state.iteration)
         last.state = state
         source = _Source(batches, state)
@@ -121,16 +123,16 @@ def _fold(state: TrainState, batches: Iterable[Any], driver: Driver) -> Iterator
             if stop is not None:
                 _check_stop(stop, state.iteration)
         _check_stop(stop, state.iteration)
-        background.wait()  # the run ends with its effects done; one that failed fails the run
+        driver.writer.wait()  # the run ends with its effects done; one that failed fails the run
     except BaseException as exc:
         if driver.stop is not None:  # first: other ranks waiting on this one learn where it ended
             driver.stop.ended(None if last.torn else last.state.iteration)
-        _waited(exc)
-        end = lambda s, perform: _phase(hook, s, _AFTER_TRAIN, perform)  # noqa: E731
+        _waited(exc, driver.writer)
+        end = lambda s, perform: _phase(hook, s, _AFTER_TRAIN, attrs.evolve(driver, perform=perform))  # noqa: E731
         ended_by(exc, last, end, perform=driver.perform, clock=clock, rank=driver.rank, world=driver.world)
         raise
     try:
-        final = _phase(hook, _at(state, clock()), _AFTER_TRAIN, driver.perform)
+        final = _phase(hook, _at(state, clock()), _AFTER_TRAIN, driver)
     except BaseException as exc:
         exc.state = state  # type: ignore[attr-defined]
         raise
@@ -141,8 +143,8 @@ def _unit(
     driver: Driver, due: Plan, state: TrainState, source: _Source, n: int, owned: bool, last: Last
 ) -> TrainState:
     """``n`` iterations from ``state``: hooks before, batches, one step call, hooks after, advanced."""
-    clock, perform, step = driver.clock, driver.perform, driver.step
-    background.check()  # an effect that failed off the training path is raised here
+    clock, step, writer = driver.clock, driver.step, driver.writer
+    writer.check()  # an effect that failed off the training path is raised here
     i = state.iteration
     end = i + n - 1
     before, after = due(i, end)
@@ -152,12 +154,12 @@ def _unit(
     start = clock() if before or after else 0.0
     if before:
         began = _at(state, start)
-        state = _settled(call(before, began, _BEFORE_STEP), began, perform)
+        state = _settled(call(before, began, _BEFORE_STEP), began, driver)
         _check_max_iter(state, _BEFORE_STEP.name, end + 1)
     fetching = clock() if after else 0.0
     batches, cursors = source.take(n, state)
     fetched = clock() if after else 0.0
-    if owned and driver.donates and background.reading(state):
+    if owned and driver.donates and writer.reading(state):
         owned = False  # a save in flight reads these tensors: the step copies instead
     failure: StepFailed | None = None
     try:
@@ -191,16 +193,16 @@ def _unit(
     # The unit is done and its state whole: an effect only reads it, so one that fails (a save, a
     # log write) leaves this state, not a torn one, as the run's last consistent state.
     last.state, last.torn = advanced, False
-    if ended.effects and perform is not Performs.NONE:
-        _perform(ended.effects, began, advanced, perform)
+    if ended.effects and driver.perform is not Performs.NONE:
+        _perform(ended.effects, began, advanced, driver)
     return advanced
 
 
-def _waited(exc: BaseException) -> None:
+def _waited(exc: BaseException, writer: Writer) -> None:
     """A run that failed waits for its effect in flight before ``AFTER_TRAIN``; a failure there becomes a note."""
     try:
-        background.wait()
-    except background.BackgroundFailed as also:
+        writer.wait()
+    except BackgroundFailed as also:
         exc.add_note(f"fnloop: then an effect in the background failed too: {also}")
 
 
@@ -274,32 +276,37 @@ def _at(state: TrainState, time: float) -> TrainState:
     return unchecked(state, clock=reading(time))
 
 
-def _phase(hook: Hook, state: TrainState, phase: Phase, perform: Performs) -> TrainState:
-    """``hook`` in ``phase``, checked, the effects this process ``perform``s performed."""
+def _phase(hook: Hook, state: TrainState, phase: Phase, driver: Driver) -> TrainState:
+    """``hook`` in ``phase``, checked, the effects this process performs (``driver.perform``) performed."""
     new = hook(state, phase)
     if type(new) is not TrainState:
         raise returned(hook, phase, new)
-    return _settled(new, state, perform)
+    return _settled(new, state, driver)
 
 
-def _settled(ended: TrainState, began: TrainState, perform: Performs) -> TrainState:
-    """``ended``, a phase's result, with the effects it requested cleared, those this process ``perform``s performed."""
+def _settled(ended: TrainState, began: TrainState, driver: Driver) -> TrainState:
+    """``ended``, a phase's result, with the effects it requested cleared, those this process performs performed."""
     effects = ended.effects
     if not effects:
         return ended
     ended = unchecked(ended, effects=())
-    if perform is not Performs.NONE:
-        _perform(effects, began, ended, perform)
+    if driver.perform is not Performs.NONE:
+        _perform(effects, began, ended, driver)
     return ended
 
 
-def _perform(effects: tuple[Effect, ...], began: TrainState, ended: TrainState, perform: Performs) -> None:
-    """Each effect this process ``perform``s, with its state, the claims first: a run refused one writes nothing."""
-    effects = tuple(e for e in effects if perform(e))
+def _perform(effects: tuple[Effect, ...], began: TrainState, ended: TrainState, driver: Driver) -> None:
+    """Each effect this process performs, with its state, the claims first: a run refused one writes nothing.
+
+    An effect that returns a ``Job`` hands it to the run's writer thread.
+    """
+    effects = tuple(e for e in effects if driver.perform(e))
     if any(effect.claim for effect in effects):
         effects = (*(e for e in effects if e.claim), *(e for e in effects if not e.claim))
     for effect in effects:
-        effect.perform(unchecked(began, effects=()) if effect.start else ended)
+        job = effect.perform(unchecked(began, effects=()) if effect.start else ended)
+        if type(job) is Job:
+            driver.writer.submit(job)
 
 
 def _drop_unclaimed(state: TrainState, hook: Hook) -> TrainState:

@@ -107,7 +107,9 @@ class Effect:
     its other effects, so a run refused one writes nothing at all.
 
     Args:
-        perform: called once with the state; its return value is ignored.
+        perform: called once with the state. What it returns is ignored, but
+            for a ``Job`` (``fnloop._core.background``): the fold hands that
+            to the run's writer thread.
         label: a name for messages.
         start: perform with the state the phase began with.
         claim: perform before the phase's other effects.

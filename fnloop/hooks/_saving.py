@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import attrs
 
 from fnloop._atomic import DirectoryInUse, claim, holding, holds, release
-from fnloop._core import background as _background
-from fnloop._core.background import BackgroundFailed
+from fnloop._core.background import BackgroundFailed, Job
 from fnloop._core.messages import a_path, got, unwritable
 from fnloop._core.phase import Phase
 from fnloop._core.state import TrainState, request
@@ -157,20 +156,17 @@ class Checkpoint:
             warnings.warn(warning, stacklevel=2)
         return path
 
-    def hand_over(self, state: TrainState) -> None:
-        """``save`` in a writer thread: return once ``state`` is handed over.
+    def hand_over(self, state: TrainState) -> Job:
+        """``save`` as a job for the run's writer thread, which the fold gives it.
 
         No copy is made: the state is a value, and while the save reads it the
         fold lets no donating step write into its tensors. One save is in
-        flight at a time: this waits for the one before to finish. Its
+        flight at a time: the writer waits for the one before to finish. Its
         warnings, and its failure as a ``BackgroundFailed``, reach the
         training thread at the next phase boundary.
-
-        Raises:
-            BackgroundFailed: the save before failed.
         """
         path = path_for(self.directory, state.iteration)
-        _background.submit(
+        return Job(
             functools.partial(self._saved, state),
             reads=state,
             what=f"the checkpoint of iteration {state.iteration} into {path}",
@@ -340,5 +336,5 @@ class _Do:
     hook: Checkpoint | _BestUpdate
     action: Callable[[Any, TrainState], object]
 
-    def __call__(self, state: TrainState) -> None:
-        self.action(self.hook, state)
+    def __call__(self, state: TrainState) -> object:
+        return self.action(self.hook, state)  # a Job, from hand_over: the fold gives it to the writer
