@@ -28,6 +28,7 @@ from fnloop._core.state import (
     with_hook_state,
 )
 from fnloop._core.stateful import stateful
+from fnloop._export import load_state_dict, state_dict, unshard
 from fnloop._population import member, members, population
 from fnloop._run import BatchesExhausted, Preempted, Step, UnclaimedHookState, run, scan
 from fnloop._step.build import (
@@ -40,7 +41,6 @@ from fnloop._step.build import (
     train_step,
 )
 from fnloop._step.eval import EvalStep, eval_step
-from fnloop._step.export import load_state_dict, state_dict, unshard
 from fnloop._version import __version__ as __version__
 from fnloop.checkpoint import load, save
 

@@ -13,7 +13,7 @@ from torch.func import functional_call
 from fnloop._compile import Draws, Jit, Traceable, flatten_batch, unflatten_batch
 from fnloop._core.population import member_metric
 from fnloop._core.state import TrainState
-from fnloop._step.export import whole_params
+from fnloop._export import whole_params
 
 __all__ = ["EvalStep", "eval_step", "plain_module"]
 

@@ -16,7 +16,7 @@ from fnloop._core.messages import got
 from fnloop._core.phase import Phase
 from fnloop._core.state import TrainState
 from fnloop._core.stateful import stateful
-from fnloop._step.export import whole_params
+from fnloop._export import whole_params
 from fnloop._step.seeds import seeded
 from fnloop.data import Batches
 from fnloop.hooks._evaluate import due
