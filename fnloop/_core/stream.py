@@ -4,11 +4,22 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from fnloop._core.state import TrainState
 
-__all__ = ["DataRestarts", "restarts", "stream"]
+__all__ = ["DataRestarts", "ResumableBatches", "restarts", "stream"]
+
+
+@runtime_checkable
+class ResumableBatches(Protocol):
+    """Batches that go on from a saved cursor: ``iter_from(cursor)``, the batches from there on.
+
+    The cursor is ``state.data``; the batches put the cursor of each batch
+    they yield beside it (see ``fnloop.data.resumable`` and ``fnloop.data.batches``).
+    """
+
+    def iter_from(self, cursor: Any, /) -> Iterator[Any]: ...
 
 
 class DataRestarts(UserWarning):
@@ -31,7 +42,7 @@ def restarts(batches: Iterable[Any], iteration: int, max_iter: int) -> str | Non
         >>> restarts([1, 2, 3], 1, 3) is not None, restarts([2, 3], 1, 3), restarts([1, 2, 3], 0, 3)
         (True, None, None)
     """
-    if iteration == 0 or hasattr(batches, "iter_from"):
+    if iteration == 0 or isinstance(batches, ResumableBatches):
         return None
     try:
         if len(batches) < max_iter:  # type: ignore[arg-type]
@@ -50,9 +61,8 @@ def restarts(batches: Iterable[Any], iteration: int, max_iter: int) -> str | Non
 
 def stream(batches: Iterable[Any], state: TrainState) -> tuple[Iterator[Any], bool]:
     """An iterator over ``batches`` from ``state.data`` where they resume, and whether they do."""
-    iter_from = getattr(batches, "iter_from", None)
-    if iter_from is not None:
-        return iter_from(state.data), True
+    if isinstance(batches, ResumableBatches):
+        return batches.iter_from(state.data), True
     restart = restarts(batches, state.iteration, state.max_iter)
     if restart is not None:
         warnings.warn(restart, DataRestarts, stacklevel=4)

@@ -11,6 +11,7 @@ from torch.utils import _pytree as pytree
 
 from fnloop._core.messages import got
 from fnloop._core.population import PerMember
+from fnloop._core.stream import ResumableBatches
 
 __all__ = ["PerMemberBatches", "per_member"]
 
@@ -84,7 +85,7 @@ def per_member(streams: Sequence[Any]) -> PerMemberBatches:
     if not streams:
         raise ValueError(f"{_EXPECTED} (got an empty {type(streams).__name__}).")
     for m, stream in enumerate(streams):
-        if not callable(getattr(stream, "iter_from", None)):
+        if not isinstance(stream, ResumableBatches):
             hint = (
                 " Wrap a list or a DataLoader in fnloop.data.resumable(...)."
                 if isinstance(stream, Iterable)

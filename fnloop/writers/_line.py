@@ -10,7 +10,7 @@ import attrs
 from fnloop._core.messages import a_path, unwritable
 from fnloop._core.metrics import Metrics, Scalar, to_floats
 
-__all__ = ["Line", "Writer", "claim", "release", "since"]
+__all__ = ["Claims", "Line", "Writer", "claim", "release", "since"]
 
 LOGGER = "fnloop"
 """The name of the ``logging`` logger the console writer writes to."""
@@ -102,23 +102,33 @@ class Writer(Protocol):
         """The run ended: release what ``write`` opened."""
 
 
-def claim(writer: Writer, owner: object = None) -> None:
-    """Hold what ``writer`` writes to for ``owner`` in this process, if it says (its ``claim``); see ``release``.
+@runtime_checkable
+class Claims(Protocol):
+    """A writer of something two runs must not share (a file, a directory, a tracked run): it claims it.
 
-    A writer of files offers ``claim(owner)`` and ``release()``: ``log`` claims
-    them, its writers tuple as the owner, before any effect of the run writes,
-    so two live runs, or two ``log`` hooks of one process, never share a log
-    file (the second is refused with ``fnloop.hooks.DirectoryInUse``).
+    ``log`` claims it, its writers tuple as the owner, before any effect of
+    the run writes, so two live runs, or two ``log`` hooks of one process,
+    never share a log file (the second is refused with
+    ``fnloop.hooks.DirectoryInUse``), and releases it as the run ends. The
+    file writers, ``tensorboard`` and ``mlflow`` (a named run) claim.
     """
-    take = getattr(writer, "claim", None)
-    if callable(take):
-        take(owner)
+
+    def claim(self, owner: object = None, /) -> None:
+        """Hold what the writer writes to for ``owner`` in this process; refused while another holds it."""
+
+    def release(self, owner: object = None, /) -> bool:
+        """Give back one ``claim`` by ``owner``; whether one was."""
+
+
+def claim(writer: Writer, owner: object = None) -> None:
+    """Hold what ``writer`` writes to for ``owner`` in this process, if it claims (``Claims``); see ``release``."""
+    if isinstance(writer, Claims):
+        writer.claim(owner)
 
 
 def release(writer: Writer, owner: object = None) -> bool:
-    """Give back one ``claim`` of ``writer`` by ``owner``; whether one was (``True`` for a writer of no files)."""
-    give = getattr(writer, "release", None)
-    return bool(give(owner)) if callable(give) else True
+    """Give back one ``claim`` of ``writer`` by ``owner``; whether one was (``True`` for a writer that claims nothing)."""
+    return bool(writer.release(owner)) if isinstance(writer, Claims) else True
 
 
 def _jsonl_path(value: object) -> str:
