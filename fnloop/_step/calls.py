@@ -16,7 +16,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch.utils import _pytree as pytree
 
-from fnloop._compile import flatten_batch
+from fnloop._compile import Jit, flatten_batch
 from fnloop._core.failure import StepFailed
 from fnloop._core.metrics import Metrics, Scalar
 from fnloop._core.state import TrainState, unchecked
@@ -72,6 +72,9 @@ class Call(Protocol):
     def idle(self, state: TrainState) -> bool:
         """Whether nothing of ``state`` trains any more (the call then changes nothing)."""
 
+    def jit(self, jits: Jits, layout: Layout) -> Jit | None:
+        """Which of the step's compiled kernels runs ``layout`` (``None``: the step is eager)."""
+
     def eager(
         self,
         function: Eager,
@@ -112,11 +115,22 @@ class Call(Protocol):
         """
 
 
+class Jits(NamedTuple):
+    """A step's compiled kernels, each ``None`` where it has none: one step, several per call, the members."""
+
+    one: Jit | None
+    several: Jit | None
+    members: Jit | None
+
+
 class _OneRun:
     """A single run's state: one seed, the step's own names."""
 
     def idle(self, state: TrainState) -> bool:
         return False
+
+    def jit(self, jits: Jits, layout: Layout) -> Jit | None:
+        return jits.several if layout.steps > 1 else jits.one
 
     def eager(
         self,
@@ -197,6 +211,9 @@ class _Members:
     def idle(self, state: TrainState) -> bool:
         assert state.population is not None
         return not any(state.population.training)
+
+    def jit(self, jits: Jits, layout: Layout) -> Jit | None:
+        return jits.members
 
     def eager(
         self,

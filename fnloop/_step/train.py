@@ -20,7 +20,7 @@ from fnloop._core.failure import StepFailed, unwrapped
 from fnloop._core.population import member_metric
 from fnloop._core.state import TrainState, unchecked
 from fnloop._core.steps import Applied
-from fnloop._step.calls import MEMBERS, ONE_RUN, Inputs, Outputs, Recording
+from fnloop._step.calls import MEMBERS, ONE_RUN, Inputs, Jits, Outputs, Recording
 from fnloop._step.compiler import Form, leaf_name
 from fnloop._step.donation import Targets, opt_containers, shared
 from fnloop._step.errors import (
@@ -112,6 +112,11 @@ class TrainStep(Applied):
             takes_self=True,
         ),
         alias="_how",
+    )
+
+    _jits: Jits = attrs.field(
+        init=False,
+        default=attrs.Factory(lambda self: Jits(self.jit, self.multi, self.members), takes_self=True),
     )
 
     donates = True
@@ -210,7 +215,9 @@ class TrainStep(Applied):
                 out = call.eager(self.function, state, batches[0], iteration, rank, layout)
             else:
                 given = call.inputs(state, batches, rank, layout, self._memo.tensor, device)
-                out = self._compiled(state, donated, ospec, iteration, given, layout)
+                jit = call.jit(self._jits, layout)
+                assert jit is not None
+                out = self._compiled(jit, state, donated, ospec, iteration, given, layout)
         except BaseException as exc:  # noqa: BLE001 - re-raised, wrapped for the fold
             # Stopped after writing into the state (an error or a forced Ctrl-C
             # between two kernels)? Then the state given is torn; the fold must know.
@@ -225,6 +232,7 @@ class TrainStep(Applied):
 
     def _compiled(
         self,
+        jit: Jit,
         state: TrainState,
         donated: list[torch.Tensor],
         ospec: pytree.TreeSpec,
@@ -232,9 +240,7 @@ class TrainStep(Applied):
         given: Inputs,
         layout: Layout,
     ) -> Outputs:
-        """The call's compiled graph for ``layout``, on the flat form (``compiler.Form``)."""
-        jit = self.members if layout.members is not None else self.multi if layout.steps > 1 else self.jit
-        assert jit is not None
+        """The call's graph (``jit``'s, for ``layout``) on the flat form (``compiler.Form``)."""
         form = Form(tuple(state.params), tuple(state.buffers), ospec, given.structure, layout)
         flat = [*donated, iteration, given.seeds, *given.extra, *given.tensors]
         entry = self._entry(jit, form, flat, state.iteration)
