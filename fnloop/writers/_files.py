@@ -39,6 +39,11 @@ class _OneFile:
 
     path: str
 
+    @property
+    def target(self) -> str:
+        """The file it writes."""
+        return self.path
+
     def claim(self, owner: object = None) -> None:
         """Hold the file for ``owner``: another live run or owner writing it is refused (``DirectoryInUse``)."""
         claim_file(Path(self.path), owner)

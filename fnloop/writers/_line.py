@@ -113,6 +113,10 @@ class Claims(Protocol):
     file writers, ``tensorboard`` and ``mlflow`` (a named run) claim.
     """
 
+    @property
+    def target(self) -> str | None:
+        """The path it writes to (a file or a directory), for ``log``'s check that no two writers share one."""
+
     def claim(self, owner: object = None, /) -> None:
         """Hold what the writer writes to for ``owner`` in this process; refused while another holds it."""
 

@@ -221,6 +221,11 @@ class Mlflow:
     params: tuple[tuple[str, str], ...] = attrs.field(converter=_params)
 
     @property
+    def target(self) -> None:
+        """No path: it writes to a tracking server's run (which ``claim`` holds)."""
+        return None
+
+    @property
     def _run(self) -> tuple[str | None, str, str]:
         return (self.tracking_uri, self.experiment, self.run_name or "")
 

@@ -67,6 +67,11 @@ class Tensorboard:
 
     logdir: str = attrs.field(converter=_logdir)
 
+    @property
+    def target(self) -> str:
+        """The directory it writes its event files into."""
+        return self.logdir
+
     def claim(self, owner: object = None) -> None:
         """Hold the log directory for ``owner``: another live run or owner writing it is refused."""
         claim_file(Path(self.logdir), owner)
