@@ -553,27 +553,26 @@ def test_a_step_that_fails_before_writing_keeps_the_last_consistent_state():
 
 
 @pytest.mark.slow
-def test_recorded_metrics_never_change_and_live_in_the_pools_large_blocks(noisy):
-    # `noisy` has compiled a step first: recording then runs beside a compiled graph, as in most runs.
+def test_recorded_metrics_never_change_though_their_storage_is_reused(noisy):
+    # `noisy` has compiled a step: dynamo's frame hook is installed, which once changed reference counts.
     model, mse, data = linear_problem()
     opt = fl.optim.adam(0.01)
     step = fl.train_step(model, mse, opt, compile=False)
     state = attrs.evolve(fl.init(model, opt, seed=0, max_iter=60), metrics=fl.Metrics(window=3))
     stream = [data[i % len(data)] for i in range(60)]
     seen = []
-    for s in fl.scan(state, step, stream):  # every state is kept: nothing may be written under it
+    for s in fl.scan(state, step, stream):  # every state is kept: nothing may be reused under it
         seen.append((s, [float(v) for _, v in s.metrics.history("loss")]))
     for s, values in seen:
         assert [float(v) for _, v in s.metrics.history("loss")] == values
     kept = seen[-1][0]
     del seen
     final = fl.run(attrs.evolve(kept, max_iter=200), step, [data[i % len(data)] for i in range(140)])
-    losses = [v for _, v in final.metrics.history("loss")]
+    homes = len(step._memo.pool._homes)
+    # One pooled scalar per step (the loss; a fixed lr is a float); the states of the scan were let
+    # go: their homes came back.
+    assert homes <= 60 + 3 + 8, homes
     assert [i for i, _ in final.metrics.history("loss")] == [197, 198, 199]
-    # Each recorded scalar is a place of its own in one large block of the pool, not an allocation of its own.
-    assert len({v.untyped_storage().data_ptr() for v in losses}) == 1
-    assert len({v.data_ptr() for v in losses}) == 3
-    assert all(v.untyped_storage().nbytes() >= 1 << 16 for v in losses)
 
 
 def fail_after_step_three(state, phase):

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from fnloop._core.state import TrainState
-from fnloop._core.tree import record_fields
+from fnloop._core.tree import children, record_fields
 
 __all__ = ["Targets", "opt_containers", "shared"]
 
@@ -113,9 +113,6 @@ def _holds(stack: list[Any], targets: frozenset[int]) -> bool:
 
 
 def opt_containers(tree: Any) -> list[Any]:
-    """Every mapping, tuple and list in ``tree`` (an optimizer state), ``tree`` first."""
-    if isinstance(tree, Mapping):
-        return [tree, *(c for v in tree.values() for c in opt_containers(v))]
-    if isinstance(tree, (tuple, list)):
-        return [tree, *(c for v in tree for c in opt_containers(v))]
-    return []
+    """Every container in ``tree`` (an optimizer state: mappings, tuples, lists), ``tree`` first."""
+    kids = children(tree)
+    return [] if kids is None else [tree, *(c for _, v in kids for c in opt_containers(v))]
