@@ -344,3 +344,30 @@ def test_csv_values_read_back_as_floats_non_finite_ones_too(tmp_path):
 def test_two_csv_writers_on_one_path_in_one_log_are_refused(tmp_path):
     with pytest.raises(ValueError, match=r"every line would be written twice"):
         fl.hooks.log(fl.writers.csv(tmp_path / "m.csv"), fl.writers.csv(tmp_path / "m.csv"))
+
+
+def test_a_writer_of_ones_own_that_claims_is_claimed_and_one_that_says_no_target_is_not_checked() -> None:
+    from fnloop.writers._line import Claims, WritesTo, claim, release
+
+    calls: list[tuple[str, object]] = []
+
+    class Mine:
+        def start(self, iteration: int) -> None: ...
+
+        def write(self, line: object) -> None: ...
+
+        def close(self) -> None: ...
+
+        def claim(self, owner: object = None) -> None:
+            calls.append(("claim", owner))
+
+        def release(self, owner: object = None) -> bool:
+            calls.append(("release", owner))
+            return True
+
+    mine = Mine()
+    assert isinstance(mine, Claims) and not isinstance(mine, WritesTo)
+    claim(mine, "owner")
+    assert release(mine, "owner")
+    assert calls == [("claim", "owner"), ("release", "owner")]
+    fl.hooks.log(mine, Mine())  # no target: nothing to compare, nothing refused

@@ -14,7 +14,7 @@ from fnloop._core.phase import Phase
 from fnloop._core.state import TrainState, request
 from fnloop._core.stateful import recall, remember
 from fnloop.writers import Line, Writer, claim, release, since
-from fnloop.writers._line import Claims
+from fnloop.writers._line import WritesTo
 
 __all__ = ["Log", "LogState", "log"]
 
@@ -149,7 +149,7 @@ def _writers(instance: object, attribute: attrs.Attribute, value: tuple[object, 
             )
     seen: dict[str, object] = {}
     for writer in value:
-        target = writer.target if isinstance(writer, Claims) else None
+        target = writer.target if isinstance(writer, WritesTo) else None
         if not isinstance(target, str):
             continue
         where = os.path.abspath(target)

@@ -10,7 +10,7 @@ import attrs
 from fnloop._core.messages import a_path, unwritable
 from fnloop._core.metrics import Metrics, Scalar, to_floats
 
-__all__ = ["Claims", "Line", "Writer", "claim", "release", "since"]
+__all__ = ["Claims", "Line", "Writer", "WritesTo", "claim", "release", "since"]
 
 LOGGER = "fnloop"
 """The name of the ``logging`` logger the console writer writes to."""
@@ -113,15 +113,24 @@ class Claims(Protocol):
     file writers, ``tensorboard`` and ``mlflow`` (a named run) claim.
     """
 
-    @property
-    def target(self) -> str | None:
-        """The path it writes to (a file or a directory), for ``log``'s check that no two writers share one."""
-
     def claim(self, owner: object = None, /) -> None:
         """Hold what the writer writes to for ``owner`` in this process; refused while another holds it."""
 
     def release(self, owner: object = None, /) -> bool:
         """Give back one ``claim`` by ``owner``; whether one was."""
+
+
+@runtime_checkable
+class WritesTo(Protocol):
+    """A writer that says where it writes: ``target``, a path (a file or a directory), or ``None``.
+
+    ``log`` refuses two of its writers with one ``target``: every line would be
+    written twice. The file writers and ``tensorboard`` say it.
+    """
+
+    @property
+    def target(self) -> str | None:
+        """The path it writes to, or ``None``."""
 
 
 def claim(writer: Writer, owner: object = None) -> None:
