@@ -1,16 +1,18 @@
 """What a call of the step runs on: one run's state (``ONE_RUN``), or a population's stacked members (``MEMBERS``).
 
-``TrainStep`` picks one of the two once per call, from the call's ``Layout``,
-and asks it three things, the only places where a population differs from a
-single run outside the kernel's transformations: how the step runs eagerly
-(``eager``), what the compiled graph is given beside the state (``inputs``),
-and what is recorded (``recorded``). Everything else (donation, the call,
-eager or compiled, and the report of a failure) is the step's one path.
+``call_of(state)`` picks one of the two, the one place that asks whether a
+state is a population's. The step and the evaluation ask the kind what
+differs outside the kernel's transformations: the call's ``layout``, which
+compiled kernel runs it (``jit``), how the step runs eagerly (``eager``),
+what the compiled graph is given beside the state (``inputs``), what is
+recorded (``recorded``), and how an evaluation runs and names its values
+(``evaluated``, ``named``). Everything else (donation, the call, eager or
+compiled, and the report of a failure) is the step's one path.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -19,14 +21,16 @@ from torch.utils import _pytree as pytree
 from fnloop._compile import Jit, flatten_batch
 from fnloop._core.failure import StepFailed
 from fnloop._core.metrics import Metrics, Scalar
+from fnloop._core.population import member_metric
 from fnloop._core.state import TrainState, unchecked
 from fnloop._step.errors import NonFiniteLoss, _nonfinite_message
-from fnloop._step.inputs import member_batch, stacked
+from fnloop._step.inputs import member_batch, members_layout, one_run_layout, stacked
 from fnloop._step.layout import Layout
+from fnloop._step.members import each_member
 from fnloop._step.pool import ScalarPool
 from fnloop._step.seeds import seeded, step_seed
 
-__all__ = ["MEMBERS", "ONE_RUN", "Call", "Inputs", "Outputs", "Recording"]
+__all__ = ["MEMBERS", "ONE_RUN", "Call", "Inputs", "Jits", "Outputs", "Recording", "call_of"]
 
 
 class Outputs(NamedTuple):
@@ -65,9 +69,20 @@ Eager = Callable[..., tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]
 Tensor = Callable[[Any, Callable[[], torch.Tensor]], torch.Tensor]
 """A long-lived input tensor by key, made once (``Memo.tensor``)."""
 
+Evaluation = Callable[[Mapping[str, torch.Tensor], Mapping[str, torch.Tensor], Any], dict[str, torch.Tensor]]
+"""An evaluation of one model's params and buffers on a batch: ``(params, buffers, batch) -> metrics``."""
+
 
 class Call(Protocol):
     """One of the two kinds of state a step runs on."""
+
+    def layout(
+        self, state: TrainState, batches: Sequence[Any], *, rank: int, world: int, scan: bool, stop: bool
+    ) -> Layout:
+        """The layout of a call on ``state`` and ``batches``, checked (``inputs.py``).
+
+        ``scan``: the call's steps may run as one graph; ``stop``: a non-finite step stops the run.
+        """
 
     def idle(self, state: TrainState) -> bool:
         """Whether nothing of ``state`` trains any more (the call then changes nothing)."""
@@ -114,6 +129,12 @@ class Call(Protocol):
         (``torn()``, asked only then).
         """
 
+    def evaluated(self, evaluation: Evaluation) -> Evaluation:
+        """``evaluation`` (of one model's tensors) run on this kind's state."""
+
+    def named(self, state: TrainState, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The values an evaluation of ``state`` computed, under the names it reports them by."""
+
 
 class Jits(NamedTuple):
     """A step's compiled kernels, each ``None`` where it has none: one step, several per call, the members."""
@@ -125,6 +146,11 @@ class Jits(NamedTuple):
 
 class _OneRun:
     """A single run's state: one seed, the step's own names."""
+
+    def layout(
+        self, state: TrainState, batches: Sequence[Any], *, rank: int, world: int, scan: bool, stop: bool
+    ) -> Layout:
+        return one_run_layout(state, batches, rank=rank, world=world, scan=scan, stop=stop)
 
     def idle(self, state: TrainState) -> bool:
         return False
@@ -192,6 +218,12 @@ class _OneRun:
             values["skipped"] = keep((~out.finite).to(torch.int64) + _count(metrics, "skipped"))
         return unchecked(state, metrics=metrics.record(i, values))
 
+    def evaluated(self, evaluation: Evaluation) -> Evaluation:
+        return evaluation
+
+    def named(self, state: TrainState, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return out
+
 
 def _columns(out: Outputs, how: Recording, n: int, metrics: Metrics) -> dict[str, Sequence[Scalar]]:
     """The ``n`` steps' values of each name, in the order single steps record them."""
@@ -207,6 +239,11 @@ def _columns(out: Outputs, how: Recording, n: int, metrics: Metrics) -> dict[str
 
 class _Members:
     """A population's stacked members: a seed each, which ones still train, their metrics under ``name/m``."""
+
+    def layout(
+        self, state: TrainState, batches: Sequence[Any], *, rank: int, world: int, scan: bool, stop: bool
+    ) -> Layout:
+        return members_layout(state, batches, world=world, stop=stop)
 
     def idle(self, state: TrainState) -> bool:
         assert state.population is not None
@@ -299,9 +336,22 @@ class _Members:
                 values[skipped] = pool.keep((~out.finite[m]).to(torch.int64) + _count(metrics, skipped))
         return unchecked(state, metrics=metrics.record(i, values))
 
+    def evaluated(self, evaluation: Evaluation) -> Evaluation:
+        return each_member(evaluation)
+
+    def named(self, state: TrainState, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every member's values, each under its own name (``loss/3``)."""
+        assert state.population is not None
+        return {member_metric(k, m): v[m] for k, v in out.items() for m in range(state.population.size)}
+
 
 ONE_RUN: Call = _OneRun()
 MEMBERS: Call = _Members()
+
+
+def call_of(state: TrainState) -> Call:
+    """The kind of ``state``: a population's members, or a single run."""
+    return ONE_RUN if state.population is None else MEMBERS
 
 
 def _count(metrics: Metrics, name: str) -> Any:

@@ -33,8 +33,9 @@ class Form(NamedTuple):
 
     Inputs, in order: the state (``params``' tensors, ``buffers``', the
     optimizer state's leaves), the iteration (0-d int64), the seeds (int64:
-    0-d for one step, one per member or per step of a call), which members
-    train (1-d bool, a population's only), and the batch's tensors (stacked
+    0-d for one step, one per member or per step of a call), what the
+    layout names in ``given`` (a population's: which members train, a 1-d
+    bool), and the batch's tensors (stacked
     on a new first dimension for several steps). Outputs: ``loss, finite,
     *metrics``, each one value per step and per member, and for several
     steps that stop at a non-finite one, whether every step was finite.
@@ -74,7 +75,7 @@ def leaf_name(form: Form, index: int) -> str:
     if index < form.opt_state.num_leaves:
         return f"opt_state leaf {index}"
     index -= form.opt_state.num_leaves
-    inputs = ["the iteration", "the step's seed", *(["which members train"] if form.layout.members else [])]
+    inputs = ["the iteration", "the step's seed", *form.layout.given]
     if index < len(inputs):
         return inputs[index]
     return f"the batch's tensor {index - len(inputs)}"
@@ -109,23 +110,19 @@ def _guarded(
     state: list[torch.Tensor],
     iteration: torch.Tensor,
     seed: torch.Tensor,
-    training: torch.Tensor | None,
+    given: Sequence[torch.Tensor],
     batch: Any,
     gate: torch.Tensor | None,
 ) -> tuple[list[torch.Tensor], torch.Tensor, list[torch.Tensor], list[str]]:
     """One step from ``state``: the state it leaves, the keep flag, its outputs and its metrics' names.
 
-    A step keeps its new state where it is finite (for a population, per
-    member that trains), and where ``gate`` (the steps before were finite) holds.
+    A step keeps its new state where the step says (``Stepped.keep``), and
+    where ``gate`` (the steps before were finite) holds.
     """
     params, buffers, opt_state = form.unflattened(state)
     with draws.from_(seed):
-        new = update(params, buffers, opt_state, iteration, batch)
-    keep = new.finite
-    if training is not None:
-        keep = keep & training
-        if form.layout.stop:  # a non-finite member stops the run: the step then leaves every member as it was
-            keep = keep & (new.finite | ~training).all()
+        new = update(params, buffers, opt_state, iteration, batch, *given)
+    keep = new.keep
     if gate is not None:
         keep = keep & gate
     return (
@@ -138,13 +135,12 @@ def _guarded(
 
 def one(update: Update, form: Form) -> Traceable:
     """One step as a function of the flat form, writing the new state into its state inputs."""
-    c, members = form.width, form.layout.members is not None
+    c, g = form.width, len(form.layout.given)
 
     def flat(draws: Draws, *leaves: torch.Tensor) -> tuple[list[torch.Tensor], list[str]]:
         state, iteration, seed = list(leaves[:c]), leaves[c], leaves[c + 1]
-        training = leaves[c + 2] if members else None
-        batch = unflatten_batch(leaves[c + 2 + members :], form.batch)
-        after, _, out, names = _guarded(update, draws, form, state, iteration, seed, training, batch, None)
+        given, batch = leaves[c + 2 : c + 2 + g], unflatten_batch(leaves[c + 2 + g :], form.batch)
+        after, _, out, names = _guarded(update, draws, form, state, iteration, seed, given, batch, None)
         for old, value in zip(state, after):
             if value is not old:
                 old.copy_(value)
@@ -201,7 +197,7 @@ def several(update: Update, form: Form) -> Traceable:
         for j in range(unroll):
             batch = unflatten_batch([x[j] for x in xs], form.batch)
             state, keep, outputs, names[:] = _guarded(
-                update, draws, form, state, iteration + j, seeds[j], None, batch, gate
+                update, draws, form, state, iteration + j, seeds[j], (), batch, gate
             )
             if stop:
                 gate = keep

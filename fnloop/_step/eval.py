@@ -11,9 +11,9 @@ import torch
 from torch.func import functional_call
 
 from fnloop._compile import Draws, Jit, Traceable, flatten_batch, unflatten_batch
-from fnloop._core.population import member_metric
 from fnloop._core.state import TrainState
 from fnloop._export import whole_params
+from fnloop._step.calls import call_of
 
 __all__ = ["EvalStep", "eval_step", "plain_module"]
 
@@ -62,23 +62,18 @@ class EvalStep:
             with torch.no_grad():
                 # A sharded state's parameters, whole: evaluation runs the model on all of them.
                 params, buffers = whole_params(state), state.buffers
-                population = state.population
-                size = None if population is None else population.size
+                # A population's members are evaluated at once, each value under its own name.
+                call = call_of(state)
                 if self.jit is None:
-                    out = (self.function if size is None else _each_member(self.function))(
-                        params, buffers, batch
-                    )
+                    out = call.evaluated(self.function)(params, buffers, batch)
                 else:
                     tensors, structure = flatten_batch(batch)
                     outputs, names = self.jit(
-                        (tuple(params), tuple(buffers), structure, size),
+                        (tuple(params), tuple(buffers), structure, call),
                         [*params.values(), *buffers.values(), *tensors],
                     )
                     out = dict(zip(names, outputs))
-                if size is None:
-                    return out
-                # A population's: every member evaluated at once, each value recorded under its own name.
-                return {member_metric(k, m): v[m] for k, v in out.items() for m in range(size)}
+                return call.named(state, out)
         finally:
             if was_training:
                 self.model.train()
@@ -123,9 +118,9 @@ def eval_step(
         return dict(out) if isinstance(out, Mapping) else {"value": out}
 
     def make(structure: Any) -> Traceable:
-        pkeys, bkeys, batch_structure, members = structure
+        pkeys, bkeys, batch_structure, call = structure
         a, b = len(pkeys), len(pkeys) + len(bkeys)
-        evaluation = kernel if members is None else _each_member(kernel)
+        evaluation = call.evaluated(kernel)
 
         def flat(draws: Draws, *leaves: torch.Tensor) -> tuple[list[torch.Tensor], list[str]]:
             params, buffers = dict(zip(pkeys, leaves[:a])), dict(zip(bkeys, leaves[a:b]))
@@ -136,28 +131,6 @@ def eval_step(
 
     jit = Jit(make, options=options) if compile else None
     return EvalStep(model, kernel, jit, (fn, compile, None if options is None else dict(options)))
-
-
-def _each_member(kernel: Callable[..., dict[str, torch.Tensor]]) -> Callable[..., dict[str, torch.Tensor]]:
-    """``kernel`` over a population's stacked members, ``vmap``ped: each value one per member."""
-    from torch.func import vmap
-
-    def each(params: dict, buffers: dict, batch: Any) -> dict[str, torch.Tensor]:
-        out = vmap(lambda p, b: _tensors(kernel(p, b, batch)), in_dims=(0, 0))(params, buffers)
-        return dict(out)
-
-    return each
-
-
-def _tensors(out: dict[str, Any]) -> dict[str, torch.Tensor]:
-    for name, value in out.items():
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(
-                f"eval_step on a population: the metric {name!r} is {type(value).__name__}, not a "
-                "tensor; each member's metrics come out of one vmapped call, so return tensors "
-                "(for example the loss itself, or torch.tensor(x))."
-            )
-    return out
 
 
 def _rebuild(

@@ -1,4 +1,7 @@
-"""A call of the step as it comes: its ``Layout`` read from the state and the batches, refused where it does not fit."""
+"""A call of the step as it comes: its ``Layout`` read from the state and the batches, refused where it does not fit.
+
+The call's kind (``calls.py``) asks for its own: ``one_run_layout`` or ``members_layout``.
+"""
 
 from __future__ import annotations
 
@@ -15,29 +18,35 @@ from fnloop._core.shards import Shards
 from fnloop._core.state import TrainState
 from fnloop._step.layout import Layout
 
-__all__ = ["layout_of", "member_batch", "stacked"]
+__all__ = ["member_batch", "members_layout", "one_run_layout", "stacked"]
 
 
-def layout_of(
+def one_run_layout(
     state: TrainState, batches: Sequence[Any], *, rank: int, world: int, scan: bool, stop: bool
 ) -> Layout:
-    """The layout of a call of the step on ``state`` and ``batches``, checked.
+    """The layout of a call of the step on a single run's ``state`` and ``batches``, checked.
 
     ``scan``: the call's steps may run as one (a compiled step's loop); else
     the layout is that of one step, and the caller runs them one by one.
     """
-    if state.population is not None:
-        population = _population_of(state, world)
-        return _layout(population.size, type(batches[0]) is not PerMember, None, 1, stop)
     for batch in batches:
         _not_per_member(batch)
-    return _layout(None, True, _sharded(state, rank, world), len(batches) if scan else 1, stop)
+    return _layout(None, True, _sharded(state, rank, world), len(batches) if scan else 1, stop, ())
+
+
+def members_layout(state: TrainState, batches: Sequence[Any], *, world: int, stop: bool) -> Layout:
+    """The layout of a call of the step on a population's ``state``, checked: one step, given which members train."""
+    population = _population_of(state, world)
+    shared = type(batches[0]) is not PerMember
+    return _layout(population.size, shared, None, 1, stop, ("which members train",))
 
 
 @functools.lru_cache(maxsize=256)
-def _layout(members: int | None, shared: bool, shards: Shards | None, steps: int, stop: bool) -> Layout:
+def _layout(
+    members: int | None, shared: bool, shards: Shards | None, steps: int, stop: bool, given: tuple[str, ...]
+) -> Layout:
     # One object per distinct layout: a call's compiled graph is found by comparing it with the last call's.
-    return Layout(members, shared, shards, steps, stop)
+    return Layout(members, shared, shards, steps, stop, given)
 
 
 def member_batch(batch: Any, population: Population, i: int) -> Any:

@@ -91,7 +91,9 @@ class Stepped(NamedTuple):
     """What one step computes: the new params, buffers and optimizer state, before the guard.
 
     ``finite`` (a 0-d bool) says whether the loss and every gradient were
-    finite; the callers keep the old state where it is false.
+    finite; ``keep``, whether the new state is kept: where the step is finite,
+    and for a population, per member that trains (``members.py``). The
+    callers keep the old state where it is false.
     """
 
     params: dict[str, torch.Tensor]
@@ -100,10 +102,14 @@ class Stepped(NamedTuple):
     loss: torch.Tensor
     finite: torch.Tensor
     metrics: dict[str, torch.Tensor]
+    keep: torch.Tensor
 
 
 Update = Callable[..., Stepped]
-"""A whole step, ``(params, buffers, opt_state, iteration, batch) -> Stepped``, pure."""
+"""A whole step, ``(params, buffers, opt_state, iteration, batch, *given) -> Stepped``, pure.
+
+``given``: the inputs its layout names (``Layout.given``), none for a single run.
+"""
 
 
 @attrs.frozen(eq=False)

@@ -11,8 +11,11 @@ layout asks for, in one order::
              -> replicated | sharded         data parallel | sharded    (replicas.py, sharding.py)
     update   = kernel.update                 members: vmapped           (members.py)
              -> sharded                      sharded                    (sharding.py)
+    step     = gradient, update, guard       members: those training    (members.py)
 
-Several steps per call are a loop over this whole step (``compiler.py``).
+A population runs in one process on its whole state, so the members'
+stages meet no replicas or shards. Several steps per call are a loop over
+this whole step (``compiler.py``).
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ from torch.utils import _pytree as pytree
 
 from fnloop._core.shards import Shards
 from fnloop._step.accumulate import accumulated
-from fnloop._step.kernel import Kernel, Stepped, Update, state_of, value_and_grad
-from fnloop._step.members import member_finite, member_gradient, member_update
+from fnloop._step.kernel import Gradient, Kernel, Stepped, Update, UpdateStage, state_of, value_and_grad
+from fnloop._step.members import member_finite, member_gradient, member_update, only_training
 from fnloop._step.replicas import replicated
 from fnloop._step.sharding import all_ranks, sharded_gradient, sharded_update
 
@@ -44,6 +47,9 @@ class Layout:
         shards: the state's layout across ranks, or ``None`` (whole on every rank).
         steps: how many steps one call runs (stacked batches, one loop).
         stop: a non-finite step stops the run (else it is skipped and counted).
+        given: what the step is given beside the state, the iteration, the
+            seeds and the batch, one tensor each, named for a message (a
+            population's: which members train).
     """
 
     members: int | None = None
@@ -51,40 +57,51 @@ class Layout:
     shards: Shards | None = None
     steps: int = 1
     stop: bool = True
+    given: tuple[str, ...] = ()
 
 
 def transformed(kernel: Kernel, layout: Layout, group: Any) -> Update:
-    """The step of ``kernel`` for ``layout``: ``(params, buffers, opt_state, iteration, batch) -> Stepped``, pure.
+    """The step of ``kernel`` for ``layout``: ``(params, buffers, opt_state, iteration, batch, *given) -> Stepped``, pure.
 
-    ``group``: the data-parallel ranks (``None`` in one process).
+    ``group``: the data-parallel ranks (``None`` in one process). ``given``:
+    the inputs ``layout.given`` names (a population's: which members train).
     """
-    members, shards = layout.members is not None, layout.shards
-    update = kernel.transformed_update()
-    if members:
+    if layout.members is not None:  # one process, the whole state: inputs.py refuses shards and ranks
         gradient = member_gradient(kernel, layout.shared)
-        update, finite = member_update(update), member_finite(kernel)
-    else:
-        gradient = value_and_grad(kernel.forward, kernel.fixed, hold=kernel.holding)
-        finite = kernel.finite
-    gradient = accumulated(gradient, kernel.accumulate, dim=1 if members and not layout.shared else 0)
+        step = _composed(kernel, gradient, member_update(kernel.transformed_update()), member_finite(kernel))
+        return only_training(step, layout.stop)
+    gradient = accumulated(
+        value_and_grad(kernel.forward, kernel.fixed, hold=kernel.holding), kernel.accumulate
+    )
+    update, finite = kernel.transformed_update(), kernel.finite
+    shards = layout.shards
     if shards is not None:
         gradient, update = sharded_gradient(gradient, shards, group), sharded_update(update, shards, group)
         if group is not None:  # each rank saw its own chunks of the gradients
             finite = _on_every_rank(finite, group)
     elif group is not None:
         gradient = replicated(gradient, group)
+    return _composed(kernel, gradient, update, finite)
+
+
+def _composed(
+    kernel: Kernel, gradient: Gradient, update: UpdateStage, finite: Callable[..., torch.Tensor]
+) -> Update:
+    """The whole step from its three stages: the gradient, the update, and the guard."""
 
     def step(params: dict, buffers: dict, opt_state: Any, iteration: torch.Tensor, batch: Any) -> Stepped:
         # The forward writes running statistics into the buffers it is given.
         found = gradient(params, {k: v.clone() for k, v in buffers.items()}, batch)
         trained, new_opt_state, metrics = update(found.grads, opt_state, params, iteration)
+        ok = finite(found.loss, found.grads)
         return Stepped(
             kernel.merged(params, trained),
             found.buffers,
             new_opt_state,
             found.loss,
-            finite(found.loss, found.grads),
+            ok,
             {**metrics, **found.metrics},
+            ok,
         )
 
     return step

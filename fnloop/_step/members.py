@@ -18,23 +18,41 @@ with a 1-d seed), so a member's dropout masks are those of its solo run.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from fnloop._compile import DrawOutsideMembers
-from fnloop._step.kernel import Gradient, Kernel, Updated, UpdateStage, all_finite, value_and_grad
+from fnloop._step.accumulate import accumulated
+from fnloop._step.kernel import (
+    Gradient,
+    Kernel,
+    Stepped,
+    Update,
+    Updated,
+    UpdateStage,
+    all_finite,
+    value_and_grad,
+)
 
-__all__ = ["PopulationUnbatchable", "member_finite", "member_gradient", "member_update"]
+__all__ = [
+    "PopulationUnbatchable",
+    "each_member",
+    "member_finite",
+    "member_gradient",
+    "member_update",
+    "only_training",
+]
 
 
 def member_gradient(kernel: Kernel, shared: bool) -> Gradient:
     """The gradient stage of stacked members: the loss stage vmapped, the gradient of their sum outside.
 
     ``shared``: every member trains on the batch; else member ``m`` on row
-    ``m`` of each of its tensors. The loss and every metric come out as 1-d
-    tensors, one value per member.
+    ``m`` of each of its tensors (and micro-batches split the second
+    dimension). The loss and every metric come out as 1-d tensors, one value
+    per member.
     """
     from torch.func import vmap
 
@@ -45,7 +63,8 @@ def member_gradient(kernel: Kernel, shared: bool) -> Gradient:
             return forward(params, buffers, batch)
 
     # Members share nothing: the gradient of the sum, for each member's tensors, is its own loss's.
-    return value_and_grad(loss, kernel.fixed, backward=_not_recomputed)
+    gradient = value_and_grad(loss, kernel.fixed, backward=_not_recomputed)
+    return accumulated(gradient, kernel.accumulate, dim=0 if shared else 1)
 
 
 def member_update(update: UpdateStage) -> UpdateStage:
@@ -70,6 +89,52 @@ def member_finite(kernel: Kernel) -> Any:
     from torch.func import vmap
 
     return vmap(all_finite)
+
+
+def only_training(step: Update, stop: bool) -> Update:
+    """A population's ``step``, given which members train (a 1-d bool): the others keep their state.
+
+    ``stop``: a non-finite member stops the run, so the step then leaves
+    every member as it was (else that member's step is skipped alone).
+    """
+
+    def step_of_those_training(
+        params: dict,
+        buffers: dict,
+        opt_state: Any,
+        iteration: torch.Tensor,
+        batch: Any,
+        training: torch.Tensor,
+    ) -> Stepped:
+        new = step(params, buffers, opt_state, iteration, batch)
+        keep = new.finite & training
+        if stop:
+            keep = keep & (new.finite | ~training).all()
+        return new._replace(keep=keep)
+
+    return step_of_those_training
+
+
+def each_member(evaluation: Callable[..., dict[str, torch.Tensor]]) -> Callable[..., dict[str, torch.Tensor]]:
+    """An evaluation ``(params, buffers, batch) -> metrics`` over stacked members, vmapped: one value per member."""
+    from torch.func import vmap
+
+    def each(params: dict, buffers: dict, batch: Any) -> dict[str, torch.Tensor]:
+        out = vmap(lambda p, b: _tensors(evaluation(p, b, batch)), in_dims=(0, 0))(params, buffers)
+        return dict(out)
+
+    return each
+
+
+def _tensors(out: dict[str, Any]) -> dict[str, torch.Tensor]:
+    for name, value in out.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(
+                f"eval_step on a population: the metric {name!r} is {type(value).__name__}, not a "
+                "tensor; each member's metrics come out of one vmapped call, so return tensors "
+                "(for example the loss itself, or torch.tensor(x))."
+            )
+    return out
 
 
 class PopulationUnbatchable(TypeError):

@@ -20,7 +20,7 @@ from fnloop._core.failure import StepFailed, unwrapped
 from fnloop._core.population import member_metric
 from fnloop._core.state import TrainState, unchecked
 from fnloop._core.steps import Applied
-from fnloop._step.calls import MEMBERS, ONE_RUN, Inputs, Jits, Outputs, Recording
+from fnloop._step.calls import Call, Inputs, Jits, Outputs, Recording, call_of
 from fnloop._step.compiler import Form, leaf_name
 from fnloop._step.donation import Targets, opt_containers, shared
 from fnloop._step.errors import (
@@ -31,7 +31,6 @@ from fnloop._step.errors import (
     RecompileError,
     _compile_failed,
 )
-from fnloop._step.inputs import layout_of
 from fnloop._step.kernel import Kernel, LossFn, _device
 from fnloop._step.layout import Layout
 from fnloop._step.pool import ScalarPool
@@ -171,20 +170,22 @@ class TrainStep(Applied):
             state = _copied(state)
             leaves, ospec = pytree.tree_flatten(state.opt_state)
         scan = self.multi is not None and len(batches) > 1
-        layout = layout_of(
+        call = call_of(state)
+        layout = call.layout(
             state, batches, rank=self.rank, world=self.world, scan=scan, stop=not self.skip_nonfinite
         )
         if layout.steps == len(batches):
-            return self._call(state, batches, leaves, ospec, layout, mine, within=False)
+            return self._call(call, state, batches, leaves, ospec, layout, mine, within=False)
         # The steps one by one, each seeded as alone: eager, or a population's.
         i = state.iteration
         for j, batch in enumerate(batches):
             state = unchecked(state, iteration=i + j) if j else state
-            state = self._call(state, [batch], leaves, ospec, layout, mine, within=True)
+            state = self._call(call, state, [batch], leaves, ospec, layout, mine, within=True)
         return state
 
     def _call(
         self,
+        call: Call,
         state: TrainState,
         batches: Sequence[Any],
         leaves: list[torch.Tensor],
@@ -194,12 +195,11 @@ class TrainStep(Applied):
         *,
         within: bool,
     ) -> TrainState:
-        """One call of the kernel for ``layout``, writing into ``state``'s tensors (the caller's own when ``mine``).
+        """One call of the kernel for ``layout`` on ``call``'s kind of state, writing into ``state``'s tensors (the caller's own when ``mine``).
 
         ``within``: the call is one step of several (the state reached is the
         one a non-finite step leaves).
         """
-        call = ONE_RUN if layout.members is None else MEMBERS
         if call.idle(state):  # every member has stopped: nothing trains, nothing is recorded
             return state
         if not self.model.training:
