@@ -8,6 +8,7 @@ with the next batch.
 from fnloop._core.stream import DataRestarts
 from fnloop.data._batches import Batch, Batches, batches
 from fnloop.data._members import PerMemberBatches, per_member
+from fnloop.data._one_pass import one_pass
 from fnloop.data._resumable import Resumable, resumable
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "PerMemberBatches",
     "Resumable",
     "batches",
+    "one_pass",
     "per_member",
     "resumable",
 ]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import numbers
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, ClassVar
@@ -17,7 +16,7 @@ from fnloop._core.metrics import Scalar
 from fnloop._core.phase import Phase
 from fnloop._core.state import TrainState
 from fnloop._core.stateful import stateful
-from fnloop.data import Batches
+from fnloop.data import one_pass
 from fnloop.hooks._ema import ema_params
 
 __all__ = ["Evaluated", "MeanOver", "evaluate", "mean_over"]
@@ -173,13 +172,6 @@ def _leading(batch: Any) -> int:
     )
 
 
-def _pass(batches: Iterable[Any]) -> Iterator[Any]:
-    if isinstance(batches, Batches):
-        # An endless stream: one epoch of it, from the start.
-        return (b for b, _ in itertools.islice(batches.iter_from(0), batches.batches_per_epoch))
-    return iter(batches)
-
-
 def _accumulator(value: torch.Tensor) -> torch.dtype:
     # Sums over a large validation set lose digits in float32; float64 where the device has it.
     return torch.float64 if value.device.type in ("cpu", "cuda") else torch.float32
@@ -198,7 +190,7 @@ class MeanOver:
         where = f"mean_over({getattr(self.step, '__qualname__', type(self.step).__name__)})"
         totals: dict[str, Any] = {}
         examples = 0
-        for seen, batch in enumerate(_pass(self.batches)):
+        for seen, batch in enumerate(one_pass(self.batches)):
             n = self.size(batch)
             values = checked_results(where, self.step(state, batch))
             if seen and values.keys() != totals.keys():

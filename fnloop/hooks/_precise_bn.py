@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar
 
@@ -18,7 +17,7 @@ from fnloop._core.state import TrainState
 from fnloop._core.stateful import stateful
 from fnloop._export import whole_params
 from fnloop._step.seeds import seeded
-from fnloop.data import Batches
+from fnloop.data import one_pass
 from fnloop.hooks._evaluate import due
 
 __all__ = ["PreciseBNState", "precise_bn"]
@@ -98,7 +97,7 @@ class _PreciseBN:
                 m.momentum = None
             with torch.no_grad(), seeded(device, state.rng ^ _SALT, state.iteration):
                 done = 0
-                for batch in self._batches():
+                for batch in one_pass(self.batches, self.num_iter):
                     self.forward(model, batch)
                     done += 1
         finally:
@@ -113,12 +112,6 @@ class _PreciseBN:
                 else "precise_bn: the batches are empty; pass the training batches (or a part of them)."
             )
         return buffers
-
-    def _batches(self) -> Iterator[Any]:
-        if isinstance(self.batches, Batches):
-            count = self.batches.batches_per_epoch if self.num_iter is None else self.num_iter
-            return (b for b, _ in itertools.islice(self.batches.iter_from(0), count))
-        return itertools.islice(iter(self.batches), self.num_iter)
 
     def __repr__(self) -> str:
         return f"precise_bn({type(self.model).__name__}, num_iter={self.num_iter})"
