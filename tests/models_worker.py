@@ -98,6 +98,26 @@ def llama() -> torch.nn.Module:
     return LlamaForCausalLM(config)
 
 
+def qwen2_moe() -> torch.nn.Module:
+    """Qwen2-MoE: four experts, two per token, a shared expert; the experts at transformers' default kernel."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    config = Qwen2MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=CONTEXT,
+    )
+    return Qwen2MoeForCausalLM(config)
+
+
 def bert() -> torch.nn.Module:
     from transformers import BertConfig, BertForMaskedLM
 
@@ -178,6 +198,7 @@ CASES: dict[str, Case] = {
     "gpt2": (gpt2, lm_loss, tokens),
     "gpt2-eager-attention": (lambda: gpt2(attention="eager"), lm_loss, tokens),
     "llama": (llama, lm_loss, tokens),
+    "qwen2-moe": (qwen2_moe, lm_loss, tokens),
     "bert": (bert, mlm_loss, tokens),
     "vit": (vit, image_loss, images),
     "resnet": (resnet, image_loss, images),

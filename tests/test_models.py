@@ -1,7 +1,8 @@
 """The field's models train under the compiled step at their library defaults.
 
 ``transformers``' GPT-2 (SDPA and eager attention), Llama (RMSNorm, rotary
-embeddings, grouped keys), BERT, ViT, ResNet (BatchNorm), ConvNeXt (drop path),
+embeddings, grouped keys), Qwen2-MoE (routed experts at transformers' default
+kernel, which it picks for a compiled graph), BERT, ViT, ResNet (BatchNorm), ConvNeXt (drop path),
 and ``torch.nn``'s ``TransformerEncoder`` and ``LSTM``, each from a tiny config
 at the library's defaults: dropout on where the library has it, keyword
 arguments to ``forward``, ``ModelOutput`` returns, the library's own losses
@@ -101,9 +102,9 @@ def _gpt2_without_dropout() -> torch.nn.Module:
     return cases.gpt2(dropout=0.0).to(cases.DEVICE)
 
 
-@pytest.mark.parametrize("name", _by_architecture(["gpt2", "vit", "resnet"]))
+@pytest.mark.parametrize("name", _by_architecture(["gpt2", "vit", "resnet", "qwen2-moe"]))
 def test_losses_equal_a_torch_optim_loop_without_dropout(name):
-    # ViT and ResNet have no dropout at their defaults; GPT-2's is turned off, in a graph of its own.
+    # ViT, ResNet and Qwen2-MoE have no dropout at their defaults; GPT-2's is turned off, in a graph of its own.
     if name == "gpt2":
         model = _gpt2_without_dropout()
         ours = _losses(_run(name, fl.train_step(model, cases.lm_loss, OPT), 5, model=model))

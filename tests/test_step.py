@@ -727,6 +727,29 @@ def test_a_compile_failure_names_the_op_and_the_models_lines_that_made_it():
     assert "torch.sin(x) * 3.0" in failed.where
 
 
+def test_library_code_sees_that_it_is_compiled_while_the_step_is_traced_and_only_then():
+    # As under torch.compile: a library (transformers' mixture of experts) picks its compiled path so.
+    from fnloop._compile import trace
+
+    seen: list[bool] = []
+
+    def asks(draws, x: torch.Tensor) -> tuple[list[torch.Tensor], None]:
+        seen.append(torch.compiler.is_compiling())
+        return [x * 2.0 if torch.compiler.is_compiling() else x * 3.0], None
+
+    graph = trace(asks, [torch.ones(3)]).graph
+    assert seen == [True]
+    assert torch.equal(graph(torch.ones(3))[0], torch.full((3,), 2.0))
+    assert not torch.compiler.is_compiling()  # back as it was once the trace is over
+    with pytest.raises(RuntimeError, match="raised inside"):
+        trace(_raising, [torch.ones(3)])
+    assert not torch.compiler.is_compiling()  # and after a trace that failed
+
+
+def _raising(draws, x: torch.Tensor) -> tuple[list[torch.Tensor], None]:
+    raise RuntimeError("raised inside the traced function")
+
+
 def test_the_step_keeps_nothing_of_a_runs_states_once_it_is_over():
     # A step is often held in a reference cycle, so what it kept would live on (an extra copy of the
     # model, or tensors of a process group freed only by the interpreter's teardown).

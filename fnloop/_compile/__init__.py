@@ -19,7 +19,8 @@ behind one lock), ``errors.py``.
 Private torch APIs used here, each where it is used:
 
 - ``torch.fx.experimental.proxy_tensor.make_fx`` and
-  ``disable_proxy_modes_tracing``, ``torch.compiler._non_strict_tracing_context``,
+  ``disable_proxy_modes_tracing``, ``torch.compiler._non_strict_tracing_context`` and
+  ``_compile_session_context`` (``is_compiling()`` true while tracing, as under ``torch.compile``),
   ``torch._subclasses.fake_tensor`` and ``torch.fx.experimental.symbolic_shapes``
   exceptions (``trace.py``, ``loop.py``);
 - ``torch._inductor.standalone_compile``, ``torch._inductor.config``,

@@ -81,7 +81,7 @@ def trace(
         # ways record it in the graph, and the CPU LSTM's (mkldnn_rnn_layer) left its backward
         # without the workspace its forward makes once compiled. Ops that choose at run time
         # (convolutions) are recorded as the generic op and still run on oneDNN.
-        with onednn_off(), _tracing_as_a_function():
+        with onednn_off(), _tracing_as_a_function(), _seen_as_compiling():
             graph = make_fx(
                 flat,
                 decomposition_table=decompositions(draws if drawn else None),
@@ -138,6 +138,21 @@ def _tracing_as_a_function() -> contextlib.AbstractContextManager[Any]:
     records. Nothing else in torch reads the flag.
     """
     context = getattr(torch.compiler, "_non_strict_tracing_context", None)
+    return context() if context is not None else contextlib.nullcontext()
+
+
+def _seen_as_compiling() -> contextlib.AbstractContextManager[Any]:
+    """``torch.compiler.is_compiling()`` true while the step is traced, as it is while ``torch.compile`` compiles.
+
+    Library code asks it to take the path meant for a compiled graph: a model
+    of ``transformers`` picks a kernel the compiler can trace (its mixture of
+    experts avoids ``aten._grouped_mm``, which has no float32 kernel on a CPU,
+    and keeps routing free of data-dependent branches), and skips checks that
+    read a tensor's value. The trace compiles what it records, so that path is
+    the one meant. ``torch.compiler._compile_session_context`` is how
+    ``torch.compile`` itself sets it; a torch without it keeps the flag as is.
+    """
+    context = getattr(torch.compiler, "_compile_session_context", None)
     return context() if context is not None else contextlib.nullcontext()
 
 
