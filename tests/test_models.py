@@ -196,3 +196,17 @@ def test_gpt2_with_activation_checkpointing_eagerly_equals_it_without():
     eager = fl.train_step(model, cases.lm_loss, OPT, compile=False)
     plain = fl.train_step(cases.built("gpt2"), cases.lm_loss, OPT, compile=False)
     testing.assert_identical(_run("gpt2", eager, 3, model=model), _run("gpt2", plain, 3))
+
+
+@pytest.mark.xdist_group("models-qwen2-moe")
+def test_a_mixture_of_experts_looping_over_its_experts_names_the_loop_and_the_implementations_that_compile():
+    model = cases.built("qwen2-moe")
+    model.set_experts_implementation("eager")  # a Python loop over the experts, each on its tokens
+    with pytest.raises(fl.GraphBreakError) as caught:
+        _run("qwen2-moe", fl.train_step(model, cases.lm_loss, OPT), 1, model=model)
+    message = str(caught.value)
+    assert (
+        "modeling_qwen2_moe.py:" in message and "expert" in message.split("modeling_qwen2_moe.py:")[1][:120]
+    )
+    assert "data-dependent control flow" in message
+    assert 'set_experts_implementation("grouped_mm")' in message and "compile=False" in message

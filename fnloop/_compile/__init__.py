@@ -19,8 +19,7 @@ behind one lock), ``errors.py``.
 Private torch APIs used here, each where it is used:
 
 - ``torch.fx.experimental.proxy_tensor.make_fx`` and
-  ``disable_proxy_modes_tracing``, ``torch.compiler._non_strict_tracing_context`` and
-  ``_compile_session_context`` (``is_compiling()`` true while tracing, as under ``torch.compile``),
+  ``disable_proxy_modes_tracing``, ``torch.compiler._non_strict_tracing_context``,
   ``torch._subclasses.fake_tensor`` and ``torch.fx.experimental.symbolic_shapes``
   exceptions (``trace.py``, ``loop.py``);
 - ``torch._inductor.standalone_compile``, ``torch._inductor.config``,
@@ -30,7 +29,9 @@ Private torch APIs used here, each where it is used:
 - ``torch._inductor.inductor_prims.random`` (``seeding.py``, GPU only);
 - ``torch._higher_order_ops.scan.scan_op`` (``loop.py``);
 - ``torch._inductor.cpu_vec_isa.VecISA._probe_load``, ``torch._C._set_mkldnn_enabled``,
-  and ``torch.get_rng_state``/``set_rng_state`` replaced for a block (``patches.py``).
+  ``torch.compiler._compile_session_context`` (``is_compiling()`` true while a step is
+  traced, as under ``torch.compile``), the fake tensors' logger silenced, and
+  ``torch.get_rng_state``/``set_rng_state`` replaced for a block (``patches.py``).
 
 Outside the room, the step uses ``torch.nn.utils.stateless._reparametrize_module``
 (``fnloop/_step/kernel.py``, what ``functional_call`` uses) and
@@ -51,7 +52,7 @@ Before changing anything here, run the models suite (``tests/test_models.py``),
 
 from fnloop._compile.batching import flatten_batch, unflatten_batch
 from fnloop._compile.cache import CompileCache, default_cache
-from fnloop._compile.errors import CompileFailed, OverBudget, RandomInGraph, TraceError
+from fnloop._compile.errors import CompileFailed, OverBudget, RandomInGraph, TraceError, TraceFailed
 from fnloop._compile.jit import Entry, Jit
 from fnloop._compile.loop import HAS_SCAN, scan
 from fnloop._compile.options import default_options, inductor_options
@@ -70,6 +71,7 @@ __all__ = [
     "OverBudget",
     "RandomInGraph",
     "TraceError",
+    "TraceFailed",
     "Traceable",
     "Traced",
     "default_cache",

@@ -10,18 +10,24 @@ each other's: a thread waits for the other's block to end.
   generator (``fnloop/_compile/seeding.py``).
 - ``probe_load``: inductor's CPU probe (``VecISA._probe_load``) answered from
   fnloop's record (``fnloop/_compile/probes.py``).
+- ``compiling``: ``torch.compiler.is_compiling()`` true while a step is traced,
+  as while ``torch.compile`` compiles.
+- ``quiet_shape_rules``: the fake tensors' logger silent while a step is
+  traced: an op's shape rule that refuses its inputs is reported once, as
+  fnloop's ``CompileError`` with torch's error chained, not also logged.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["LOCK", "onednn_off", "probe_load", "rng_state_hooks"]
+__all__ = ["LOCK", "compiling", "onednn_off", "probe_load", "quiet_shape_rules", "rng_state_hooks"]
 
 LOCK = threading.RLock()
 
@@ -39,6 +45,36 @@ def onednn_off() -> Iterator[None]:
             yield
         finally:
             torch._C._set_mkldnn_enabled(enabled)
+
+
+@contextlib.contextmanager
+def compiling() -> Iterator[None]:
+    """``torch.compiler.is_compiling()`` true for the block, as it is while ``torch.compile`` compiles.
+
+    Library code asks it to take the path meant for a compiled graph: a model
+    of ``transformers`` picks a kernel the compiler can build (its mixture of
+    experts avoids ``aten._grouped_mm``, whose shape rule takes bfloat16 only)
+    and skips checks that read a tensor's value. fnloop compiles what its
+    trace records, so that path is the one meant.
+    ``torch.compiler._compile_session_context`` is how ``torch.compile`` sets
+    it; a torch without it leaves the flag as it is.
+    """
+    context = getattr(torch.compiler, "_compile_session_context", None)
+    with LOCK, context() if context is not None else contextlib.nullcontext():
+        yield
+
+
+@contextlib.contextmanager
+def quiet_shape_rules() -> Iterator[None]:
+    """The fake tensors' logger (``torch._subclasses.fake_tensor``) silent for the block, but for critical records."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    with LOCK:
+        level = log.level
+        log.setLevel(logging.CRITICAL)
+        try:
+            yield
+        finally:
+            log.setLevel(level)
 
 
 @contextlib.contextmanager

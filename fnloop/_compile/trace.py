@@ -16,8 +16,16 @@ from typing import Any
 import attrs
 import torch
 
-from fnloop._compile.errors import CompileFailed, TraceError, user_frames
-from fnloop._compile.patches import onednn_off
+from fnloop._compile.errors import (
+    CompileFailed,
+    TraceError,
+    TraceFailed,
+    op_of,
+    outside,
+    raised_by_torch,
+    user_frames,
+)
+from fnloop._compile.patches import compiling, onednn_off, quiet_shape_rules
 from fnloop._compile.seeding import Draws
 
 __all__ = ["Flat", "Traceable", "Traced", "decompositions", "generator_draws", "trace"]
@@ -81,7 +89,7 @@ def trace(
         # ways record it in the graph, and the CPU LSTM's (mkldnn_rnn_layer) left its backward
         # without the workspace its forward makes once compiled. Ops that choose at run time
         # (convolutions) are recorded as the generic op and still run on oneDNN.
-        with onednn_off(), _tracing_as_a_function(), _seen_as_compiling():
+        with onednn_off(), _tracing_as_a_function(), compiling(), quiet_shape_rules():
             graph = make_fx(
                 flat,
                 decomposition_table=decompositions(draws if drawn else None),
@@ -90,11 +98,15 @@ def trace(
                 record_stack_traces=stack_traces,
             )(*leaves)
     except _data_dependent() as exc:
-        raise TraceError(str(exc)) from exc
+        raise TraceError(str(exc), outside(exc.__traceback__), _KINDS.get(type(exc).__name__)) from exc
+    except Exception as exc:
+        if not raised_by_torch(exc.__traceback__):
+            raise  # the user's code, or fnloop's, raised it: as it would eagerly
+        raise TraceFailed(op_of(exc.__traceback__), outside(exc.__traceback__), str(exc)) from exc
     # A number read out of a tensor whose value nothing in the graph uses (print(loss.item()))
     # traces without complaint; inductor then fails on it with an internal assertion.
     if any(node.target is torch.ops.aten._local_scalar_dense.default for node in graph.graph.nodes):
-        raise TraceError(_TO_NUMBER)
+        raise TraceError(_TO_NUMBER, None, "a tensor converted to a Python number")
     nodes = [
         node
         for module in graph.modules()
@@ -119,6 +131,14 @@ def decompositions(draws: Draws | None) -> dict[Any, Callable[..., Any]]:
     return {**select_decomp_table(), **(draws.decompositions() if draws is not None else {})}
 
 
+_KINDS = {
+    "GuardOnDataDependentSymNode": "data-dependent control flow, a branch or a loop on a tensor's value",
+    "DataDependentOutputException": "a host sync, a tensor's value read in Python (.item(), .tolist(), .any())",
+    "DynamicOutputShapeException": "an op whose output's shape depends on the values (nonzero, unique, masked indexing)",
+}
+"""What each of the tracer's data-dependent errors means, in the user's terms."""
+
+
 @functools.cache
 def _data_dependent() -> tuple[type[BaseException], ...]:
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
@@ -138,21 +158,6 @@ def _tracing_as_a_function() -> contextlib.AbstractContextManager[Any]:
     records. Nothing else in torch reads the flag.
     """
     context = getattr(torch.compiler, "_non_strict_tracing_context", None)
-    return context() if context is not None else contextlib.nullcontext()
-
-
-def _seen_as_compiling() -> contextlib.AbstractContextManager[Any]:
-    """``torch.compiler.is_compiling()`` true while the step is traced, as it is while ``torch.compile`` compiles.
-
-    Library code asks it to take the path meant for a compiled graph: a model
-    of ``transformers`` picks a kernel the compiler can trace (its mixture of
-    experts avoids ``aten._grouped_mm``, which has no float32 kernel on a CPU,
-    and keeps routing free of data-dependent branches), and skips checks that
-    read a tensor's value. The trace compiles what it records, so that path is
-    the one meant. ``torch.compiler._compile_session_context`` is how
-    ``torch.compile`` itself sets it; a torch without it keeps the flag as is.
-    """
-    context = getattr(torch.compiler, "_compile_session_context", None)
     return context() if context is not None else contextlib.nullcontext()
 
 

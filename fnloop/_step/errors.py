@@ -6,7 +6,9 @@ import math
 
 import torch
 
-__all__ = ["CompileError", "GraphBreakError", "NonFiniteLoss", "RecompileError"]
+from fnloop._compile import CompileFailed, TraceError, TraceFailed
+
+__all__ = ["CompileError", "GraphBreakError", "NonFiniteLoss", "RecompileError", "public_error"]
 
 
 class RecompileError(RuntimeError):
@@ -14,17 +16,20 @@ class RecompileError(RuntimeError):
 
 
 class CompileError(RuntimeError):
-    """Torch's compiler failed on the traced step; the message says where, and ``compile=False`` runs it.
+    """The step could not be compiled: an op's shape rule refused the trace, or torch's compiler failed on the graph.
 
-    The error torch raised is chained (``__cause__``).
+    The message names the op and the model's line where it can tell, and
+    ``compile=False`` runs the step eagerly. The error torch raised is chained
+    (``__cause__``).
     """
 
 
 class GraphBreakError(RuntimeError):
     """The step is not one graph of tensor operations; the message names the cause and the fix.
 
-    Raised when ``loss_fn`` needs a tensor's value in Python while it is traced
-    (``.item()``, ``float(t)``, ``if loss > 0:``, printing such a value), and,
+    Raised when ``loss_fn`` or the model needs a tensor's value in Python while
+    it is traced (``.item()``, ``float(t)``, ``if loss > 0:``, printing such a
+    value, a loop over a mixture's experts); the message names the line. And,
     compiled or eager alike, when it returns a metric that is not a tensor (a
     Python number, or the result of ``.item()``).
     """
@@ -66,12 +71,75 @@ def _nonfinite_message(iteration: int, loss: torch.Tensor) -> str:
 
 
 _GRAPH_BREAK = (
-    "the training step must compile into one graph (forward, backward and update together), but "
-    "tracing it stopped where Python needs a tensor's value; the tracer's message follows. Typical "
-    "causes in loss_fn: .item(), float(tensor), or branching on a tensor's value (if loss > 0). "
+    "{what} must compile into one graph, but tracing it stopped where Python needs a tensor's "
+    "value{kind}{at}{fix} The tracer's message follows."
+)
+
+_GRAPH_BREAK_FIX = (
+    "Typical causes, in loss_fn or the model: .item(), float(tensor), or branching on a tensor's value "
+    "(if loss > 0). "
     "Return metrics as tensors instead, use torch.where for branches, or use train_step(..., "
     "compile=False) to run eagerly."
 )
+
+_EXPERTS_FIX = (
+    "That line is a mixture of experts' routing: a loop over the experts, each on the tokens routed "
+    "to it, needs their count, known only when the step runs. Use an experts implementation that "
+    'traces into one graph: transformers\' default, model.set_experts_implementation("grouped_mm"), '
+    'or "batched_mm"; or train_step(..., compile=False) to run eagerly.'
+)
+
+_TRACE_FAILED = (
+    "tracing {what} failed{op}{at}{message}. The compiled step first runs the model on tensors "
+    "without values, each op by its shape rule, and this op's rule refused what it was given. If "
+    "train_step(..., compile=False) fails the same way, the model or the batch is at fault (shapes, "
+    "dtypes, devices); if it runs there, the op cannot be traced as called: run with "
+    "compile=False{fix}. Torch's error is chained above."
+)
+
+
+def public_error(
+    failed: BaseException, what: str = "the training step (forward, backward and update together)"
+) -> Exception:
+    """The compiler room's error ``failed`` as the one a user catches: ``CompileError`` or ``GraphBreakError``."""
+    if isinstance(failed, CompileFailed):
+        return CompileError(_compile_failed(failed.op, failed.where))
+    if isinstance(failed, TraceFailed):
+        return CompileError(_trace_failed(failed.op, failed.where, failed.message, what))
+    assert isinstance(failed, TraceError)
+    return GraphBreakError(_graph_break(failed.where, failed.kind, str(failed), what))
+
+
+def _graph_break(where: str | None, kind: str | None, message: str, what: str) -> str:
+    """A ``GraphBreakError``'s message: where the trace stopped, what it needed, the fix, and the tracer's words."""
+    experts = where is not None and ("expert" in where.lower() or "moe" in where.lower())
+    head = _GRAPH_BREAK.format(
+        what=what,
+        kind=f": {kind}" if kind else "",
+        at=f", at\n\n    {where}\n\n" if where else ". ",
+        fix=_EXPERTS_FIX if experts else _GRAPH_BREAK_FIX,
+    )
+    return f"{head}\n\n{message}"
+
+
+def _trace_failed(op: str | None, where: str | None, message: str, what: str) -> str:
+    """A ``CompileError``'s message for an op whose shape rule refused the trace's tensors."""
+    experts = where is not None and ("expert" in where.lower() or "moe" in where.lower())
+    fix = (
+        ", or choose another experts implementation (model.set_experts_implementation(...), "
+        '"grouped_mm" or "batched_mm")'
+        if experts
+        else ""
+    )
+    first = message.strip().splitlines()[0].rstrip(".") if message.strip() else "no message"
+    return _TRACE_FAILED.format(
+        what=what,
+        op=f" in the op {op}" if op else "",
+        at=f", called at\n\n    {where}\n\n" if where else ": ",
+        message=first,
+        fix=fix,
+    )
+
 
 _NUMBER_METRIC = (
     "loss_fn returned the metric {name!r} as {what}, not a tensor. A metric must stay a tensor, "

@@ -10,10 +10,20 @@ import attrs
 import torch
 from torch.func import functional_call
 
-from fnloop._compile import Draws, Jit, Traceable, flatten_batch, unflatten_batch
+from fnloop._compile import (
+    CompileFailed,
+    Draws,
+    Jit,
+    Traceable,
+    TraceError,
+    TraceFailed,
+    flatten_batch,
+    unflatten_batch,
+)
 from fnloop._core.state import TrainState
 from fnloop._export import whole_params
 from fnloop._step.calls import call_of
+from fnloop._step.errors import public_error
 
 __all__ = ["EvalStep", "eval_step", "plain_module"]
 
@@ -68,10 +78,13 @@ class EvalStep:
                     out = call.evaluated(self.function)(params, buffers, batch)
                 else:
                     tensors, structure = flatten_batch(batch)
-                    outputs, names = self.jit(
-                        (tuple(params), tuple(buffers), structure, call),
-                        [*params.values(), *buffers.values(), *tensors],
-                    )
+                    try:
+                        outputs, names = self.jit(
+                            (tuple(params), tuple(buffers), structure, call),
+                            [*params.values(), *buffers.values(), *tensors],
+                        )
+                    except (CompileFailed, TraceFailed, TraceError) as failed:
+                        raise public_error(failed, "the evaluation") from failed.__cause__
                     out = dict(zip(names, outputs))
                 return call.named(state, out)
         finally:

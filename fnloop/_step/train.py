@@ -15,7 +15,7 @@ import attrs
 import torch
 from torch.utils import _pytree as pytree
 
-from fnloop._compile import CompileFailed, Entry, Jit, OverBudget, RandomInGraph, TraceError
+from fnloop._compile import CompileFailed, Entry, Jit, OverBudget, RandomInGraph, TraceError, TraceFailed
 from fnloop._core.failure import StepFailed, unwrapped
 from fnloop._core.population import member_metric
 from fnloop._core.state import TrainState, unchecked
@@ -23,14 +23,7 @@ from fnloop._core.steps import Applied
 from fnloop._step.calls import Call, Inputs, Jits, Outputs, Recording, call_of
 from fnloop._step.compiler import Form, leaf_name
 from fnloop._step.donation import Targets, opt_containers, shared
-from fnloop._step.errors import (
-    _GRAPH_BREAK,
-    _RECOMPILED,
-    CompileError,
-    GraphBreakError,
-    RecompileError,
-    _compile_failed,
-)
+from fnloop._step.errors import _RECOMPILED, RecompileError, public_error
 from fnloop._step.kernel import Kernel, LossFn, _device
 from fnloop._step.layout import Layout
 from fnloop._step.pool import ScalarPool
@@ -268,10 +261,8 @@ class TrainStep(Applied):
             ) from None
         except RandomInGraph as random:
             raise ValueError(str(random)) from None
-        except CompileFailed as failed:
-            raise CompileError(_compile_failed(failed.op, failed.where)) from failed.__cause__
-        except TraceError as trace:
-            raise GraphBreakError(f"{_GRAPH_BREAK}\n\n{trace}") from trace.__cause__
+        except (CompileFailed, TraceFailed, TraceError) as failed:
+            raise public_error(failed) from failed.__cause__
 
     def _targets(self, state: TrainState) -> tuple[list[torch.Tensor], Targets, pytree.TreeSpec]:
         # Donation keeps the same containers from step to step, so the optimizer
