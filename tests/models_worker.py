@@ -1,8 +1,8 @@
 """The field's models in tiny configs, for ``tests/test_models.py``, and a run of one that checkpoints.
 
-    python tests/models_worker.py OUT MAX_ITER
+    python tests/models_worker.py OUT MAX_ITER [NAME]
 
-trains the tiny GPT-2 (at its defaults: dropout 0.1) compiled, resuming from
+trains the tiny model NAME (default ``gpt2``, at its defaults: dropout 0.1) compiled, resuming from
 the newest checkpoint in ``OUT/ckpt``, saving one after every step and
 printing ``step I`` once step ``I``'s checkpoint is on disk; at the end it
 saves the final state to ``OUT/final.safetensors``. The test SIGKILLs it
@@ -118,6 +118,46 @@ def qwen2_moe() -> torch.nn.Module:
     return Qwen2MoeForCausalLM(config)
 
 
+def mixtral() -> torch.nn.Module:
+    """Mixtral: four experts, two per token, at transformers' default experts kernel, its router's auxiliary loss on."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=CONTEXT,
+        output_router_logits=True,  # the load-balancing loss, added to the loss by the model itself
+    )
+    return MixtralForCausalLM(config)
+
+
+def olmoe() -> torch.nn.Module:
+    """OLMoE: four experts, two per token, at transformers' default experts kernel."""
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    config = OlmoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=CONTEXT,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
+    return OlmoeForCausalLM(config)
+
+
 def bert() -> torch.nn.Module:
     from transformers import BertConfig, BertForMaskedLM
 
@@ -199,6 +239,8 @@ CASES: dict[str, Case] = {
     "gpt2-eager-attention": (lambda: gpt2(attention="eager"), lm_loss, tokens),
     "llama": (llama, lm_loss, tokens),
     "qwen2-moe": (qwen2_moe, lm_loss, tokens),
+    "mixtral": (mixtral, lm_loss, tokens),
+    "olmoe": (olmoe, lm_loss, tokens),
     "bert": (bert, mlm_loss, tokens),
     "vit": (vit, image_loss, images),
     "resnet": (resnet, image_loss, images),
@@ -221,10 +263,11 @@ OPT = fl.optim.adamw(1e-3)
 def main() -> None:
     torch.set_num_threads(1)  # as the tests run: the bits of a step depend on the thread count
     out, max_iter = Path(sys.argv[1]), int(sys.argv[2])
-    model = built("gpt2")
+    name = sys.argv[3] if len(sys.argv) > 3 else "gpt2"
+    model = built(name)
     template = fl.init(model, OPT, seed=0, max_iter=max_iter)
     state = fl.checkpoint.resume(out / "ckpt", like=template)
-    step = fl.train_step(model, lm_loss, OPT)
+    step = fl.train_step(model, CASES[name][1], OPT)
 
     def announce(state: fl.TrainState, phase: fl.Phase) -> fl.TrainState:
         # The checkpoint of step I is written when its AFTER_STEP effects run; this comes after it.

@@ -213,6 +213,20 @@ def test_the_key_is_the_same_for_the_same_graph_traced_twice() -> None:
     assert graph_key(traced(f, x), [x], {}) == graph_key(traced(f, x), [x.clone()], {})
 
 
+def test_the_key_changes_under_torchs_deterministic_algorithms() -> None:
+    # Inductor lowers an accumulating index_put otherwise under them: a graph built one way is not the other's.
+    x = torch.ones(3, 2)
+    graph = traced(lambda t: [t.sin()], x)
+    plain = graph_key(graph, [x], {})
+    torch.use_deterministic_algorithms(True)
+    try:
+        deterministic = graph_key(graph, [x], {})
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert plain != deterministic
+    assert plain == graph_key(graph, [x], {})
+
+
 def test_the_key_changes_with_a_closure_tensor_an_input_an_option_and_aliasing() -> None:
     x = torch.ones(3, 2)
 

@@ -1,8 +1,9 @@
 """The field's models train under the compiled step at their library defaults.
 
 ``transformers``' GPT-2 (SDPA and eager attention), Llama (RMSNorm, rotary
-embeddings, grouped keys), Qwen2-MoE (routed experts at transformers' default
-kernel, which it picks for a compiled graph), BERT, ViT, ResNet (BatchNorm), ConvNeXt (drop path),
+embeddings, grouped keys), the mixtures of experts Qwen2-MoE, Mixtral (its
+router's load-balancing loss on) and OLMoE (routed experts at transformers'
+default kernel, which it picks for a compiled graph), BERT, ViT, ResNet (BatchNorm), ConvNeXt (drop path),
 and ``torch.nn``'s ``TransformerEncoder`` and ``LSTM``, each from a tiny config
 at the library's defaults: dropout on where the library has it, keyword
 arguments to ``forward``, ``ModelOutput`` returns, the library's own losses
@@ -102,9 +103,10 @@ def _gpt2_without_dropout() -> torch.nn.Module:
     return cases.gpt2(dropout=0.0).to(cases.DEVICE)
 
 
-@pytest.mark.parametrize("name", _by_architecture(["gpt2", "vit", "resnet", "qwen2-moe"]))
+@pytest.mark.parametrize("name", _by_architecture(["gpt2", "vit", "resnet", "qwen2-moe", "mixtral", "olmoe"]))
 def test_losses_equal_a_torch_optim_loop_without_dropout(name):
-    # ViT, ResNet and Qwen2-MoE have no dropout at their defaults; GPT-2's is turned off, in a graph of its own.
+    # ViT, ResNet and the mixtures of experts have no dropout at their defaults; GPT-2's is turned off,
+    # in a graph of its own. Mixtral's loss includes its router's load-balancing loss, as transformers adds it.
     if name == "gpt2":
         model = _gpt2_without_dropout()
         ours = _losses(_run(name, fl.train_step(model, cases.lm_loss, OPT), 5, model=model))
@@ -114,28 +116,32 @@ def test_losses_equal_a_torch_optim_loop_without_dropout(name):
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=1e-4, atol=0.0)
 
 
-@GPT2
-def test_two_steps_per_call_with_dropout_equal_single_steps_bit_for_bit():
-    single = _run("gpt2", _step("gpt2"), 6)
-    double = _run("gpt2", _step("gpt2", steps_per_call=2), 6)
+# GPT-2 at its default dropout, and a mixture of experts (Qwen2-MoE: routing, a shared expert).
+LANGUAGE_MODELS = _by_architecture(["gpt2", "qwen2-moe"])
+
+
+@pytest.mark.parametrize("name", LANGUAGE_MODELS)
+def test_two_steps_per_call_equal_single_steps_bit_for_bit(name):
+    single = _run(name, _step(name), 6)
+    double = _run(name, _step(name, steps_per_call=2), 6)
     testing.assert_identical(double, single)
-    assert _step("gpt2", steps_per_call=2).compiles == 1
+    assert _step(name, steps_per_call=2).compiles == 1
 
 
-@GPT2
-def test_bf16_autocast_with_dropout_compiles_and_trains():
-    step = _step("gpt2", autocast=torch.bfloat16)
-    final = _run("gpt2", step, 3)
+@pytest.mark.parametrize("name", LANGUAGE_MODELS)
+def test_bf16_autocast_compiles_and_trains(name):
+    step = _step(name, autocast=torch.bfloat16)
+    final = _run(name, step, 3)
     assert all(torch.isfinite(torch.tensor(_losses(final))))
     assert step.compiles == 1
     assert all(p.dtype == torch.float32 for p in final.params.values()), "autocast leaves the params in fp32"
 
 
-@GPT2
-def test_a_run_killed_with_sigkill_resumes_bit_exact(tmp_path):
+@pytest.mark.parametrize("name", LANGUAGE_MODELS)
+def test_a_run_killed_with_sigkill_resumes_bit_exact(name, tmp_path):
     n = cases.STEPS
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    command = [sys.executable, str(WORKER), str(tmp_path), str(n)]
+    command = [sys.executable, str(WORKER), str(tmp_path), str(n), name]
     with subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=env) as first:
         assert first.stdout is not None
         for line in first.stdout:
@@ -145,9 +151,9 @@ def test_a_run_killed_with_sigkill_resumes_bit_exact(tmp_path):
         assert first.wait(timeout=600) == -signal.SIGKILL
     assert fl.checkpoint.checkpoints(tmp_path / "ckpt"), "a checkpoint was left behind"
     subprocess.run(command, check=True, env=env, timeout=600, stdout=subprocess.DEVNULL)
-    template = fl.init(cases.built("gpt2"), OPT, seed=0, max_iter=n)
+    template = fl.init(cases.built(name), OPT, seed=0, max_iter=n)
     hooks = [fl.hooks.checkpoint(tmp_path / "whole", keep=2)]
-    whole = fl.run(template, _step("gpt2"), fl.data.resumable(cases.tokens(n)), hooks, clock=zero)
+    whole = fl.run(template, _step(name), fl.data.resumable(cases.tokens(n)), hooks, clock=zero)
     resumed = fl.load(tmp_path / "final.safetensors", like=whole)
     for field in ("iteration", "params", "buffers", "opt_state", "metrics", "data", "rng"):
         testing.assert_identical(getattr(resumed, field), getattr(whole, field))

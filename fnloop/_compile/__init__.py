@@ -57,7 +57,7 @@ from fnloop._compile.jit import Entry, Jit
 from fnloop._compile.loop import HAS_SCAN, scan
 from fnloop._compile.options import default_options, inductor_options
 from fnloop._compile.seeding import DrawOutsideMembers, Draws
-from fnloop._compile.trace import Flat, Traceable, Traced, trace
+from fnloop._compile.trace import Flat, Traceable, Traced, accumulating, trace
 
 __all__ = [
     "HAS_SCAN",
@@ -72,6 +72,7 @@ __all__ = [
     "RandomInGraph",
     "TraceError",
     "TraceFailed",
+    "accumulating",
     "Traceable",
     "Traced",
     "default_cache",

@@ -213,7 +213,8 @@ def graph_key(graph: torch.fx.GraphModule, leaves: Sequence[torch.Tensor], optio
         shares = _storage(leaf, storages, index)
         put(tuple(leaf.shape), leaf.stride(), leaf.storage_offset(), leaf.dtype, leaf.requires_grad, shares)
         put(*_device(leaf.device))
-    put(_inductor_config(options))
+    # Inductor lowers some ops otherwise under torch's deterministic algorithms (an accumulating index_put).
+    put(_inductor_config(options), torch.are_deterministic_algorithms_enabled())
     return hasher.hexdigest()
 
 

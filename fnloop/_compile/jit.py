@@ -29,7 +29,7 @@ from fnloop._compile.cache import CompileCache, default_cache, graph_key
 from fnloop._compile.errors import CompileFailed, OverBudget, RandomInGraph
 from fnloop._compile.options import default_options, inductor_options
 from fnloop._compile.probes import remembered_probes
-from fnloop._compile.trace import Flat, Traceable, located, trace
+from fnloop._compile.trace import Flat, Traceable, accumulating, located, trace
 
 __all__ = ["Entry", "Jit"]
 
@@ -44,8 +44,8 @@ def _compile(
     options: Mapping[str, Any],
     cache: CompileCache | None = None,
     no_random: str | None = None,
-) -> tuple[Flat, bool, Any]:
-    """``function`` traced on ``leaves`` and compiled: the graph, whether it draws from torch's generator, its context.
+) -> tuple[Flat, bool, Any, tuple[str, ...]]:
+    """``function`` traced on ``leaves`` and compiled: the graph, whether it draws from torch's generator, its context, its accumulating ops.
 
     Random ops the trace knows (dropout's, ``rand``, ``randn``, ...) draw
     from the seed the function names; any other random op draws from
@@ -72,7 +72,7 @@ def _compile(
         return located(function, leaves, drawn, exc)
 
     compiled = _built(traced.graph, leaves, options, cache, nodes, failed)
-    return compiled, bool(traced.draws), traced.context
+    return compiled, bool(traced.draws), traced.context, accumulating(nodes)
 
 
 def _built(
@@ -233,7 +233,8 @@ class Entry:
 
     ``draws`` says whether the graph draws from torch's generator (a random
     op the trace does not draw from its seed input): a caller seeds the
-    generator only for those.
+    generator only for those. ``accumulates``: the graph's ops that add into
+    a tensor at indices known only when it runs (``trace.accumulating``).
     """
 
     structure: Hashable
@@ -241,6 +242,7 @@ class Entry:
     compiled: Flat
     draws: bool
     context: Any
+    accumulates: tuple[str, ...] = ()
 
 
 def _describe(meta: tuple[Any, ...]) -> str:

@@ -28,7 +28,7 @@ from fnloop._compile.errors import (
 from fnloop._compile.patches import compiling, onednn_off, quiet_shape_rules
 from fnloop._compile.seeding import Draws
 
-__all__ = ["Flat", "Traceable", "Traced", "decompositions", "generator_draws", "trace"]
+__all__ = ["Flat", "Traceable", "Traced", "accumulating", "decompositions", "generator_draws", "trace"]
 
 Flat = Callable[..., Sequence[torch.Tensor]]
 """A function of flat tensors to a list of tensors (what a compiled graph is)."""
@@ -169,6 +169,37 @@ def _argument(node: torch.fx.Node, name: str) -> Any:
                 return node.kwargs[name]
             return node.args[index] if index < len(node.args) else argument.default_value
     return None
+
+
+_ADDING = frozenset(
+    {
+        "index_add",
+        "scatter_add",
+        "scatter_reduce",
+        "embedding_dense_backward",
+        "_embedding_bag_backward",
+        "_unsafe_masked_index_put_accumulate",  # what inductor's decomposition makes of an embedding's gradient
+    }
+)
+_ADDING_IF_ASKED = frozenset({"index_put", "_unsafe_index_put", "index_put_"})
+
+
+def accumulating(nodes: Sequence[torch.fx.Node]) -> tuple[str, ...]:
+    """The ops among ``nodes`` that add into a tensor at indices known only when they run, each named once.
+
+    An embedding's gradient is one (``index_put`` with ``accumulate=True``).
+    Compiled for a CPU with several threads, or for a GPU, such an op adds
+    in an order that varies from run to run, unless torch's deterministic
+    algorithms are on while it is compiled and run.
+    """
+    found: dict[str, None] = {}
+    for node in nodes:
+        if not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        name = node.target._schema.name.split("::")[-1]
+        if name in _ADDING or (name in _ADDING_IF_ASKED and _argument(node, "accumulate")):
+            found[str(node.target)] = None
+    return tuple(found)
 
 
 def generator_draws(nodes: Sequence[torch.fx.Node]) -> list[str]:

@@ -163,6 +163,7 @@ def train_step(
     options: Mapping[str, Any] | None = None,
     skip_nonfinite: bool = False,
     steps_per_call: int = 1,
+    deterministic: bool = False,
 ) -> Step:
     """The pure step ``(state, batch) -> state`` for ``model``, ``loss_fn`` and ``optimizer``.
 
@@ -215,6 +216,14 @@ def train_step(
             it). Each iteration's loss and metrics are still recorded, and the
             results are bit for bit those of single steps, dropout included
             (each step draws from its own seed inside the graph). See ``docs/step.md``.
+        deterministic: compile and run the step under
+            ``torch.use_deterministic_algorithms(True)``, so that it gives the
+            same bits run after run at any thread count (on a GPU, also set
+            ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` before the process starts).
+            Without it, a compiled step whose graph adds into tensors at
+            indices known only when it runs (an embedding's gradient) varies
+            in the last bits on a CPU with several threads or on a GPU, and
+            warns once when it is first compiled. See ``docs/replay.md``.
 
     Returns:
         The step. With ``donate=False`` it has no ``donating`` variant.
@@ -246,6 +255,8 @@ def train_step(
     if type(skip_nonfinite) is not bool:
         raise TypeError(f"'skip_nonfinite' must be a bool ({got(skip_nonfinite)}).")
     steps_per_call = _check_positive("steps_per_call", steps_per_call)
+    if type(deterministic) is not bool:
+        raise TypeError(f"'deterministic' must be a bool ({got(deterministic)}).")
     kernel = Kernel(model, loss_fn, optimizer, accumulate, autocast, eager=not compile)
     return step_of(
         kernel,
@@ -255,6 +266,7 @@ def train_step(
         options=options,
         skip_nonfinite=skip_nonfinite,
         steps_per_call=steps_per_call,
+        deterministic=deterministic,
     )
 
 
@@ -267,6 +279,7 @@ def step_of(
     options: Mapping[str, Any] | None = None,
     skip_nonfinite: bool = False,
     steps_per_call: int = 1,
+    deterministic: bool = False,
 ) -> Step:
     """The step of ``kernel``, on the terms of ``train_step`` (whose arguments are checked there).
 
@@ -294,6 +307,7 @@ def step_of(
         rank(),
         world_size(),
         steps_per_call,
+        deterministic,
     )
     return step if donate else _Undonated(step)
 

@@ -22,6 +22,7 @@ from fnloop._core.state import TrainState, unchecked
 from fnloop._core.steps import Applied
 from fnloop._step.calls import Call, Inputs, Jits, Outputs, Recording, call_of
 from fnloop._step.compiler import Form, leaf_name
+from fnloop._step.determinism import deterministic_algorithms, warn_varying
 from fnloop._step.donation import Targets, opt_containers, shared
 from fnloop._step.errors import _RECOMPILED, RecompileError, public_error
 from fnloop._step.kernel import Kernel, LossFn, _device
@@ -47,6 +48,7 @@ class Memo:
         self.targets: list[Any] = []
         self.names: dict[tuple[str, int], str] = {}
         self.pool = ScalarPool()
+        self.warned = False  # that the compiled graph varies from run to run
 
     def tensor(self, key: Any, make: Callable[[], torch.Tensor]) -> torch.Tensor:
         found = self.inputs.get(key)
@@ -97,6 +99,8 @@ class TrainStep(Applied):
     """How many processes train together, fixed when the step is built."""
     steps_per_call: int = 1
     """How many iterations the fold runs in one call (``steps``), at call boundaries."""
+    deterministic: bool = False
+    """Compile and run the step under torch's deterministic algorithms (``fnloop/_step/determinism.py``)."""
     _memo: Memo = attrs.field(factory=Memo, alias="_memo")
     _how: Recording = attrs.field(
         default=attrs.Factory(
@@ -155,6 +159,12 @@ class TrainStep(Applied):
         state given was torn, and, inside a call of several steps, the state
         reached before the step that failed.
         """
+        if self.deterministic:
+            with deterministic_algorithms():
+                return self._applied(state, batches, owned=owned)
+        return self._applied(state, batches, owned=owned)
+
+    def _applied(self, state: TrainState, batches: Sequence[Any], *, owned: bool) -> TrainState:
         mine = False
         if owned:
             leaves, targets, ospec = self._targets(state)
@@ -248,7 +258,10 @@ class TrainStep(Applied):
 
     def _entry(self, jit: Jit, form: Form, flat: list[torch.Tensor], iteration: int) -> Entry:
         try:
-            return jit.entry(form, flat)
+            entry = jit.entry(form, flat)
+            if entry.accumulates and not self._memo.warned:  # once a step: see fnloop/_step/determinism.py
+                self._memo.warned = warn_varying(entry.accumulates, flat[0].device)
+            return entry
         except OverBudget as over:
             index, before, after = over.change
             what = (
