@@ -100,3 +100,13 @@ def test_deterministic_runs_are_identical_at_two_threads_and_a_resume_equals_the
 def test_deterministic_must_be_a_bool():
     with pytest.raises(TypeError, match=r"'deterministic' must be a bool"):
         fl.train_step(model(), loss_fn, OPT, deterministic=1)
+
+
+@pytest.mark.xdist_group("determinism")
+def test_a_deterministic_run_replays_bit_for_bit_at_two_threads(two_threads, tmp_path):
+    step = fl.train_step(model(), loss_fn, OPT, deterministic=True)
+    log = tmp_path / "fingerprints.jsonl"
+    fl.run(start(), step, batches(), [fl.replay.fingerprints(log)])
+    report = fl.replay.replay(start(), step, batches(), [], fl.replay.read_log(log))
+    assert report.divergence is None
+    assert report.compared == STEPS
