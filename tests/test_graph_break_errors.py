@@ -123,6 +123,7 @@ def test_a_compiled_evaluation_that_branches_on_a_value_is_a_graph_break_naming_
     with pytest.raises(fl.GraphBreakError, match=r"the evaluation must compile into one graph") as caught:
         evaluate(state, BATCH)
     assert f"test_graph_break_errors.py:{_line_of('if y.sum() > 0')}" in str(caught.value)
+    assert "torch.where for branches" in str(caught.value) and "compile=False" in str(caught.value)
 
 
 class _Grouped(torch.nn.Module):
