@@ -55,9 +55,8 @@ def varies(ops: Sequence[str], device: torch.device) -> str | None:
     return VARYING.format(ops=", ".join(ops), where=where, threads=one)
 
 
-def warn_varying(ops: Sequence[str], device: torch.device) -> bool:
-    """Warn (once, by the caller's count) that the graph varies from run to run; whether it warned."""
+def warn_varying(ops: Sequence[str], device: torch.device) -> None:
+    """Warn that a graph with the accumulating ``ops`` varies from run to run on ``device``, where it does."""
     why = varies(ops, device)
     if why is not None:
         warnings.warn(why, UserWarning, stacklevel=4)
-    return why is not None

@@ -48,7 +48,7 @@ class Memo:
         self.targets: list[Any] = []
         self.names: dict[tuple[str, int], str] = {}
         self.pool = ScalarPool()
-        self.warned = False  # that the compiled graph varies from run to run
+        self.looked = False  # whether the step looked once at its graph's order of additions
 
     def tensor(self, key: Any, make: Callable[[], torch.Tensor]) -> torch.Tensor:
         found = self.inputs.get(key)
@@ -259,8 +259,9 @@ class TrainStep(Applied):
     def _entry(self, jit: Jit, form: Form, flat: list[torch.Tensor], iteration: int) -> Entry:
         try:
             entry = jit.entry(form, flat)
-            if entry.accumulates and not self._memo.warned:  # once a step: see fnloop/_step/determinism.py
-                self._memo.warned = warn_varying(entry.accumulates, flat[0].device)
+            if entry.accumulates and not self._memo.looked:  # once a step: see fnloop/_step/determinism.py
+                self._memo.looked = True
+                warn_varying(entry.accumulates, flat[0].device)
             return entry
         except OverBudget as over:
             index, before, after = over.change
