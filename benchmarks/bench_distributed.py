@@ -16,13 +16,16 @@ Each process compiles its step, warms up, then times ``fl.run`` over N steps;
 reported: milliseconds per global step (median of the repeats) and the speed-up
 of each variant over 1 process, 1 thread.
 
-Part ``sharded``: a model whose state dominates (4 layers of ``Linear(2048,
-2048)``, AdamW, global batch 16), on 2 and 4 ranks, unsharded (data parallel),
-``shard="optimizer"`` and ``shard="full"``, and the reference: torch's FSDP2
-(``fully_shard`` on each layer and the root, ``torch.optim.AdamW`` with
-``foreach=True`` and with ``fused=True``, both measured, eager). Each launch runs one of them
-(memory is a process's own); reported per rank: the bytes of parameters and
-optimizer state the state holds between steps (gradients live only inside the
+Part ``sharded``: a model whose state dominates (8 equal blocks of ``Linear(2048,
+2048)`` in a ``ModuleList``, AdamW, global batch 16), on 2 and 4 ranks, unsharded
+(data parallel), ``shard="optimizer"``, ``shard="full"`` gathering everything before
+the forward (``full-all``, ``blocks=()``) and block by block (``full``), and the
+reference: torch's FSDP2 (``fully_shard`` on each block and the root,
+``torch.optim.AdamW`` with ``foreach=True`` and with ``fused=True``, both measured,
+eager). Each launch runs one of them (memory is a process's own); fnloop's workers
+move the module to the meta device after ``fl.init`` (the step needs its structure
+only), as FSDP2 frees the whole weights. Reported per rank: the bytes of parameters
+and optimizer state the state holds between steps (gradients live only inside the
 step); the working peak: the peak resident memory over the timed steps above
 the memory before them (``VmHWM``, reset through ``/proc/self/clear_refs``),
 which counts the step's gradients and gathered parameters; their sum; and
@@ -90,25 +93,23 @@ def sharded_worker(shard: str, steps: int) -> None:
     """One rank of the sharded part: prints what it holds, its peak over the steps and ms per step."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    layers: list[torch.nn.Module] = []
-    for _ in range(4):
-        layers += [torch.nn.Linear(2048, 2048), torch.nn.ReLU()]
-    model = torch.nn.Sequential(*layers[:-1])
+    model = Blocks()
     opt = fl.optim.adamw(1e-4)
 
     def loss_fn(forward, b):
         return forward(b).square().mean()
 
     batch = 16 // fl.distributed.world_size()
-    data = torch.randn(16 * 4, 2048, generator=torch.Generator().manual_seed(1))
+    data = torch.randn(16 * 4, WIDTH, generator=torch.Generator().manual_seed(1))
     if shard.startswith("fsdp2"):
         _fsdp2(model, data[:batch], steps, fused=shard.endswith("fused"))
         return
-    step = fl.train_step(model, loss_fn, opt)
+    step = fl.train_step(model, loss_fn, opt, blocks=() if shard == "full-all" else None)
     stream = fl.data.batches(data, batch_size=16, seed=0)
     warm = 3
-    state = fl.init(model, opt, seed=0, max_iter=warm, shard=None if shard == "none" else shard)
-    del model  # its own weights: not part of what a rank holds
+    mode = {"none": None, "full-all": "full"}.get(shard, shard)
+    state = fl.init(model, opt, seed=0, max_iter=warm, shard=mode)
+    model.to("meta")  # the module's own weights: the step needs its structure only
     state = fl.run(state, step, stream)
     held = sum(t.numel() * t.element_size() for t in (*state.params.values(), *_leaves(state.opt_state)))
     state = fl.TrainState(**{**state.__dict__, "max_iter": warm + steps})
@@ -124,6 +125,22 @@ def sharded_worker(shard: str, steps: int) -> None:
     )
 
 
+WIDTH, DEPTH = 2048, 8
+
+
+class Blocks(torch.nn.Module):
+    """``DEPTH`` equal blocks (``Linear(WIDTH, WIDTH)``, ReLU) in a ``ModuleList``: the state dominates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
 def _fsdp2(model: torch.nn.Module, batch: torch.Tensor, steps: int, fused: bool) -> None:
     """The reference: torch's own FSDP2 (``fully_shard`` per layer and at the root) and ``torch.optim.AdamW``, eager.
 
@@ -133,9 +150,8 @@ def _fsdp2(model: torch.nn.Module, batch: torch.Tensor, steps: int, fused: bool)
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (fl.distributed.world_size(),))
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({"fused": True} if fused else {"foreach": True}))
 
@@ -167,14 +183,16 @@ def _leaves(tree: object) -> list[torch.Tensor]:
 
 
 def sharded(repeats: int, steps: int) -> None:
-    print("\nsharded: 4 x Linear(2048, 2048), AdamW, global batch 16; per rank, median of", repeats)
+    print(
+        f"\nsharded: {DEPTH} x Linear({WIDTH}, {WIDTH}), AdamW, global batch 16; per rank, median of", repeats
+    )
     print(
         "| ranks | shard | held (params + opt) | ratio | working peak | ratio | held + working | ratio "
         "| ms/step | ratio |"
     )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for ranks in (2, 4):
-        modes = ("none", "optimizer", "full", "fsdp2-foreach", "fsdp2-fused")
+        modes = ("none", "optimizer", "full-all", "full", "fsdp2-foreach", "fsdp2-fused")
         found: dict[str, list[tuple[int, int, float]]] = {m: [] for m in modes}
         for _ in range(repeats):
             for mode in found:

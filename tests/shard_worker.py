@@ -2,8 +2,8 @@
 
     torchrun --standalone --nproc_per_node=N tests/shard_worker.py RESULTS [options] [--then RESULTS [options] ...]
 
-It trains an MLP whose first dimensions do not divide by the world size
-(the chunks are padded) with AdamW behind a global-norm clip, on fixed data
+It trains a small network of three blocks whose first dimensions do not divide by the
+world size (the chunks are padded) with AdamW behind a global-norm clip, on fixed data
 (global batch 8), and saves what the tests compare into ``RESULTS/rank{r}.pt``:
 the whole parameters (``fl.state_dict``, gathered), the loss and global-norm
 history, the bytes of the state this rank holds, and the number of compiled
@@ -26,6 +26,12 @@ Options:
                        launcher's first attempt only
     --sigterm-at I     rank 0 sends SIGTERM to its launcher (torchrun forwards it to every rank) at
                        AFTER_STEP of step I: a preemption
+    --blocks none      gather every parameter before the forward (train_step(..., blocks=())); default:
+                       the three blocks one at a time
+    --model KIND       net (default), gpt2 or llama: a transformers model of two layers from a tiny
+                       config, dropout on, activation checkpointing on, on random tokens
+    --bf16             train_step(..., autocast=torch.bfloat16)
+    --from DIR:I       start from DIR's checkpoint of iteration I (at this job's world size)
     --lose-rank R:I:HOW
                        rank R, alone, at AFTER_STEP of step I: HOW "kill" (SIGKILL) or "raise" (an
                        error of its own); every rank writes RESULTS/left{r}.json as its run ends
@@ -43,6 +49,7 @@ import warnings
 from pathlib import Path
 
 import torch
+from gathered import live
 from torch.utils import _pytree as pytree
 from worker_exit import jobs, leave
 
@@ -52,9 +59,92 @@ from fnloop import Phase
 BATCH = 8
 
 
+class Net(torch.nn.Module):
+    """An input layer, three blocks in a ``ModuleList`` (a sharded step gathers them one at a time), a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(6, 17)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(17, 9), torch.nn.Tanh(), torch.nn.Linear(9, 17))
+            for _ in range(3)
+        )
+        self.head = torch.nn.Linear(17, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.inp(x))
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x)
+
+
 def model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(6, 17), torch.nn.Tanh(), torch.nn.Linear(17, 3))
+    return Net()
+
+
+def language_model(kind: str) -> torch.nn.Module:
+    """A ``transformers`` GPT-2 or Llama of two layers from a tiny config, dropout on (GPT-2's default 0.1),
+    each layer recomputed in the backward (activation checkpointing, non-reentrant)."""
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(vocab_size=61, n_positions=16, n_embd=16, n_layer=2, n_head=2)
+        net = GPT2LMHeadModel._from_config(config, attn_implementation="sdpa")
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(
+            vocab_size=61,
+            hidden_size=16,
+            intermediate_size=24,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=16,
+        )
+        net = LlamaForCausalLM(config)
+    net.activation_checkpointing_enable()
+    return net.train()
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, 61, (64, 12), generator=torch.Generator().manual_seed(1))
+
+
+def lm_loss(forward, batch):
+    return forward(input_ids=batch, labels=batch).loss
+
+
+def _watch_graphs(seen: list[dict]) -> None:
+    """Record, for each graph the regathering pass sees, its collectives and the gathered elements alive at once.
+
+    ``live_before``/``live_after``: the most elements of all-gathered tensors alive at one point of
+    the graph, before and after the pass (a gather lives until the last use of what is made from it).
+    """
+    import fnloop._compile.jit as jit
+
+    real = jit.regathered
+    functional = torch.ops._c10d_functional
+    gather, scatter = functional.all_gather_into_tensor.default, functional.reduce_scatter_tensor.default
+
+    def regathered(graph: torch.fx.GraphModule) -> int:
+        count = lambda target: sum(n.target is target for n in graph.graph.nodes)  # noqa: E731
+        before = live(graph.graph)
+        made = real(graph)
+        seen.append(
+            {
+                "gathers": count(gather) - made,
+                "regathers": made,
+                "scatters": count(scatter),
+                "live_before": before,
+                "live_after": live(graph.graph),
+            }
+        )
+        return made
+
+    jit.regathered = regathered
 
 
 def data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,16 +249,25 @@ def run(argv: list[str]) -> Path:
     parser.add_argument("--kill-in-save")
     parser.add_argument("--sigterm-at", type=int)
     parser.add_argument("--lose-rank")
+    parser.add_argument("--blocks", choices=("found", "none"), default="found")
+    parser.add_argument("--model", choices=("net", "gpt2", "llama"), default="net")
+    parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--from", dest="start", help="DIR:I, start from DIR's checkpoint of iteration I")
     args = parser.parse_args(argv)
+    graphs: list[dict] = []
+    _watch_graphs(graphs)
     if args.kill_in_save:
         r, i, when = args.kill_in_save.split(":")
         _kill_in_save(int(r), int(i), when)
     shard = None if args.shard == "None" else args.shard
-    net, opt = model(), optimizer()
+    net, opt = (model() if args.model == "net" else language_model(args.model)), optimizer()
     state = fl.init(net, opt, seed=0, max_iter=args.max_iter, shard=shard)
     hooks: list = []
     if args.checkpoint:
         state = fl.checkpoint.resume(args.checkpoint, like=state)
+    if args.start:
+        where, at = args.start.rsplit(":", 1)
+        state = fl.load(fl.checkpoint.path_for(where, int(at)), like=state)
     began = state.iteration
     if args.checkpoint:
         saving = fl.hooks.checkpoint(args.checkpoint, keep=None, background=args.background)
@@ -181,8 +280,17 @@ def run(argv: list[str]) -> Path:
     if args.lose_rank:
         r, i, how = args.lose_rank.split(":")
         hooks.append(_Lose(int(r), int(i), how, out))
-    step = fl.train_step(net, loss_fn, opt, compile=args.compile, steps_per_call=args.steps_per_call)
-    batches = fl.data.batches(data(), batch_size=BATCH, seed=0)
+    blocks = None if args.blocks == "found" else ()
+    step = fl.train_step(
+        net,
+        loss_fn if args.model == "net" else lm_loss,
+        opt,
+        compile=args.compile,
+        steps_per_call=args.steps_per_call,
+        blocks=blocks,
+        autocast=torch.bfloat16 if args.bf16 else None,
+    )
+    batches = fl.data.batches(data() if args.model == "net" else tokens(), batch_size=BATCH, seed=0)
     rank = fl.distributed.rank()
     try:
         final = fl.run(state, step, batches, hooks)
@@ -208,6 +316,7 @@ def run(argv: list[str]) -> Path:
             "began": began,
             "data": final.data,
             "compiles": step.compiles,
+            "graphs": graphs,
             "shards": None if final.shards is None else (final.shards.world, final.shards.rank),
         },
         out / f"rank{rank}.pt",

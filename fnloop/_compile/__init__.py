@@ -13,8 +13,9 @@ inductor error came from), ``seeding.py`` (random ops drawn from a seed
 input: ``Draws``), ``loop.py`` (``scan`` over a traced body), ``cache.py``
 (compiled graphs on disk), ``probes.py`` (inductor's CPU probes remembered),
 ``options.py`` (fnloop's inductor settings), ``batching.py`` (a batch as
-tensors and a static structure), ``patches.py`` (every process-wide change,
-behind one lock), ``errors.py``.
+tensors and a static structure), ``regather.py`` (a sharded step's block
+gathered anew for its backward: a pass over the traced graph),
+``patches.py`` (every process-wide change, behind one lock), ``errors.py``.
 
 Private torch APIs used here, each where it is used:
 
@@ -31,12 +32,15 @@ Private torch APIs used here, each where it is used:
 - ``torch._inductor.cpu_vec_isa.VecISA._probe_load``, ``torch._C._set_mkldnn_enabled``,
   ``torch.compiler._compile_session_context`` (``is_compiling()`` true while a step is
   traced, as under ``torch.compile``), the fake tensors' logger silenced, and
-  ``torch.get_rng_state``/``set_rng_state`` replaced for a block (``patches.py``).
+  ``torch.get_rng_state``/``set_rng_state`` replaced for a block (``patches.py``);
+- the ops ``torch.ops._c10d_functional.all_gather_into_tensor`` and
+  ``reduce_scatter_tensor`` found in a traced graph by name (``regather.py``,
+  ``jit.py``).
 
 Outside the room, the step uses ``torch.nn.utils.stateless._reparametrize_module``
 (``fnloop/_step/kernel.py``, what ``functional_call`` uses) and
 ``torch.distributed._functional_collectives`` (``fnloop/_step/sharding.py``,
-``replicas.py``).
+``blocks.py``, ``replicas.py``).
 
 Tested on torch 2.13 (CI, ``constraints.txt``); older torch back to 2.4 takes
 the fallbacks marked in the code (no ``standalone_compile``: dynamo over the
@@ -46,7 +50,8 @@ traced graph; no ``scan``: every step written out). Switches:
 
 Before changing anything here, run the models suite (``tests/test_models.py``),
 ``tests/test_remat.py``, ``tests/test_compile_cache.py``,
-``tests/test_steps_per_call.py`` and ``tests/test_population.py``, and
+``tests/test_steps_per_call.py``, ``tests/test_population.py``,
+``tests/test_blocks.py`` and ``tests/test_sharding.py``, and
 ``benchmarks/bench_step.py`` against the change.
 """
 

@@ -29,6 +29,7 @@ from fnloop._compile.cache import CompileCache, default_cache, graph_key
 from fnloop._compile.errors import CompileFailed, OverBudget, RandomInGraph
 from fnloop._compile.options import default_options, inductor_options
 from fnloop._compile.probes import remembered_probes
+from fnloop._compile.regather import regathered
 from fnloop._compile.trace import Flat, Traceable, accumulating, located, trace
 
 __all__ = ["Entry", "Jit"]
@@ -62,6 +63,10 @@ def _compile(
             f"{no_random} The ops that draw from torch's generator: {sorted(set(traced.draws))}."
         )
     nodes = traced.nodes
+    if _shards(nodes) and regathered(traced.graph):  # a block's gather made anew for its backward
+        nodes = [
+            n for m in traced.graph.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes
+        ]
     ops = sum(node.op == "call_function" for node in nodes)
     options = {
         **default_options(leaves, _has_loops(nodes), ops, traced.recomputes, _shards(nodes)),

@@ -13,6 +13,7 @@ from fnloop._core.messages import got
 from fnloop._core.shards import MODES, Shards
 from fnloop._core.state import TrainState
 from fnloop._core.steps import Applied, Step
+from fnloop._step.blocks import Blocks, units_of
 from fnloop._step.compiler import compile_step
 from fnloop._step.errors import (
     CompileError,
@@ -23,6 +24,7 @@ from fnloop._step.errors import (
 from fnloop._step.eval import plain_module
 from fnloop._step.kernel import Kernel, LossFn, frozen
 from fnloop._step.layout import in_place
+from fnloop._step.materialize import InitWeights, is_meta, materialized
 from fnloop._step.sharding import chunk
 from fnloop._step.train import TrainStep
 from fnloop.distributed import _group, broadcast_tensors, rank, world_size
@@ -48,6 +50,7 @@ def init(
     max_iter: int,
     extra: Any = None,
     shard: str | None = None,
+    init_weights: InitWeights | None = None,
 ) -> TrainState:
     """A state for training ``model`` with ``optimizer`` from iteration 0.
 
@@ -73,6 +76,13 @@ def init(
             one; ``state.shards`` records how, and ``train_step`` reads it. See
             ``docs/distributed.md#sharded-training``. ``None``: every rank holds
             the whole state.
+        init_weights: for a model built on the meta device (its tensors have
+            no memory yet), ``init_weights(module)`` fills a module's own
+            tensors in place; without it, each module's ``reset_parameters()``.
+            The tensors are made one module at a time, each kept only as the
+            state needs it (this rank's rows, when sharded), from a seed of
+            ``seed`` and the module's name. See
+            ``docs/distributed.md#a-model-larger-than-one-process``.
 
     Examples:
         >>> import fnloop as fl
@@ -93,17 +103,22 @@ def init(
     if type(seed) is not int or seed < 0:
         raise ValueError(f"'seed' must be a non-negative int ({got(seed)}).")
     fixed = frozen(model, "init")
-    params = {name: p.detach().clone() for name, p in model.named_parameters()}
-    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-    # Data parallel: every rank starts from rank 0's initialization, as DistributedDataParallel does.
-    broadcast_tensors([*params.values(), *buffers.values()])
-    shards = _shards(shard, params)
-    trained = params
-    if shards is not None:  # this rank's chunks: of the parameters, and of what the optimizer keeps
-        split = shards.names
-        trained = {k: chunk(v, shards, k) if k in split else v for k, v in params.items()}
-        if shards.params:
-            params = trained
+    if init_weights is not None and not callable(init_weights):
+        raise TypeError(f"init(init_weights=...) must be a function of a module ({got(init_weights)}).")
+    shards = _shards(shard, dict(model.named_parameters()))
+    if is_meta(model):  # made here, module by module, each rank's part kept
+        params, buffers, trained = _materialized(model, seed, init_weights, shards)
+    else:
+        params = {name: p.detach().clone() for name, p in model.named_parameters()}
+        buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+        # Data parallel: every rank starts from rank 0's initialization, as DistributedDataParallel does.
+        broadcast_tensors([*params.values(), *buffers.values()])
+        trained = params
+        if shards is not None:  # this rank's chunks: of the parameters, and of what the optimizer keeps
+            split = shards.names
+            trained = {k: chunk(v, shards, k) if k in split else v for k, v in params.items()}
+            if shards.params:
+                params = trained
     return TrainState(
         max_iter=max_iter,
         params=params,
@@ -113,6 +128,29 @@ def init(
         extra=extra,
         shards=shards,
     )
+
+
+def _materialized(
+    model: torch.nn.Module, seed: int, init_weights: InitWeights | None, shards: Shards | None
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The params, buffers and trained tensors of a model on the meta device, made module by module.
+
+    Only with ``shard="full"`` is a parameter kept as this rank's chunk alone.
+    """
+    split = shards.names if shards is not None and shards.params else frozenset()
+
+    def kept(name: str, whole: torch.Tensor) -> torch.Tensor:
+        return chunk(whole, shards, name) if name in split else whole.clone()  # type: ignore[arg-type]
+
+    params: dict[str, torch.Tensor] = {}
+    buffers: dict[str, torch.Tensor] = {}
+    for name, tensor, parameter in materialized(model, seed, init_weights, kept):
+        (params if parameter else buffers)[name] = tensor
+    params = {name: params[name] for name, _ in model.named_parameters()}
+    trained = params
+    if shards is not None and not shards.params:  # "optimizer": what the optimizer keeps is chunks
+        trained = {k: chunk(v, shards, k) if k in shards.names else v for k, v in params.items()}
+    return params, buffers, trained
 
 
 def _refuse_fsdp(model: torch.nn.Module) -> None:
@@ -164,6 +202,7 @@ def train_step(
     skip_nonfinite: bool = False,
     steps_per_call: int = 1,
     deterministic: bool = False,
+    blocks: Blocks = None,
 ) -> Step:
     """The pure step ``(state, batch) -> state`` for ``model``, ``loss_fn`` and ``optimizer``.
 
@@ -224,6 +263,13 @@ def train_step(
             indices known only when it runs (an embedding's gradient) varies
             in the last bits on a CPU with several threads or on a GPU, and
             warns once when it is first compiled. See ``docs/replay.md``.
+        blocks: for a state sharded with ``init(..., shard="full")``, the
+            modules whose parameters are gathered only while they run, one
+            block at a time (FSDP2's ``fully_shard`` per layer): module names
+            or classes. ``None`` finds them (a ``transformers`` model's layers,
+            else each child of an ``nn.ModuleList``); ``()`` gathers every
+            parameter before the forward. See
+            ``docs/distributed.md#block-by-block``.
 
     Returns:
         The step. With ``donate=False`` it has no ``donating`` variant.
@@ -257,7 +303,9 @@ def train_step(
     steps_per_call = _check_positive("steps_per_call", steps_per_call)
     if type(deterministic) is not bool:
         raise TypeError(f"'deterministic' must be a bool ({got(deterministic)}).")
-    kernel = Kernel(model, loss_fn, optimizer, accumulate, autocast, eager=not compile)
+    kernel = Kernel(
+        model, loss_fn, optimizer, accumulate, autocast, eager=not compile, units=units_of(model, blocks)
+    )
     return step_of(
         kernel,
         compile=compile,

@@ -29,7 +29,7 @@ import contextlib
 import functools
 import math
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import attrs
 import torch
@@ -38,6 +38,9 @@ from torch.utils import _pytree as pytree
 from fnloop._step.errors import _NUMBER_METRIC, GraphBreakError, _number
 from fnloop._step.remat import gradients, reentrant_refused
 from fnloop.optim import Optimizer, learning_rates
+
+if TYPE_CHECKING:
+    from fnloop._step.blocks import Units
 
 __all__ = [
     "Grads",
@@ -132,6 +135,8 @@ class Kernel:
     transforms: tuple[Callable[[UpdateStage], UpdateStage], ...] = ()
     """Transformations of the update stage beyond fnloop's own, applied in order before them
     (see ``docs/architecture.md#adding-a-transformation``)."""
+    units: Units = attrs.field(factory=lambda: _no_units())
+    """The blocks a sharded step gathers one at a time (``blocks.py``); none: every parameter at once."""
     fixed: frozenset[str] = attrs.field()
     _checked: list[bool] = attrs.field(factory=list, alias="_checked")
     """Whether a forward has run: the first checks the model's activation checkpointing."""
@@ -220,6 +225,12 @@ class Kernel:
         """``params`` with the trained ones replaced by ``trained``'s, in ``params``'s order."""
         fixed = self.fixed
         return {k: v if k in fixed else trained[k] for k, v in params.items()}
+
+
+def _no_units() -> Units:
+    from fnloop._step.blocks import Units
+
+    return Units()
 
 
 def value_and_grad(

@@ -9,6 +9,7 @@ layout asks for, in one order::
     gradient = value_and_grad(loss)          members: the loss vmapped  (members.py)
              -> accumulated                  accumulate > 1             (accumulate.py)
              -> replicated | sharded         data parallel | sharded    (replicas.py, sharding.py)
+                 | block by block            sharded, the model in blocks (blocks.py)
     update   = kernel.update                 members: vmapped           (members.py)
              -> sharded                      sharded                    (sharding.py)
     step     = gradient, update, guard       members: those training    (members.py)
@@ -29,6 +30,7 @@ from torch.utils import _pytree as pytree
 
 from fnloop._core.shards import Shards
 from fnloop._step.accumulate import accumulated
+from fnloop._step.blocks import blockwise_gradient
 from fnloop._step.kernel import Gradient, Kernel, Stepped, Update, UpdateStage, state_of, value_and_grad
 from fnloop._step.members import member_finite, member_gradient, member_update, only_training
 from fnloop._step.replicas import replicated
@@ -76,7 +78,11 @@ def transformed(kernel: Kernel, layout: Layout, group: Any) -> Update:
     update, finite = kernel.transformed_update(), kernel.finite
     shards = layout.shards
     if shards is not None:
-        gradient, update = sharded_gradient(gradient, shards, group), sharded_update(update, shards, group)
+        if shards.params and group is not None and kernel.units:  # block by block (blocks.py)
+            gradient = blockwise_gradient(kernel, kernel.units, shards, group)
+        else:
+            gradient = sharded_gradient(gradient, shards, group)
+        update = sharded_update(update, shards, group)
         if group is not None:  # each rank saw its own chunks of the gradients
             finite = _on_every_rank(finite, group)
     elif group is not None:

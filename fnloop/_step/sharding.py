@@ -25,7 +25,15 @@ from fnloop._core.shards import Shards
 from fnloop._step.kernel import Gradient, Grads, Updated, UpdateStage
 from fnloop._step.replicas import averaged
 
-__all__ = ["all_ranks", "chunk", "gathered", "scattered", "sharded_gradient", "sharded_update"]
+__all__ = [
+    "all_ranks",
+    "all_reduced_mean",
+    "chunk",
+    "gathered",
+    "scattered",
+    "sharded_gradient",
+    "sharded_update",
+]
 
 
 def sharded_gradient(gradient: Gradient, shards: Shards, group: Any) -> Gradient:
@@ -135,13 +143,22 @@ def scattered(wholes: Mapping[str, torch.Tensor], shards: Shards, group: Any) ->
     for name in [n for n in wholes if n in split]:  # in the dict's order: the same on every rank
         padded = _padded(wholes[name], world * shards.rows_per_rank(name)).contiguous()
         out[name] = _done(scatter(padded, "sum", 0, group)) / world
-    for names in _by_dtype({n: t for n, t in wholes.items() if n not in split}).values():
+    out.update(all_reduced_mean({n: t for n, t in wholes.items() if n not in split}, group, world))
+    return {name: out[name] for name in wholes}
+
+
+def all_reduced_mean(wholes: Mapping[str, torch.Tensor], group: Any, world: int) -> dict[str, torch.Tensor]:
+    """The mean over ranks of each of ``wholes``, all of a dtype in one all-reduce."""
+    import torch.distributed._functional_collectives as funcol
+
+    out = {}
+    for names in _by_dtype(wholes).values():
         flat = (
             _done(funcol.all_reduce(torch.cat([wholes[n].reshape(-1) for n in names]), "sum", group)) / world
         )
         for n, part in zip(names, flat.split([wholes[n].numel() for n in names])):
             out[n] = part.view(wholes[n].shape)
-    return {name: out[name] for name in wholes}
+    return out
 
 
 def summed(value: torch.Tensor, group: Any) -> torch.Tensor:

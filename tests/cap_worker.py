@@ -1,0 +1,112 @@
+"""A model whose state is several times what each rank may hold, trained under a memory limit per rank.
+
+    torchrun --standalone --nproc_per_node=N tests/cap_worker.py RESULTS --shard full|none [--limit MIB]
+        [--then RESULTS ...]
+
+The model (``DEPTH`` equal blocks of ``Linear(WIDTH, WIDTH)``, AdamW) is built on the meta device and
+made by ``fl.init`` module by module, so no rank ever holds it whole unless its layout says so. With
+``--limit``, each rank moves itself into a memory cgroup of its own (cgroup v1, the machine's
+memory controller) right after importing torch and joining the process group, with that limit on
+what it charges from then on: the kernel kills a rank that goes over it. Each rank writes
+``RESULTS/rank{r}.json``: the bytes its state holds, the peak it charged (the cgroup's
+``max_usage_in_bytes``) and the losses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import torch
+from worker_exit import jobs, leave
+
+import fnloop as fl
+
+WIDTH, DEPTH, BATCH = 2048, 8, 16
+CGROUPS = Path("/sys/fs/cgroup/memory")
+
+
+class Blocks(torch.nn.Module):
+    def __init__(self, width: int = WIDTH) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(DEPTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def state_bytes() -> int:
+    """What the whole training state holds: the parameters and AdamW's two moments."""
+    return 3 * DEPTH * (WIDTH * WIDTH + WIDTH) * 4
+
+
+def _limited(name: str, limit: int) -> Path:
+    """This process in a memory cgroup of its own, limited to ``limit`` bytes charged from now on."""
+    group = CGROUPS / name
+    group.mkdir(exist_ok=True)
+    (group / "memory.limit_in_bytes").write_text(str(limit))
+    (group / "cgroup.procs").write_text(str(os.getpid()))
+    return group
+
+
+def main() -> None:
+    import sys
+
+    torch.set_num_threads(1)
+    fl.distributed.setup()
+    _warm()
+    for job in jobs(sys.argv[1:]):
+        run(job)
+    leave(fl.distributed.rank())
+
+
+def _warm() -> None:
+    """A tiny sharded step compiled and run once, before any limit: the libraries a step loads on first
+    use (inductor, the compiled graph's loader) are loaded outside what a job is charged."""
+    model, optimizer = Blocks(width=4), fl.optim.adamw(1e-3)
+    state = fl.init(model, optimizer, seed=0, max_iter=1, shard="full")
+    step = fl.train_step(model, lambda forward, x: forward(x).square().mean(), optimizer)
+    fl.run(state, step, [torch.ones(4, 4)])
+
+
+def run(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("results")
+    parser.add_argument("--shard", choices=("full", "none"), required=True)
+    parser.add_argument("--limit", type=int, help="MiB each rank may charge after joining")
+    parser.add_argument("--steps", type=int, default=4)
+    args = parser.parse_args(argv)
+    rank, world = fl.distributed.rank(), fl.distributed.world_size()
+    out = Path(args.results)
+    out.mkdir(parents=True, exist_ok=True)
+    group = _limited(f"{out.name}-{os.getpid()}", (args.limit or 2**20) * 2**20)
+    with torch.device("meta"):
+        model = Blocks()
+    optimizer = fl.optim.adamw(1e-3)
+    state = fl.init(
+        model, optimizer, seed=0, max_iter=args.steps, shard=None if args.shard == "none" else "full"
+    )
+    step = fl.train_step(model, lambda forward, x: forward(x).square().mean(), optimizer)
+    data = torch.randn(BATCH * 4, WIDTH, generator=torch.Generator().manual_seed(1))
+    final = fl.run(state, step, fl.data.batches(data, batch_size=BATCH, seed=0))
+    held = sum(t.numel() * t.element_size() for t in (*final.params.values(), *_leaves(final.opt_state)))
+    peak = int((group / "memory.max_usage_in_bytes").read_text())
+    (group / "cgroup.procs").parent.parent.joinpath("cgroup.procs").write_text(str(os.getpid()))  # out again
+    losses = [float(v) for _, v in final.metrics.series["loss"]]
+    (out / f"rank{rank}.json").write_text(
+        json.dumps({"held": held, "peak": peak, "world": world, "losses": losses})
+    )
+
+
+def _leaves(tree: object) -> list[torch.Tensor]:
+    from torch.utils import _pytree as pytree
+
+    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+if __name__ == "__main__":
+    main()
