@@ -208,3 +208,42 @@ def test_a_meta_module_without_reset_parameters_needs_init_weights_and_is_filled
     assert torch.equal(state.params["gain"], torch.ones(3))
     with pytest.raises(TypeError, match="init_weights"):
         fl.init(_on_meta(Scale), fl.optim.sgd(0.1), seed=0, max_iter=1, init_weights="ones")
+
+
+def test_torch_s_transformer_layers_are_made_on_the_meta_device_attention_included() -> None:
+    import fnloop as fl
+
+    layer = _on_meta(lambda: torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True))
+    state = fl.init(layer, fl.optim.adamw(1e-3), seed=0, max_iter=1)
+    weight = state.params["self_attn.in_proj_weight"]  # MultiheadAttention fills it in _reset_parameters
+    assert (
+        not weight.is_meta
+        and 0 < weight.std() < 1
+        and torch.equal(state.params["norm1.weight"], torch.ones(8))
+    )
+
+
+def test_a_transformers_model_on_the_meta_device_is_made_by_its_own_init_weights() -> None:
+    import fnloop as fl
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=61,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=16,
+    )
+    model = _on_meta(lambda: transformers.LlamaForCausalLM(config))
+    state = fl.init(model, fl.optim.adamw(1e-3), seed=0, max_iter=1, init_weights=model._init_weights)
+    reference = transformers.LlamaForCausalLM(config)  # built on the CPU, as transformers initializes it
+    for name, tensor in reference.state_dict().items():
+        mine = {**state.params, **state.buffers}.get(name)
+        if mine is None:
+            continue  # the head tied to the embeddings: one tensor in the state
+        if name.endswith("norm.weight") or "rotary" in name:
+            assert torch.equal(mine, tensor), name  # ones, and the rotary frequencies
+        else:
+            assert abs(mine.std() - tensor.std()) < 0.3 * tensor.std(), name  # the same distribution (std 0.02)

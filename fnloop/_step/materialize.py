@@ -76,10 +76,9 @@ def _filled(
     device: torch.device | str,
 ) -> dict[str, torch.Tensor]:
     """``module``'s own tensors, made on ``device`` and filled, on a copy of the module (the model is left as it is)."""
-    alone: Any = copy.copy(module)  # shares nothing it changes: its own tensors are replaced below
+    alone: Any = copy.copy(module)  # its own tensors replaced below; its children (still meta) shared
     alone._parameters = dict(module._parameters)
     alone._buffers = dict(module._buffers)
-    alone._modules = {}
     where = f"its module {prefix!r}" if prefix else "the model itself"
     with torch.no_grad():
         for local, t in list(alone._parameters.items()):
@@ -96,6 +95,8 @@ def _filled(
                 init_weights(alone)
             elif hasattr(alone, "reset_parameters"):
                 alone.reset_parameters()
+            elif hasattr(alone, "_reset_parameters"):  # torch.nn.MultiheadAttention's name for it
+                alone._reset_parameters()
             else:
                 meta = [
                     n
