@@ -30,6 +30,10 @@ step); the working peak: the peak resident memory over the timed steps above
 the memory before them (``VmHWM``, reset through ``/proc/self/clear_refs``),
 which counts the step's gradients and gathered parameters; their sum; and
 milliseconds per global step. Ratios are against data parallel at the same world size.
+With ``--live``, every allocation of 64 KiB or more is its own mapping, returned to the
+system when freed (``MALLOC_MMAP_THRESHOLD_``): the working peak then follows the live
+tensors instead of the pages glibc keeps for reuse (the steps are slower so; compare
+memory only).
 
 Part ``stall``: the training stall of a background checkpoint save against a
 synchronous one, on a 200 MB state (``benchmarks/bench_background_save.py``,
@@ -81,6 +85,14 @@ def worker(workload: str, steps: int, threads: int) -> None:
         print(f"ms/step {took / steps * 1e3:.4f}")
 
 
+def _trimmed() -> None:
+    """glibc's free pages handed back to the system (``malloc_trim``), so that the peak that follows
+    counts what the steps allocate, not pages the warm-up freed and glibc kept for reuse."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
 def _rss_kib(field: str) -> int:
     with open("/proc/self/status") as status:
         for line in status:
@@ -113,6 +125,7 @@ def sharded_worker(shard: str, steps: int) -> None:
     state = fl.run(state, step, stream)
     held = sum(t.numel() * t.element_size() for t in (*state.params.values(), *_leaves(state.opt_state)))
     state = fl.TrainState(**{**state.__dict__, "max_iter": warm + steps})
+    _trimmed()
     before = _rss_kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as clear:
         clear.write("5")  # VmHWM := VmRSS
@@ -165,6 +178,7 @@ def _fsdp2(model: torch.nn.Module, batch: torch.Tensor, steps: int, fused: bool)
     local = [p.to_local() for p in model.parameters()]
     local += [t.to_local() for st in opt.state.values() for t in st.values() if t.ndim]
     held = sum(t.numel() * t.element_size() for t in local)
+    _trimmed()
     before = _rss_kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as clear:
         clear.write("5")
@@ -182,7 +196,7 @@ def _leaves(tree: object) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
-def sharded(repeats: int, steps: int) -> None:
+def sharded(repeats: int, steps: int, live: bool = False) -> None:
     print(
         f"\nsharded: {DEPTH} x Linear({WIDTH}, {WIDTH}), AdamW, global batch 16; per rank, median of", repeats
     )
@@ -205,6 +219,8 @@ def sharded(repeats: int, steps: int) -> None:
                     f"--nproc_per_node={ranks}",
                 ]
                 env = {**os.environ, "OMP_NUM_THREADS": "1"}
+                if live:  # every allocation of 64 KiB or more its own mapping, returned when freed
+                    env["MALLOC_MMAP_THRESHOLD_"] = "65536"
                 done = subprocess.run([*command, *me], capture_output=True, text=True, env=env, timeout=1200)
                 if done.returncode:
                     raise RuntimeError(done.stderr[-3000:])
@@ -259,6 +275,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--steps", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--live",
+        action="store_true",
+        help="sharded: glibc maps every large allocation, so RSS follows live memory",
+    )
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.steps, args.threads)
@@ -267,7 +288,7 @@ def main() -> None:
         sharded_worker(args.sharded_worker, args.steps)
         return
     if args.part == "sharded":
-        sharded(args.repeats, args.steps or 5)
+        sharded(args.repeats, args.steps or 5, args.live)
         return
     if args.part == "stall":
         stall()

@@ -246,4 +246,5 @@ def test_a_transformers_model_on_the_meta_device_is_made_by_its_own_init_weights
         if name.endswith("norm.weight") or "rotary" in name:
             assert torch.equal(mine, tensor), name  # ones, and the rotary frequencies
         else:
-            assert abs(mine.std() - tensor.std()) < 0.3 * tensor.std(), name  # the same distribution (std 0.02)
+            # The same distribution (std 0.02).
+            assert abs(mine.std() - tensor.std()) < 0.3 * tensor.std(), name
