@@ -31,7 +31,7 @@ KILLS = ["1:20:before", "1:20:after", "0:20:before", "0:20:after"]
 DAMAGED = ["ckpt-00000030.safetensors", "ckpt-00000030.part-00001-of-00002.safetensors"]
 
 
-def launch(ranks: int, *jobs: list[str]) -> subprocess.CompletedProcess[str]:
+def launch(ranks: int, *jobs: list[str], limit: int = LIMIT) -> subprocess.CompletedProcess[str]:
     """``jobs`` (each ``[RESULTS, *options]``) one after the other, in one launch of ``ranks`` processes."""
     runner = [sys.executable]
     if ranks > 1:
@@ -40,7 +40,7 @@ def launch(ranks: int, *jobs: list[str]) -> subprocess.CompletedProcess[str]:
     for job in jobs[1:]:
         argv += ["--then", *(str(a) for a in job)]
     env = {**os.environ, **ONE_CORE_EACH}
-    return subprocess.run([*runner, WORKER, *argv], capture_output=True, text=True, timeout=LIMIT, env=env)
+    return subprocess.run([*runner, WORKER, *argv], capture_output=True, text=True, timeout=limit, env=env)
 
 
 def ok(done: subprocess.CompletedProcess[str]) -> None:
@@ -380,7 +380,9 @@ def language(tmp_path_factory: pytest.TempPathFactory) -> Path:
         jobs.append(
             [tmp / f"{name}-resumed", "--model", name, *LANGUAGE, "--from", f"{tmp / f'ckpt-{name}'}:3"]
         )
-    ok(launch(2, *jobs))
+    # Four transformers graphs to compile (two per model, the resumed jobs load theirs): 3 to 9
+    # minutes on a busy 2-core machine.
+    ok(launch(2, *jobs, limit=3 * LIMIT))
     ok(
         launch(
             1,
@@ -388,6 +390,7 @@ def language(tmp_path_factory: pytest.TempPathFactory) -> Path:
                 [tmp / f"{n}-one", "--model", n, *LANGUAGE, "--from", f"{tmp / f'ckpt-{n}'}:3"]
                 for n in ("gpt2", "llama")
             ),
+            limit=2 * LIMIT,
         )
     )
     return tmp
