@@ -31,6 +31,7 @@ Options:
     --model KIND       net (default), gpt2 or llama: a transformers model of two layers from a tiny
                        config, dropout on, activation checkpointing on, on random tokens
     --bf16             train_step(..., autocast=torch.bfloat16)
+    --accumulate K     train_step(..., accumulate=K)
     --from DIR:I       start from DIR's checkpoint of iteration I (at this job's world size)
     --lose-rank R:I:HOW
                        rank R, alone, at AFTER_STEP of step I: HOW "kill" (SIGKILL) or "raise" (an
@@ -252,6 +253,7 @@ def run(argv: list[str]) -> Path:
     parser.add_argument("--blocks", choices=("found", "none"), default="found")
     parser.add_argument("--model", choices=("net", "gpt2", "llama"), default="net")
     parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--from", dest="start", help="DIR:I, start from DIR's checkpoint of iteration I")
     args = parser.parse_args(argv)
     graphs: list[dict] = []
@@ -289,6 +291,7 @@ def run(argv: list[str]) -> Path:
         steps_per_call=args.steps_per_call,
         blocks=blocks,
         autocast=torch.bfloat16 if args.bf16 else None,
+        accumulate=args.accumulate,
     )
     batches = fl.data.batches(data() if args.model == "net" else tokens(), batch_size=BATCH, seed=0)
     rank = fl.distributed.rank()

@@ -89,7 +89,8 @@ def two(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The 2-rank reference jobs, in one launch; each job's results in a folder of its name.
 
     ``dp``: data parallel, 50 steps, compiled; ``full``/``optimizer`` (compiled) and ``full-eager``:
-    sharded, the same 50 steps (``full`` block by block, ``full-all`` gathering everything at once); ``single``/``several``: 8 steps of ``full`` compiled, one step or two
+    sharded, the same 50 steps (``full`` block by block, ``full-all`` gathering everything at once,
+    ``full-accumulate-eager`` block by block over two micro-batches); ``single``/``several``: 8 steps of ``full`` compiled, one step or two
     per call; ``ref``: the run that checkpoints into ``ckpt``.
     """
     tmp = tmp_path_factory.mktemp("two")
@@ -101,6 +102,7 @@ def two(tmp_path_factory: pytest.TempPathFactory) -> Path:
             [tmp / "full-all", "--shard", "full", "--compile", "--blocks", "none"],
             [tmp / "optimizer", "--shard", "optimizer", "--compile"],
             [tmp / "full-eager", "--shard", "full"],
+            [tmp / "full-accumulate-eager", "--shard", "full", "--accumulate", "2"],
             [tmp / "single", "--shard", "full", "--compile", "--max-iter", "8"],
             [tmp / "several", "--shard", "full", "--compile", "--max-iter", "8", "--steps-per-call", "2"],
             [tmp / "ref", *CHECKPOINTED, "--checkpoint", tmp / "ckpt"],
@@ -140,6 +142,7 @@ def four(two: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("full-all", 2, True),
         ("optimizer", 2, True),
         ("full", 2, False),
+        ("full-accumulate", 2, False),
         ("full", 4, False),
         ("optimizer", 4, False),
     ],
