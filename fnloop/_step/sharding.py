@@ -4,7 +4,9 @@ fnloop shards as FSDP2 does (``Shard(0)``, see ``fnloop._core.shards``) but
 with the collectives in its own traced step, as torchtitan's SimpleFSDP does
 under ``torch.compile``: the parameters' chunks are all-gathered before the
 forward, the whole gradients reduce-scattered after the backward, and the
-optimizer updates this rank's chunks only.
+optimizer updates this rank's chunks only. A ``"full"`` state of a model
+with blocks gathers block by block instead (``blocks.py``); this gathers
+everything at once (``train_step(..., blocks=())``), and ``"optimizer"``.
 
 One collective per parameter, not one per dtype over all of them end to end:
 on the sharding benchmark (4 layers of ``Linear(2048, 2048)``, AdamW, gloo)
