@@ -19,8 +19,9 @@ of each variant over 1 process, 1 thread.
 Part ``sharded``: a model whose state dominates (8 equal blocks of ``Linear(2048,
 2048)`` in a ``ModuleList``, AdamW, global batch 16), on 2 and 4 ranks, unsharded
 (data parallel), ``shard="optimizer"``, ``shard="full"`` gathering everything before
-the forward (``full-all``, ``blocks=()``) and block by block (``full``), and the
-reference: torch's FSDP2 (``fully_shard`` on each block and the root,
+the forward (``full-all``, ``blocks=()``), block by block (``full``), block by
+block with inductor's compute/communication reordering (``full-prefetch``, which
+issues each gather ahead of the compute before it), and the reference: torch's FSDP2 (``fully_shard`` on each block and the root,
 ``torch.optim.AdamW`` with ``foreach=True`` and with ``fused=True``, both measured,
 eager). Each launch runs one of them (memory is a process's own); fnloop's workers
 move the module to the meta device after ``fl.init`` (the step needs its structure
@@ -29,7 +30,8 @@ and optimizer state the state holds between steps (gradients live only inside th
 step); the working peak: the peak resident memory over the timed steps above
 the memory before them (``VmHWM``, reset through ``/proc/self/clear_refs``),
 which counts the step's gradients and gathered parameters; their sum; and
-milliseconds per global step. Ratios are against data parallel at the same world size.
+milliseconds per global step. Ratios are against the first of ``--modes`` (data
+parallel by default) at the same world size.
 With ``--live``, every allocation of 64 KiB or more is its own mapping, returned to the
 system when freed (``MALLOC_MMAP_THRESHOLD_``): the working peak then follows the live
 tensors instead of the pages glibc keeps for reuse (the steps are slower so; compare
@@ -116,10 +118,12 @@ def sharded_worker(shard: str, steps: int) -> None:
     if shard.startswith("fsdp2"):
         _fsdp2(model, data[:batch], steps, fused=shard.endswith("fused"))
         return
-    step = fl.train_step(model, loss_fn, opt, blocks=() if shard == "full-all" else None)
+    # full-prefetch: inductor's compute/communication reordering (each gather issued ahead of its use).
+    options = {"reorder_for_compute_comm_overlap": True} if shard == "full-prefetch" else None
+    step = fl.train_step(model, loss_fn, opt, blocks=() if shard == "full-all" else None, options=options)
     stream = fl.data.batches(data, batch_size=16, seed=0)
     warm = 3
-    mode = {"none": None, "full-all": "full"}.get(shard, shard)
+    mode = {"none": None, "full-all": "full", "full-prefetch": "full"}.get(shard, shard)
     state = fl.init(model, opt, seed=0, max_iter=warm, shard=mode)
     model.to("meta")  # the module's own weights: the step needs its structure only
     state = fl.run(state, step, stream)
@@ -196,7 +200,10 @@ def _leaves(tree: object) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
-def sharded(repeats: int, steps: int, live: bool = False) -> None:
+SHARDED_MODES = ("none", "optimizer", "full-all", "full", "full-prefetch", "fsdp2-foreach", "fsdp2-fused")
+
+
+def sharded(repeats: int, steps: int, live: bool = False, modes: tuple[str, ...] = SHARDED_MODES) -> None:
     print(
         f"\nsharded: {DEPTH} x Linear({WIDTH}, {WIDTH}), AdamW, global batch 16; per rank, median of", repeats
     )
@@ -206,7 +213,6 @@ def sharded(repeats: int, steps: int, live: bool = False) -> None:
     )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for ranks in (2, 4):
-        modes = ("none", "optimizer", "full-all", "full", "fsdp2-foreach", "fsdp2-fused")
         found: dict[str, list[tuple[int, int, float]]] = {m: [] for m in modes}
         for _ in range(repeats):
             for mode in found:
@@ -230,7 +236,7 @@ def sharded(repeats: int, steps: int, live: bool = False) -> None:
                 peak = max(int(r[5]) for r in rows)
                 ms = max(float(r[7]) for r in rows)
                 found[mode].append((held, peak, ms))
-        base = [statistics.median(x[i] for x in found["none"]) for i in range(3)]
+        base = [statistics.median(x[i] for x in found[modes[0]]) for i in range(3)]
         for mode, runs in found.items():
             held, peak, ms = (statistics.median(x[i] for x in runs) for i in range(3))
             total, base_total = held + peak, base[0] + base[1]
@@ -276,6 +282,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
+        "--modes",
+        default=",".join(SHARDED_MODES),
+        help="sharded: the variants, comma-separated; the first is the ratios' base",
+    )
+    parser.add_argument(
         "--live",
         action="store_true",
         help="sharded: glibc maps every large allocation, so RSS follows live memory",
@@ -288,7 +299,7 @@ def main() -> None:
         sharded_worker(args.sharded_worker, args.steps)
         return
     if args.part == "sharded":
-        sharded(args.repeats, args.steps or 5, args.live)
+        sharded(args.repeats, args.steps or 5, args.live, tuple(args.modes.split(",")))
         return
     if args.part == "stall":
         stall()

@@ -122,12 +122,12 @@ def _gatherer(state: TrainState) -> Any:
     """``tensor -> the whole tensor`` for ``state``'s chunks (other tensors as they are)."""
     import torch.distributed as dist
 
-    from fnloop.distributed import _group
+    from fnloop.distributed import _group, mesh_groups
 
     shards = state.shards
     assert shards is not None
     chunks = sharded_tensors(state.params, state.opt_state, shards)
-    group = _group()
+    group = _group() if shards.replicas == 1 else mesh_groups(shards.replicas)[0]  # the ranks of one copy
 
     def whole(tensor: Any) -> Any:
         name = chunks.get(id(tensor))

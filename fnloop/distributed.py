@@ -114,6 +114,7 @@ def _leave() -> None:
         return
     # Garbage first: a step (often in a reference cycle) holds the group in its compiled graph's
     # collectives, and a group freed only by the interpreter's final collection aborts the same way.
+    _meshes.clear()
     gc.collect()
     dist.destroy_process_group()
 
@@ -124,6 +125,31 @@ def _group() -> Any:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return dist.group.WORLD
     return None
+
+
+_meshes: dict[tuple[int, int, int], tuple[Any, Any]] = {}
+"""(the world group's id, its size, copies) -> this process's (shard group, replica group), made once."""
+
+
+def mesh_groups(replicas: int) -> tuple[Any, Any]:
+    """This rank's groups of a 2-D mesh of ``replicas`` copies (HSDP): ``(shard group, replica group)``.
+
+    The ranks are laid out as FSDP2's ``(replicate, shard)`` mesh: each copy
+    is a block of ``world / replicas`` consecutive ranks (under ``torchrun``,
+    a machine's processes when the block is a machine's size), and the replica
+    group links the ranks of the same place in each copy. Made on first use,
+    by every rank (``torch.distributed.new_group`` is a collective).
+    """
+    world = world_size()
+    key = (id(dist.group.WORLD), world, replicas)
+    if key not in _meshes:
+        per = world // replicas
+        shard, _ = dist.new_subgroups_by_enumeration(
+            [list(range(c * per, (c + 1) * per)) for c in range(replicas)]
+        )
+        across, _ = dist.new_subgroups_by_enumeration([list(range(r, world, per)) for r in range(per)])
+        _meshes[key] = (shard, across)
+    return _meshes[key]
 
 
 def rank() -> int:

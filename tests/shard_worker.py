@@ -13,6 +13,7 @@ warnings it gave into ``RESULTS/warnings{r}.json``.
 
 Options:
     --shard MODE       None (data parallel), full or optimizer
+    --replicate R      init(..., replicate=R): R copies of the sharded state (HSDP)
     --max-iter N       steps in all (default 50)
     --compile          compile the step (default: eager)
     --steps-per-call K train_step(..., steps_per_call=K)
@@ -121,7 +122,7 @@ def lm_loss(forward, batch):
 def _watch_graphs(seen: list[dict]) -> None:
     """Record, for each graph the regathering pass sees, its collectives and the gathered elements alive at once.
 
-    ``live_before``/``live_after``: the most elements of all-gathered tensors alive at one point of
+    ``reduces``: all-reduces. ``live_before``/``live_after``: the most elements of all-gathered tensors alive at one point of
     the graph, before and after the pass (a gather lives until the last use of what is made from it).
     """
     import fnloop._compile.jit as jit
@@ -129,6 +130,7 @@ def _watch_graphs(seen: list[dict]) -> None:
     real = jit.regathered
     functional = torch.ops._c10d_functional
     gather, scatter = functional.all_gather_into_tensor.default, functional.reduce_scatter_tensor.default
+    reduce = functional.all_reduce.default
 
     def regathered(graph: torch.fx.GraphModule) -> int:
         count = lambda target: sum(n.target is target for n in graph.graph.nodes)  # noqa: E731
@@ -139,6 +141,9 @@ def _watch_graphs(seen: list[dict]) -> None:
                 "gathers": count(gather) - made,
                 "regathers": made,
                 "scatters": count(scatter),
+                "reduces": count(reduce),
+                # The ranks each gather spans (its group's size).
+                "gathered_over": sorted({n.args[1] for n in graph.graph.nodes if n.target is gather}),
                 "live_before": before,
                 "live_after": live(graph.graph),
             }
@@ -240,6 +245,7 @@ def run(argv: list[str]) -> Path:
     parser = argparse.ArgumentParser()
     parser.add_argument("results")
     parser.add_argument("--shard", default="None")
+    parser.add_argument("--replicate", type=int, default=1)
     parser.add_argument("--max-iter", type=int, default=50)
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--steps-per-call", type=int, default=1)
@@ -263,7 +269,7 @@ def run(argv: list[str]) -> Path:
         _kill_in_save(int(r), int(i), when)
     shard = None if args.shard == "None" else args.shard
     net, opt = (model() if args.model == "net" else language_model(args.model)), optimizer()
-    state = fl.init(net, opt, seed=0, max_iter=args.max_iter, shard=shard)
+    state = fl.init(net, opt, seed=0, max_iter=args.max_iter, shard=shard, replicate=args.replicate)
     hooks: list = []
     if args.checkpoint:
         state = fl.checkpoint.resume(args.checkpoint, like=state)
@@ -321,6 +327,7 @@ def run(argv: list[str]) -> Path:
             "compiles": step.compiles,
             "graphs": graphs,
             "shards": None if final.shards is None else (final.shards.world, final.shards.rank),
+            "copies": None if final.shards is None else (final.shards.replicas, final.shards.replica),
         },
         out / f"rank{rank}.pt",
     )

@@ -44,7 +44,13 @@ def launch(ranks: int, *jobs: list[str], limit: int = LIMIT) -> subprocess.Compl
 
 
 def ok(done: subprocess.CompletedProcess[str]) -> None:
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    # Besides the tail, the lines that say why a rank died (a native abort prints no traceback).
+    why = [
+        line
+        for line in done.stderr.splitlines()
+        if any(w in line for w in ("Error", "terminate", "what()", "Abort", "Fatal", "Segmentation"))
+    ]
+    assert done.returncode == 0, "\n".join(why[:40]) + "\n...\n" + done.stdout[-3000:] + done.stderr[-6000:]
 
 
 def result(results: Path, rank: int = 0) -> dict:
@@ -115,11 +121,20 @@ def two(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def four(two: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The 4-rank jobs, in one launch: ``optimizer-eager`` and ``full-eager`` (50 steps); ``full``/``optimizer``: the
     reference's checkpoint of 30 resharded to 4 and gone on to 40; ``damaged``: the reference's
-    checkpoints with rank 1's part of 30 changed in place, resumed to 30."""
+    checkpoints with rank 1's part of 30 changed in place, resumed to 30.
+
+    A 2-D mesh, two copies of a state sharded over two ranks each (``--replicate 2``): ``hsdp`` (compiled),
+    ``hsdp-eager`` and ``hsdp-optimizer-eager``, 50 steps; ``hsdp-ckpt``, 40 steps checkpointing into
+    ``ckpt-hsdp``; ``hsdp-from``, the same run from its checkpoint of 20; ``hsdp-to-full``, its checkpoint
+    of 30 gone on to 40 sharded over all 4; ``full-to-hsdp``, the 2-rank reference's checkpoint of 30 gone on
+    to 40 on the mesh."""
     tmp = tmp_path_factory.mktemp("four")
     for mode in ("full", "optimizer"):
         _copy(two / "ckpt", tmp / f"ckpt-{mode}", "ckpt-00000030*")
     _flipped(_copy(two / "ckpt", tmp / "ckpt-damaged"), DAMAGED[1])
+    _copy(two / "ckpt", tmp / "ckpt-to-hsdp", "ckpt-00000030*")
+    mesh, to_40 = ["--replicate", "2"], ["--max-iter", "40"]
+    hsdp = ["--shard", "full", *mesh]
     ok(
         launch(
             4,
@@ -130,6 +145,13 @@ def four(two: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
                 for mode in ("full", "optimizer")
             ),
             [tmp / "damaged", *CHECKPOINTED, "--checkpoint", tmp / "ckpt-damaged"],
+            [tmp / "hsdp", *hsdp, "--compile"],
+            [tmp / "hsdp-eager", *hsdp],
+            [tmp / "hsdp-optimizer-eager", "--shard", "optimizer", *mesh],
+            [tmp / "hsdp-ckpt", *hsdp, *to_40, "--checkpoint", tmp / "ckpt-hsdp"],
+            [tmp / "hsdp-from", *hsdp, *to_40, "--from", f"{tmp / 'ckpt-hsdp'}:20"],
+            [tmp / "hsdp-to-full", "--shard", "full", *to_40, "--from", f"{tmp / 'ckpt-hsdp'}:30"],
+            [tmp / "full-to-hsdp", *hsdp, *to_40, "--checkpoint", tmp / "ckpt-to-hsdp"],
         )
     )
     return tmp
@@ -172,6 +194,57 @@ def test_sharded_training_equals_data_parallel_within_1e_5_over_50_steps(
         -(-t.shape[0] // ranks) * t[0].numel() * t.element_size() for t in data_parallel["params"].values()
     )
     assert held[0] <= share * (padded * ranks / params) * 1.05
+
+
+@pytest.mark.parametrize("job", ["hsdp", "hsdp-eager", "hsdp-optimizer-eager"])
+def test_a_2d_mesh_shards_within_each_copy_and_trains_as_data_parallel_and_full_sharding_do(
+    two: Path, four: Path, job: str
+) -> None:
+    # 4 ranks as 2 x 2: ranks 0-1 and 2-3 each shard one copy of the state; 0 and 2, 1 and 3 hold the same chunks.
+    data_parallel, full = result(two / "dp"), result(four / "full-eager")
+    mode = "optimizer" if "optimizer" in job else "full"
+    for rank in range(4):
+        mine = result(four / job, rank)
+        assert mine["shards"] == (2, rank % 2) and mine["copies"] == (2, rank // 2)
+        for other in (data_parallel, full):
+            assert furthest(mine, other) < 1e-5
+            assert max(abs(a - b) for a, b in zip(mine["losses"], other["losses"], strict=True)) < 1e-5
+        assert abs(mine["norms"][0] - data_parallel["norms"][0]) < 1e-6 * max(1.0, data_parallel["norms"][0])
+        # Each rank holds what a rank of a state sharded over 2 holds: its copy's half, not a quarter.
+        assert mine["held"] == result(two / mode, rank % 2)["held"] > result(four / f"{mode}-eager")["held"]
+    if job == "hsdp":  # compiled: the collectives in its one graph
+        (graph,) = result(four / job)["graphs"]
+        (two_ranks,) = result(two / "full")["graphs"]
+        assert graph["gathered_over"] == [2]  # every gather within one copy, never over all 4
+        assert graph["scatters"] == two_ranks["scatters"] and graph["gathers"] == two_ranks["gathers"]
+        # One more all-reduce than sharding over 2: the chunks' gradients, across the copies.
+        assert graph["reduces"] == two_ranks["reduces"] + 1
+
+
+def test_a_2d_mesh_checkpoint_is_written_by_one_copy_resumes_bit_exact_and_reshards(
+    four: Path, one: Path, resumed: Path
+) -> None:
+    ckpt = four / "ckpt-hsdp"
+    # The first copy's two ranks write it: an index and one part per checkpoint, the layout of 2 ranks.
+    for i in (10, 20, 30, 40):
+        path = fl.checkpoint.path_for(ckpt, i)
+        assert [p.name for p in fl.checkpoint._sharded.parts_of(path)] == [
+            f"ckpt-{i:08d}.part-00001-of-00002.safetensors"
+        ]
+    assert len(list(ckpt.glob("*.safetensors*"))) == 8  # nothing of the second copy's ranks
+    ref = result(four / "hsdp-ckpt")
+    for r in range(4):  # from 20 on the same mesh: the same run, bit for bit
+        mine = result(four / "hsdp-from", r)
+        assert mine["began"] == 20 and mine["iteration"] == 40
+        same(mine, result(four / "hsdp-ckpt", r))
+    for went_on in (*(result(four / "hsdp-to-full", r) for r in range(4)), result(one / "from-hsdp")):
+        assert went_on["began"] == 30 and went_on["iteration"] == 40 and furthest(went_on, ref) < 1e-5
+    assert result(one / "from-hsdp")["shards"] is None and result(four / "hsdp-to-full")["shards"] == (4, 0)
+    on = result(resumed / "on")  # the 2-rank reference's checkpoint of 30, gone on by 2 ranks and by the mesh
+    for r in range(4):
+        mine = result(four / "full-to-hsdp", r)
+        assert mine["copies"] == (2, r // 2) and mine["began"] == 30 and mine["data"] == on["data"] == 40
+        assert furthest(mine, on) < 1e-5
 
 
 def test_a_full_sharded_step_gathers_block_by_block_and_each_block_anew_for_its_backward(two: Path) -> None:
@@ -291,13 +364,15 @@ def test_a_part_changed_in_place_is_skipped_at_another_world_size_and_in_one_pro
 
 
 @pytest.fixture(scope="module")
-def one(two: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The reference's checkpoint of 30 resumed by one process, sharded (``full``) and whole (``None``), to 40."""
+def one(two: Path, four: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The reference's checkpoint of 30 resumed by one process, sharded (``full``) and whole (``None``), to 40;
+    and the 2-D mesh's checkpoint of 30 (``four``'s ``ckpt-hsdp``) gone on whole to 40 (``from-hsdp``)."""
     tmp = tmp_path_factory.mktemp("one")
     jobs = []
     for shard in ("full", "None"):
         ckpt = _copy(two / "ckpt", tmp / f"ckpt-{shard}", "ckpt-00000030*")
         jobs.append([tmp / shard, "--shard", shard, "--max-iter", "40", "--checkpoint", ckpt])
+    jobs.append([tmp / "from-hsdp", "--max-iter", "40", "--from", f"{four / 'ckpt-hsdp'}:30"])
     ok(launch(1, *jobs))
     return tmp
 

@@ -84,6 +84,33 @@ def test_init_names_the_modes_of_sharding() -> None:
         fl.init(model(), optimizer(), seed=0, max_iter=1, shard="zero3")
 
 
+@pytest.mark.parametrize(
+    ("shard", "replicate", "said"),
+    [
+        (None, 2, r"replicate=2\) keeps copies of a sharded state, but shard is None: pass shard='full'"),
+        ("full", 2, r"the 1 rank\(s\) of this run do not split into 2 equal blocks"),
+        ("full", 0, r"replicate=\.\.\.\) must be a positive int"),
+        ("full", "2", r"replicate=\.\.\.\) must be a positive int"),
+    ],
+)
+def test_init_refuses_copies_of_a_state_it_cannot_lay_out_with_the_fix(
+    shard: str | None, replicate: object, said: str
+) -> None:
+    with pytest.raises(ValueError, match=said):
+        fl.init(model(), optimizer(), seed=0, max_iter=1, shard=shard, replicate=replicate)
+
+
+def test_a_state_of_another_mesh_is_refused_by_the_step_with_the_fix() -> None:
+    net = model()
+    state = fl.init(net, optimizer(), seed=0, max_iter=1, shard="full")
+    copy = attrs.evolve(state, shards=attrs.evolve(state.shards, world=2, rank=0, replicas=2, replica=1))
+    step = fl.train_step(net, loss_fn, optimizer(), compile=False)
+    with pytest.raises(
+        ValueError, match=r"rank 2's part of a state sharded over 4 rank\(s\) in 2 copies.*rank 0 of 1"
+    ):
+        fl.run(copy, step, [BATCH], [])
+
+
 def test_a_state_sharded_for_other_ranks_is_refused_by_the_step_with_the_fix() -> None:
     net = model()
     state = fl.init(net, optimizer(), seed=0, max_iter=1, shard="full")

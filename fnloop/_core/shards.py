@@ -47,17 +47,37 @@ class Shards:
             parameter, for every parameter that is sharded (floating, at least
             one dimension); the others are whole on every rank. Kept as
             ``(name, rows)`` pairs, so that a layout is hashable.
+        replicas: how many copies of the sharded state the run keeps (HSDP,
+            a 2-D mesh): ``world`` consecutive ranks share one copy, and the
+            ranks of the same ``rank`` in each copy hold the same chunks.
+            ``world`` and ``rank`` are then within one copy.
+        replica: which copy this rank's part belongs to.
 
     Examples:
         >>> s = Shards("full", world=2, rank=1, rows={"w": 5})
         >>> s.rows_per_rank("w"), s.span("w"), s.whole("w")
         (3, (3, 5), 5)
+        >>> hybrid = Shards("full", world=2, rank=1, rows={"w": 5}, replicas=2, replica=1)
+        >>> hybrid.ranks, hybrid.global_rank
+        (4, 3)
     """
 
     mode: str = attrs.field(validator=_mode)
     world: int
     rank: int
     rows: tuple[tuple[str, int], ...] = attrs.field(converter=_pairs)
+    replicas: int = 1
+    replica: int = 0
+
+    @property
+    def ranks(self) -> int:
+        """How many ranks train the state: ``world`` in each of ``replicas`` copies."""
+        return self.world * self.replicas
+
+    @property
+    def global_rank(self) -> int:
+        """This part's rank in the whole run: copies are blocks of ``world`` consecutive ranks."""
+        return self.replica * self.world + self.rank
 
     @property
     def names(self) -> frozenset[str]:
@@ -85,7 +105,7 @@ class Shards:
         return min(at * per, whole), min((at + 1) * per, whole)
 
     def at(self, world: int, rank: int) -> Shards:
-        """The same layout for another rank of another world size."""
+        """The same layout for another rank of another world size (one copy)."""
         return Shards(self.mode, world, rank, self.rows)
 
 

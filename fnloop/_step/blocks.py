@@ -36,7 +36,7 @@ from fnloop._core.shards import Shards
 from fnloop._step.accumulate import accumulated
 from fnloop._step.kernel import Gradient, Grads, Kernel, _holding, value_and_grad
 from fnloop._step.replicas import averaged
-from fnloop._step.sharding import _by_dtype, _done, all_reduced_mean
+from fnloop._step.sharding import Groups, _by_dtype, _done, across_copies, all_reduced_mean
 
 __all__ = ["Units", "blockwise_gradient", "gathered_together", "units_of"]
 
@@ -181,7 +181,7 @@ def gathered_together(
     return out
 
 
-def blockwise_gradient(kernel: Kernel, units: Units, shards: Shards, group: Any) -> Gradient:
+def blockwise_gradient(kernel: Kernel, units: Units, shards: Shards, groups: Groups) -> Gradient:
     """The gradient stage of a ``"full"`` sharded state, block by block: ``(chunks, buffers, batch) -> Grads``.
 
     The gradients are this rank's chunks of the mean over ranks; the loss,
@@ -189,16 +189,19 @@ def blockwise_gradient(kernel: Kernel, units: Units, shards: Shards, group: Any)
     """
 
     def hold(tensors: dict[str, torch.Tensor]) -> contextlib.AbstractContextManager[None]:
-        return _held_by_blocks(kernel.model, units, shards, group, tensors)
+        return _held_by_blocks(kernel.model, units, shards, groups.shard, tensors)
 
     gradient = accumulated(value_and_grad(kernel.forward, kernel.fixed, hold=hold), kernel.accumulate)
-    split, world = shards.names, shards.world
+    split = shards.names
 
     def gradient_of_chunks(params: dict, buffers: dict, batch: Any) -> Grads:
-        found = averaged(gradient(params, buffers, batch), group, grads=False)
-        whole = all_reduced_mean({k: g for k, g in found.grads.items() if k not in split}, group, world)
-        grads = {k: whole[k] if k in whole else g / world for k, g in found.grads.items()}
-        return found._replace(grads=grads)
+        found = averaged(gradient(params, buffers, batch), groups.every, grads=False)
+        # The chunks' gradients are sums within this copy (each gather's backward is a reduce-scatter).
+        chunks = across_copies({k: g for k, g in found.grads.items() if k in split}, groups)
+        whole = all_reduced_mean(
+            {k: g for k, g in found.grads.items() if k not in split}, groups.every, groups.size
+        )
+        return found._replace(grads={k: chunks[k] if k in chunks else whole[k] for k in found.grads})
 
     return gradient_of_chunks
 

@@ -27,7 +27,7 @@ from fnloop._step.layout import in_place
 from fnloop._step.materialize import InitWeights, is_meta, materialized
 from fnloop._step.sharding import chunk
 from fnloop._step.train import TrainStep
-from fnloop.distributed import _group, broadcast_tensors, rank, world_size
+from fnloop.distributed import _group, broadcast_tensors, mesh_groups, rank, world_size
 from fnloop.optim import Optimizer
 from fnloop.optim._base import fixed_learning_rates
 
@@ -50,6 +50,7 @@ def init(
     max_iter: int,
     extra: Any = None,
     shard: str | None = None,
+    replicate: int = 1,
     init_weights: InitWeights | None = None,
 ) -> TrainState:
     """A state for training ``model`` with ``optimizer`` from iteration 0.
@@ -76,6 +77,12 @@ def init(
             one; ``state.shards`` records how, and ``train_step`` reads it. See
             ``docs/distributed.md#sharded-training``. ``None``: every rank holds
             the whole state.
+        replicate: with ``shard``, keep this many copies of the sharded state
+            (HSDP, FSDP2's 2-D mesh; torchtitan's replicate degree): each
+            block of ``world / replicate`` consecutive ranks (a machine's
+            processes, say) shards one copy, and the copies are replicas of one
+            another. Gradients are reduce-scattered within a block and
+            all-reduced across blocks. See ``docs/distributed.md#a-2-d-mesh``.
         init_weights: for a model built on the meta device (its tensors have
             no memory yet), ``init_weights(module)`` fills a module's own
             tensors in place; without it, each module's ``reset_parameters()``.
@@ -105,7 +112,7 @@ def init(
     fixed = frozen(model, "init")
     if init_weights is not None and not callable(init_weights):
         raise TypeError(f"init(init_weights=...) must be a function of a module ({got(init_weights)}).")
-    shards = _shards(shard, dict(model.named_parameters()))
+    shards = _shards(shard, replicate, dict(model.named_parameters()))
     if is_meta(model):  # made here, module by module, each rank's part kept
         params, buffers, trained = _materialized(model, seed, init_weights, shards)
     else:
@@ -169,9 +176,19 @@ def _refuse_fsdp(model: torch.nn.Module) -> None:
             )
 
 
-def _shards(mode: str | None, params: dict[str, torch.Tensor]) -> Shards | None:
-    """The layout ``init(..., shard=mode)`` gives ``params`` on this process's rank."""
+def _shards(mode: str | None, replicate: int, params: dict[str, torch.Tensor]) -> Shards | None:
+    """The layout ``init(..., shard=mode, replicate=replicate)`` gives ``params`` on this process's rank."""
+    if type(replicate) is not int or replicate < 1:
+        raise ValueError(
+            f"init(replicate=...) must be a positive int: the copies of a sharded state ({got(replicate)})."
+        )
     if mode is None:
+        if replicate != 1:
+            raise ValueError(
+                f"init(replicate={replicate}) keeps copies of a sharded state, but shard is None: "
+                "pass shard='full' (or 'optimizer') with it, or leave replicate out (data parallel "
+                "replicates the whole state on every rank already)."
+            )
         return None
     if mode not in MODES:
         raise ValueError(
@@ -179,7 +196,18 @@ def _shards(mode: str | None, params: dict[str, torch.Tensor]) -> Shards | None:
             f"and optimizer state, 'optimizer' gradients and optimizer state ({got(mode)})."
         )
     rows = {k: v.shape[0] for k, v in params.items() if v.ndim and v.is_floating_point()}
-    return Shards(mode, world_size(), rank(), rows)
+    world, at = world_size(), rank()
+    if world % replicate:
+        raise ValueError(
+            f"init(replicate={replicate}): the {world} rank(s) of this run do not split into "
+            f"{replicate} equal blocks. Pass a replicate that divides the world size (the number "
+            "of machines, say, with every machine's processes sharding one copy)."
+        )
+    if replicate == 1:
+        return Shards(mode, world, at, rows)
+    mesh_groups(replicate)  # made now, by every rank together (new_group is a collective)
+    per = world // replicate
+    return Shards(mode, per, at % per, rows, replicas=replicate, replica=at // per)
 
 
 def _check_positive(name: str, value: object) -> int:

@@ -59,10 +59,11 @@ def _sharded(state: TrainState, rank: int, world: int) -> Shards | None:
     shards = state.shards
     if shards is None:
         return None
-    if shards.world != world or shards.rank != rank:
+    if shards.ranks != world or shards.global_rank != rank:
+        copies = f" in {shards.replicas} copies" if shards.replicas > 1 else ""
         raise ValueError(
-            f"the state is rank {shards.rank}'s part of a state sharded over {shards.world} rank(s), "
-            f"but this process is rank {rank} of {world}. A sharded state trains on the ranks it was "
+            f"the state is rank {shards.global_rank}'s part of a state sharded over {shards.ranks} "
+            f"rank(s){copies}, but this process is rank {rank} of {world}. A sharded state trains on the ranks it was "
             "built for: build it with fnloop.init(..., shard=...) on each rank, or load a checkpoint "
             "with a template built so (fnloop.checkpoint.resume reshards it to this world size)."
         )

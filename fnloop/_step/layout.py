@@ -10,6 +10,7 @@ layout asks for, in one order::
              -> accumulated                  accumulate > 1             (accumulate.py)
              -> replicated | sharded         data parallel | sharded    (replicas.py, sharding.py)
                  | block by block            sharded, the model in blocks (blocks.py)
+                                             (either within one copy of the state, and across copies: HSDP)
     update   = kernel.update                 members: vmapped           (members.py)
              -> sharded                      sharded                    (sharding.py)
     step     = gradient, update, guard       members: those training    (members.py)
@@ -34,7 +35,7 @@ from fnloop._step.blocks import blockwise_gradient
 from fnloop._step.kernel import Gradient, Kernel, Stepped, Update, UpdateStage, state_of, value_and_grad
 from fnloop._step.members import member_finite, member_gradient, member_update, only_training
 from fnloop._step.replicas import replicated
-from fnloop._step.sharding import all_ranks, sharded_gradient, sharded_update
+from fnloop._step.sharding import all_ranks, groups_of, sharded_gradient, sharded_update
 
 __all__ = ["Layout", "in_place", "transformed"]
 
@@ -78,11 +79,12 @@ def transformed(kernel: Kernel, layout: Layout, group: Any) -> Update:
     update, finite = kernel.transformed_update(), kernel.finite
     shards = layout.shards
     if shards is not None:
-        if shards.params and group is not None and kernel.units:  # block by block (blocks.py)
-            gradient = blockwise_gradient(kernel, kernel.units, shards, group)
+        groups = groups_of(shards, group)
+        if shards.params and groups is not None and kernel.units:  # block by block (blocks.py)
+            gradient = blockwise_gradient(kernel, kernel.units, shards, groups)
         else:
-            gradient = sharded_gradient(gradient, shards, group)
-        update = sharded_update(update, shards, group)
+            gradient = sharded_gradient(gradient, shards, groups)
+        update = sharded_update(update, shards, groups)
         if group is not None:  # each rank saw its own chunks of the gradients
             finite = _on_every_rank(finite, group)
     elif group is not None:

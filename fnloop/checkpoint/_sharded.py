@@ -4,7 +4,9 @@ A sharded state (``TrainState.shards``) is saved as one file per rank, each
 an ordinary fnloop checkpoint of that rank's state (its chunks, and the rest,
 which every rank holds alike):
 
-* rank ``r > 0`` writes ``ckpt-00000100.part-0000r-of-0000N.safetensors``;
+* rank ``r > 0`` writes ``ckpt-00000100.part-0000r-of-0000N.safetensors``
+  (of a state kept in several copies, HSDP, the first copy's ranks write,
+  ``N`` the ranks of one copy);
 * rank 0 waits until every other part is on disk, then writes its own part
   under the checkpoint's name, ``ckpt-00000100.safetensors``, with the index
   in its metadata (``fnloop.shards``, covered by its checksum): the layout,
@@ -130,7 +132,9 @@ def _chunks(state: TrainState, keys: dict[int, str]) -> dict[str, str]:
 def save_sharded(state: TrainState, path: Path, write_file: Callable[..., str]) -> Path:
     """Write this rank's part of the sharded checkpoint ``path``; on rank 0, the index last.
 
-    Every rank of the state's layout calls it, with the same ``path``.
+    Every rank of the state's layout calls it, with the same ``path``. Of a
+    state kept in several copies (HSDP), the first copy's ranks write it, and
+    the others wait until it is whole and write nothing.
     ``write_file(path, skeleton, tensors, index=None) -> checksum`` writes one
     file (``fnloop.checkpoint._files``). Returns the file this rank wrote.
 
@@ -141,11 +145,15 @@ def save_sharded(state: TrainState, path: Path, write_file: Callable[..., str]) 
     """
     shards = state.shards
     assert shards is not None
-    skeleton, tensors, keys = encode_state_keyed(state)
-    mine = (os.fspath(path.absolute()), shards.rank)
+    mine = (os.fspath(path.absolute()), shards.global_rank)
     count = _saves[mine] = _saves.get(mine, 0) + 1
     meeting = f"fnloop/ckpt/{path.absolute()}/{count}"
-    store = _store() if shards.world > 1 else None
+    store = _store() if shards.ranks > 1 else None
+    if shards.replica:  # a copy of the state the first copy's ranks write: wait for it to be whole
+        assert store is not None
+        _wait(store, meeting, {0: f"{meeting}/done"}, path, state.iteration, "rank 0 to write the index")
+        return path
+    skeleton, tensors, keys = encode_state_keyed(state)
     if shards.rank:
         part = part_path(path, shards.rank, shards.world)
         checksum = write_file(part, skeleton, tensors)

@@ -236,8 +236,8 @@ def _sharded(state: TrainState) -> bool:
 
 
 def _a_part(state: TrainState) -> bool:
-    """Whether this process saves another rank's part than rank 0's (which is the index)."""
-    return state.shards is not None and state.shards.rank != 0
+    """Whether this process saves another rank's part than rank 0's (which is the index), or waits for it."""
+    return state.shards is not None and state.shards.global_rank != 0
 
 
 def _iteration_of(path: Path) -> int:
