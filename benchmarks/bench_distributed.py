@@ -21,7 +21,9 @@ Part ``sharded``: a model whose state dominates (8 equal blocks of ``Linear(2048
 (data parallel), ``shard="optimizer"``, ``shard="full"`` gathering everything before
 the forward (``full-all``, ``blocks=()``), block by block (``full``), block by
 block with inductor's compute/communication reordering (``full-prefetch``, which
-issues each gather ahead of the compute before it), and the reference: torch's FSDP2 (``fully_shard`` on each block and the root,
+issues each gather ahead of the compute before it), block by block with glibc's mmap
+threshold fixed at 1 MiB (``full-mmap``, ``MALLOC_MMAP_THRESHOLD_=1048576``: each
+gathered block is a mapping of its own, handed back when freed), and the reference: torch's FSDP2 (``fully_shard`` on each block and the root,
 ``torch.optim.AdamW`` with ``foreach=True`` and with ``fused=True``, both measured,
 eager). Each launch runs one of them (memory is a process's own); fnloop's workers
 move the module to the meta device after ``fl.init`` (the step needs its structure
@@ -123,10 +125,11 @@ def sharded_worker(shard: str, steps: int) -> None:
     step = fl.train_step(model, loss_fn, opt, blocks=() if shard == "full-all" else None, options=options)
     stream = fl.data.batches(data, batch_size=16, seed=0)
     warm = 3
-    mode = {"none": None, "full-all": "full", "full-prefetch": "full"}.get(shard, shard)
+    mode = {"none": None, "full-all": "full", "full-prefetch": "full", "full-mmap": "full"}.get(shard, shard)
     state = fl.init(model, opt, seed=0, max_iter=warm, shard=mode)
     model.to("meta")  # the module's own weights: the step needs its structure only
-    state = fl.run(state, step, stream)
+    # donate_input: the run's first step writes into the state given, not beside it (as FSDP2's in place).
+    state = fl.run(state, step, stream, donate_input=True)
     held = sum(t.numel() * t.element_size() for t in (*state.params.values(), *_leaves(state.opt_state)))
     state = fl.TrainState(**{**state.__dict__, "max_iter": warm + steps})
     _trimmed()
@@ -134,7 +137,7 @@ def sharded_worker(shard: str, steps: int) -> None:
     with open("/proc/self/clear_refs", "w") as clear:
         clear.write("5")  # VmHWM := VmRSS
     start = time.perf_counter()
-    fl.run(state, step, stream)
+    fl.run(state, step, stream, donate_input=True)
     took = time.perf_counter() - start
     peak = _rss_kib("VmHWM") - before
     print(
@@ -200,7 +203,16 @@ def _leaves(tree: object) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
-SHARDED_MODES = ("none", "optimizer", "full-all", "full", "full-prefetch", "fsdp2-foreach", "fsdp2-fused")
+SHARDED_MODES = (
+    "none",
+    "optimizer",
+    "full-all",
+    "full",
+    "full-mmap",
+    "full-prefetch",
+    "fsdp2-foreach",
+    "fsdp2-fused",
+)
 
 
 def sharded(repeats: int, steps: int, live: bool = False, modes: tuple[str, ...] = SHARDED_MODES) -> None:
@@ -227,6 +239,8 @@ def sharded(repeats: int, steps: int, live: bool = False, modes: tuple[str, ...]
                 env = {**os.environ, "OMP_NUM_THREADS": "1"}
                 if live:  # every allocation of 64 KiB or more its own mapping, returned when freed
                     env["MALLOC_MMAP_THRESHOLD_"] = "65536"
+                elif mode == "full-mmap":  # every gathered block its own mapping
+                    env["MALLOC_MMAP_THRESHOLD_"] = "1048576"
                 done = subprocess.run([*command, *me], capture_output=True, text=True, env=env, timeout=1200)
                 if done.returncode:
                     raise RuntimeError(done.stderr[-3000:])

@@ -1,4 +1,4 @@
-"""A model whose state is several times what each rank may hold, trained under a memory limit per rank.
+"""A model whose state is over twice what each rank may hold, trained under a memory limit per rank.
 
     torchrun --standalone --nproc_per_node=N tests/cap_worker.py RESULTS --shard full|none [--limit MIB]
         [--then RESULTS ...]
@@ -9,7 +9,8 @@ made by ``fl.init`` module by module, so no rank ever holds it whole unless its 
 memory controller) right after importing torch and joining the process group, with that limit on
 what it charges from then on: the kernel kills a rank that goes over it. Each rank writes
 ``RESULTS/rank{r}.json``: the bytes its state holds, the peak it charged (the cgroup's
-``max_usage_in_bytes``) and the losses.
+``max_usage_in_bytes``) and the losses. The run is given its state (``fl.run(..., donate_input=True)``):
+its first step writes into the state ``fl.init`` made, not beside it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from worker_exit import jobs, leave
 
 import fnloop as fl
 
-WIDTH, DEPTH, BATCH = 2048, 8, 16
+WIDTH, DEPTH, BATCH = 2560, 32, 16
 CGROUPS = Path("/sys/fs/cgroup/memory")
 
 
@@ -37,11 +38,6 @@ class Blocks(torch.nn.Module):
         for layer in self.layers:
             x = torch.tanh(layer(x))
         return x
-
-
-def state_bytes() -> int:
-    """What the whole training state holds: the parameters and AdamW's two moments."""
-    return 3 * DEPTH * (WIDTH * WIDTH + WIDTH) * 4
 
 
 def _limited(name: str, limit: int) -> Path:
@@ -92,7 +88,7 @@ def run(argv: list[str]) -> None:
     )
     step = fl.train_step(model, lambda forward, x: forward(x).square().mean(), optimizer)
     data = torch.randn(BATCH * 4, WIDTH, generator=torch.Generator().manual_seed(1))
-    final = fl.run(state, step, fl.data.batches(data, batch_size=BATCH, seed=0))
+    final = fl.run(state, step, fl.data.batches(data, batch_size=BATCH, seed=0), donate_input=True)
     held = sum(t.numel() * t.element_size() for t in (*final.params.values(), *_leaves(final.opt_state)))
     peak = int((group / "memory.max_usage_in_bytes").read_text())
     (group / "cgroup.procs").parent.parent.joinpath("cgroup.procs").write_text(str(os.getpid()))  # out again
