@@ -23,7 +23,9 @@ import fnloop as fl
 WORKER = str(Path(__file__).with_name("shard_worker.py"))
 LIMIT = 600
 """Seconds one launch may take: a launch runs several jobs, each compiling on a busy 2-core machine."""
-ONE_CORE_EACH = {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+ONE_CORE_EACH = {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+"""One thread each; and a rank that dies of a signal prints where its Python was (a rare native
+crash of a rank, seen twice in a launch's first compiled job, and not reproduced since)."""
 
 pytestmark = pytest.mark.slow
 
