@@ -10,7 +10,7 @@ layout asks for, in one order::
              -> accumulated                  accumulate > 1             (accumulate.py)
              -> replicated | sharded         data parallel | sharded    (replicas.py, sharding.py)
                  | block by block            sharded, the model in blocks (blocks.py)
-                                             (either within one copy of the state, and across copies: HSDP)
+                                             (HSDP: within one copy, then across the copies)
     update   = kernel.update                 members: vmapped           (members.py)
              -> sharded                      sharded                    (sharding.py)
     step     = gradient, update, guard       members: those training    (members.py)

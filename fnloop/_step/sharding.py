@@ -36,8 +36,8 @@ from fnloop._step.replicas import averaged
 
 __all__ = [
     "Groups",
-    "all_ranks",
     "across_copies",
+    "all_ranks",
     "all_reduced_mean",
     "chunk",
     "gathered",
