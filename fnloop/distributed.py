@@ -134,21 +134,22 @@ _meshes: dict[tuple[int, int, int], tuple[Any, Any]] = {}
 def mesh_groups(replicas: int) -> tuple[Any, Any]:
     """This rank's groups of a 2-D mesh of ``replicas`` copies (HSDP): ``(shard group, replica group)``.
 
-    The ranks are laid out as FSDP2's ``(replicate, shard)`` mesh: each copy
-    is a block of ``world / replicas`` consecutive ranks (under ``torchrun``,
-    a machine's processes when the block is a machine's size), and the replica
-    group links the ranks of the same place in each copy. Made on first use,
-    by every rank (``torch.distributed.new_group`` is a collective).
+    torch's ``DeviceMesh`` of shape ``(replicas, world / replicas)``, dimensions
+    named ``("replicate", "shard")`` as FSDP2's HSDP names them: each copy is a
+    block of consecutive ranks (under ``torchrun``, a machine's processes when
+    the block is a machine's size), and the replica group links the ranks of
+    the same place in each copy. Made on first use, by every rank (making
+    process groups is a collective).
     """
+    from torch.distributed.device_mesh import init_device_mesh
+
     world = world_size()
     key = (id(dist.group.WORLD), world, replicas)
     if key not in _meshes:
-        per = world // replicas
-        shard, _ = dist.new_subgroups_by_enumeration(
-            [list(range(c * per, (c + 1) * per)) for c in range(replicas)]
+        mesh = init_device_mesh(
+            device().type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard")
         )
-        across, _ = dist.new_subgroups_by_enumeration([list(range(r, world, per)) for r in range(per)])
-        _meshes[key] = (shard, across)
+        _meshes[key] = (mesh.get_group("shard"), mesh.get_group("replicate"))
     return _meshes[key]
 
 
