@@ -18,7 +18,8 @@ Options:
     --die-at I         every rank ends its process at once (os._exit) after step I: a kill
     --raise-at I       rank --raise-rank raises at BEFORE_STEP of step I
     --raise-rank R     (default 1)
-    --sigterm-at I     rank 0 sends SIGTERM to its launcher at AFTER_STEP of step I (a preemption)
+    --sigterm-at I     rank 0 sends SIGTERM to its launcher at AFTER_STEP of step I (a preemption), and
+                       waits there until the forwarded signal reaches it
     --sigterm-self R:I rank R sends SIGTERM to itself at AFTER_STEP of step I (repeatable)
     --sigkill-self R:I rank R sends SIGKILL to itself at AFTER_STEP of step I, in the launcher's first
                        attempt only (TORCHELASTIC_RESTART_COUNT 0): a crash that torchrun restarts
@@ -33,6 +34,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -86,7 +88,21 @@ def fail(state: TrainState) -> TrainState:
 
 
 def preempt(state: TrainState) -> TrainState:
+    # Wait (up to 60 s) until the launcher's forwarded SIGTERM reaches this rank, so the run stops
+    # within a step of here however slow the machine: otherwise, on a loaded day, the steps run on
+    # while torchrun forwards it, and the periodic checkpoint of step 10 lands before the stop.
+    arrived: list[int] = []
+    handler = signal.getsignal(signal.SIGTERM)
+
+    def noting(signum: int, frame: object) -> None:
+        arrived.append(signum)
+        handler(signum, frame)  # type: ignore[operator,arg-type]
+
+    signal.signal(signal.SIGTERM, noting)
     os.kill(os.getppid(), signal.SIGTERM)
+    deadline = time.monotonic() + 60
+    while not arrived and time.monotonic() < deadline:
+        time.sleep(0.01)
     return state
 
 
