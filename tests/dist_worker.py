@@ -35,6 +35,7 @@ import os
 import signal
 import sys
 import time
+from types import FrameType
 from pathlib import Path
 
 import torch
@@ -94,9 +95,10 @@ def preempt(state: TrainState) -> TrainState:
     arrived: list[int] = []
     handler = signal.getsignal(signal.SIGTERM)
 
-    def noting(signum: int, frame: object) -> None:
+    def noting(signum: int, frame: FrameType | None) -> None:
         arrived.append(signum)
-        handler(signum, frame)  # type: ignore[operator,arg-type]
+        if callable(handler):
+            handler(signum, frame)
 
     signal.signal(signal.SIGTERM, noting)
     os.kill(os.getppid(), signal.SIGTERM)
