@@ -35,8 +35,8 @@ import os
 import signal
 import sys
 import time
-from types import FrameType
 from pathlib import Path
+from types import FrameType
 
 import torch
 from worker_exit import jobs, leave
