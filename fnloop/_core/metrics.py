@@ -11,10 +11,13 @@ import torch
 
 from fnloop._core.messages import got, positive_int
 
-__all__ = ["Metrics", "Scalar"]
+__all__ = ["STEP_STATISTICS", "Metrics", "Scalar"]
 
 Scalar = int | float | torch.Tensor
 """A recorded value: a Python number or a one-element tensor (kept as is, no host sync)."""
+
+STEP_STATISTICS = ("grad_norm", "param_norm", "update_norm", "update_ratio")
+"""What ``train_step(stats=...)`` records: the model's as these names, a group's as ``<name>/<group>``."""
 
 Entry = tuple[int, Scalar]
 

@@ -28,17 +28,23 @@ def accumulated(gradient: Gradient, n: int, dim: int = 0) -> Gradient:
     if n == 1:
         return gradient
 
-    def accumulated_gradient(params: dict, buffers: dict, batch: Any) -> Grads:
+    def accumulated_gradient(
+        params: dict, buffers: dict, batch: Any, scale: torch.Tensor | None = None
+    ) -> Grads:
         grads: dict[str, torch.Tensor] = {}
         losses, parts = [], []
+        # A scaled loss is scaled by scale / n, as GradScaler's recipe scales loss / n: the sum of
+        # the micro-batches' gradients is then the mean's, and overflows where that recipe's does.
+        each = None if scale is None else scale / n
         for micro in micro_batches(batch, n, dim):
-            found = gradient(params, buffers, micro)
+            found = gradient(params, buffers, micro, each)
             grads = {k: grads[k] + v for k, v in found.grads.items()} if grads else found.grads
             buffers = found.buffers
             losses.append(found.loss)
             parts.append(found.metrics)
         metrics = {k: torch.stack([m[k] for m in parts]).float().mean(0) for k in parts[0]}
-        return Grads({k: v / n for k, v in grads.items()}, buffers, torch.stack(losses).mean(0), metrics)
+        mean = grads if scale is not None else {k: v / n for k, v in grads.items()}
+        return Grads(mean, buffers, torch.stack(losses).mean(0), metrics)
 
     return accumulated_gradient
 

@@ -194,8 +194,10 @@ def blockwise_gradient(kernel: Kernel, units: Units, shards: Shards, groups: Gro
     gradient = accumulated(value_and_grad(kernel.forward, kernel.fixed, hold=hold), kernel.accumulate)
     split = shards.names
 
-    def gradient_of_chunks(params: dict, buffers: dict, batch: Any) -> Grads:
-        found = averaged(gradient(params, buffers, batch), groups.every, grads=False)
+    def gradient_of_chunks(
+        params: dict, buffers: dict, batch: Any, scale: torch.Tensor | None = None
+    ) -> Grads:
+        found = averaged(gradient(params, buffers, batch, scale), groups.every, grads=False)
         # The chunks' gradients are sums within this copy (each gather's backward is a reduce-scatter).
         chunks = across_copies({k: g for k, g in found.grads.items() if k in split}, groups)
         whole = all_reduced_mean(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -26,9 +27,10 @@ from fnloop._step.kernel import Kernel, LossFn, frozen
 from fnloop._step.layout import in_place
 from fnloop._step.materialize import InitWeights, is_meta, materialized
 from fnloop._step.sharding import chunk
+from fnloop._step.statistics import checked
 from fnloop._step.train import TrainStep
 from fnloop.distributed import _group, broadcast_tensors, mesh_groups, rank, world_size
-from fnloop.optim import Optimizer
+from fnloop.optim import LossScaled, Optimizer
 from fnloop.optim._base import fixed_learning_rates
 
 __all__ = [
@@ -231,6 +233,7 @@ def train_step(
     steps_per_call: int = 1,
     deterministic: bool = False,
     blocks: Blocks = None,
+    stats: str | None = None,
 ) -> Step:
     """The pure step ``(state, batch) -> state`` for ``model``, ``loss_fn`` and ``optimizer``.
 
@@ -264,7 +267,10 @@ def train_step(
         accumulate: split each batch into this many micro-batches and average
             their gradients (one optimizer update per batch).
         autocast: run the forward under ``torch.autocast`` with this dtype
-            (for example ``torch.bfloat16``).
+            (for example ``torch.bfloat16``). For ``torch.float16``, wrap the
+            optimizer in ``fnloop.optim.dynamic_loss_scale`` (as
+            ``torch.amp.GradScaler``): the step then scales the loss by the
+            scale its state holds (see ``docs/step.md#float16``).
         recompiles: how many graphs beyond the first the step may compile before
             ``RecompileError`` (a signature seen before reuses its graph).
         options: inductor settings, as ``torch.compile(options=...)`` takes
@@ -298,6 +304,14 @@ def train_step(
             else each child of an ``nn.ModuleList``); ``()`` gathers every
             parameter before the forward. See
             ``docs/distributed.md#block-by-block``.
+        stats: record statistics of the step, computed in its graph:
+            ``"model"``, the whole model's ``grad_norm``, ``param_norm``,
+            ``update_norm`` and ``update_ratio`` (L2 norms of the gradients,
+            the parameters the step started from, and what it changed, and
+            the last two's ratio); ``"blocks"``, also each block's (as
+            ``blocks`` finds them), named ``grad_norm/<block>`` and so on;
+            ``"parameters"``, also each parameter's. ``None`` (the default)
+            computes none. See ``docs/watching.md#statistics``.
 
     Returns:
         The step. With ``donate=False`` it has no ``donating`` variant.
@@ -331,8 +345,23 @@ def train_step(
     steps_per_call = _check_positive("steps_per_call", steps_per_call)
     if type(deterministic) is not bool:
         raise TypeError(f"'deterministic' must be a bool ({got(deterministic)}).")
+    if autocast is torch.float16 and not isinstance(optimizer, LossScaled):
+        warnings.warn(
+            "train_step(autocast=torch.float16) without loss scaling: float16 gradients below "
+            "about 6e-8 become zero. Wrap the optimizer, fnloop.optim.dynamic_loss_scale(opt) "
+            "(torch.amp.GradScaler's rules), in both fnloop.init and train_step; or use "
+            "autocast=torch.bfloat16 where the hardware has it.",
+            stacklevel=2,
+        )
     kernel = Kernel(
-        model, loss_fn, optimizer, accumulate, autocast, eager=not compile, units=units_of(model, blocks)
+        model,
+        loss_fn,
+        optimizer,
+        accumulate,
+        autocast,
+        eager=not compile,
+        stats=checked(stats),
+        units=units_of(model, blocks),
     )
     return step_of(
         kernel,

@@ -37,7 +37,7 @@ from torch.utils import _pytree as pytree
 
 from fnloop._step.errors import _NUMBER_METRIC, GraphBreakError, _number
 from fnloop._step.remat import gradients, reentrant_refused
-from fnloop.optim import Optimizer, learning_rates
+from fnloop.optim import LossScaled, Optimizer, learning_rates
 
 if TYPE_CHECKING:
     from fnloop._step.blocks import Units
@@ -71,7 +71,12 @@ class Grads(NamedTuple):
 
 
 Gradient = Callable[..., Grads]
-"""The gradient stage: ``(params, buffers, batch) -> Grads``."""
+"""The gradient stage: ``(params, buffers, batch, scale=None) -> Grads``.
+
+``scale``: a 0-d tensor (one per member, for a population) the loss is
+multiplied by before the backward (``dynamic_loss_scale``); the gradients
+are then the scaled loss's, the loss and metrics as they were.
+"""
 
 
 class Updated(NamedTuple):
@@ -135,6 +140,9 @@ class Kernel:
     transforms: tuple[Callable[[UpdateStage], UpdateStage], ...] = ()
     """Transformations of the update stage beyond fnloop's own, applied in order before them
     (see ``docs/architecture.md#adding-a-transformation``)."""
+    stats: str | None = None
+    """The statistics the step records beside the loss (``statistics.py``): ``None``, ``"model"``,
+    ``"blocks"`` or ``"parameters"``."""
     units: Units = attrs.field(factory=lambda: _no_units())
     """The blocks a sharded step gathers one at a time (``blocks.py``); none: every parameter at once."""
     fixed: frozenset[str] = attrs.field()
@@ -184,16 +192,33 @@ class Kernel:
         optimizer = self.optimizer if total is None else self.optimizer.over_shards(total)
         with _matching(self.fixed):
             trained, new_state = optimizer.update(grads, opt_state, self.trained(params), iteration)
-        return Updated(trained, new_state, self.rates(iteration, opt_state))
+        metrics = self.rates(iteration, opt_state)
+        if isinstance(optimizer, LossScaled):
+            metrics.update(optimizer.metrics(opt_state, new_state))
+        return Updated(trained, new_state, metrics)
 
     def update_(self, grads: dict, opt_state: Any, params: dict, iteration: torch.Tensor) -> dict:
         """The update stage in place: ``params`` and ``opt_state`` written, as ``torch.optim`` writes them.
 
-        Returns the learning rates, as ``rates`` gives them.
+        Returns the learning rates, as ``rates`` gives them (and a loss scale's metrics).
         """
+        before = opt_state._replace(scale=opt_state.scale.clone()) if self.scales_loss else None
         with _matching(self.fixed):
             self.optimizer.update_(grads, opt_state, self.trained(params), iteration)
-        return self.rates(iteration, opt_state)
+        metrics = self.rates(iteration, opt_state)
+        if before is not None:
+            metrics.update(LossScaled.metrics(before, opt_state))
+        return metrics
+
+    @property
+    def scales_loss(self) -> bool:
+        """Whether the optimizer scales the loss (``dynamic_loss_scale``): the step then multiplies it by ``loss_scale``."""
+        return isinstance(self.optimizer, LossScaled)
+
+    def loss_scale(self, opt_state: Any) -> torch.Tensor | None:
+        """What the loss is multiplied by before the backward (``dynamic_loss_scale``'s state), or ``None``."""
+        optimizer = self.optimizer
+        return optimizer.loss_scale(opt_state) if isinstance(optimizer, LossScaled) else None
 
     def transformed_update(self) -> UpdateStage:
         """The update stage with ``transforms`` applied."""
@@ -211,8 +236,13 @@ class Kernel:
         return {k: v for k, v in found.items() if isinstance(v, torch.Tensor)}
 
     def finite(self, loss: torch.Tensor, grads: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """A 0-d bool: the loss and every gradient element are finite."""
-        return all_finite(loss, grads, self.eager)
+        """A 0-d bool: the loss and every gradient element are finite.
+
+        Under loss scaling, the loss alone: the optimizer skips a step whose
+        scaled gradients overflowed, and backs the scale off (the fold's guard
+        would drop that backoff with the rest of the step).
+        """
+        return all_finite(loss, {} if self.scales_loss else grads, self.eager)
 
     def trained(self, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``params`` without the frozen ones: what the optimizer sees."""
@@ -249,7 +279,7 @@ def value_and_grad(
     ``backward`` wraps the gradient's computation (to translate its errors).
     """
 
-    def gradient(params: dict, buffers: dict, batch: Any) -> Grads:
+    def gradient(params: dict, buffers: dict, batch: Any, scale: torch.Tensor | None = None) -> Grads:
         leaves = {
             k: v.detach().requires_grad_(k not in fixed and (v.is_floating_point() or v.is_complex()))
             for k, v in params.items()
@@ -258,8 +288,9 @@ def value_and_grad(
         with torch.enable_grad(), held:
             value, metrics = loss(leaves, buffers, batch)
             wanted = [v for v in leaves.values() if v.requires_grad]
+            scaled = value if scale is None else value * scale
             with backward():
-                found = gradients(value if value.ndim == 0 else value.sum(), wanted) if wanted else ()
+                found = gradients(scaled if scaled.ndim == 0 else scaled.sum(), wanted) if wanted else ()
         detached = {k: v.detach() for k, v in metrics.items()}
         return Grads(_by_name(leaves, fixed, found), buffers, value.detach(), detached)
 

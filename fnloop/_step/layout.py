@@ -36,6 +36,7 @@ from fnloop._step.kernel import Gradient, Kernel, Stepped, Update, UpdateStage, 
 from fnloop._step.members import member_finite, member_gradient, member_update, only_training
 from fnloop._step.replicas import replicated
 from fnloop._step.sharding import all_ranks, groups_of, sharded_gradient, sharded_update
+from fnloop._step.statistics import with_statistics
 
 __all__ = ["Layout", "in_place", "transformed"]
 
@@ -71,13 +72,14 @@ def transformed(kernel: Kernel, layout: Layout, group: Any) -> Update:
     """
     if layout.members is not None:  # one process, the whole state: inputs.py refuses shards and ranks
         gradient = member_gradient(kernel, layout.shared)
-        step = _composed(kernel, gradient, member_update(kernel.transformed_update()), member_finite(kernel))
+        update = member_update(_watched(kernel, kernel.transformed_update(), None))
+        step = _composed(kernel, gradient, update, member_finite(kernel))
         return only_training(step, layout.stop)
     gradient = accumulated(
         value_and_grad(kernel.forward, kernel.fixed, hold=kernel.holding), kernel.accumulate
     )
-    update, finite = kernel.transformed_update(), kernel.finite
     shards = layout.shards
+    update, finite = _watched(kernel, kernel.transformed_update(), shards), kernel.finite
     if shards is not None:
         groups = groups_of(shards, group)
         if shards.params and groups is not None and kernel.units:  # block by block (blocks.py)
@@ -99,7 +101,8 @@ def _composed(
 
     def step(params: dict, buffers: dict, opt_state: Any, iteration: torch.Tensor, batch: Any) -> Stepped:
         # The forward writes running statistics into the buffers it is given.
-        found = gradient(params, {k: v.clone() for k, v in buffers.items()}, batch)
+        scale = kernel.loss_scale(opt_state)
+        found = gradient(params, {k: v.clone() for k, v in buffers.items()}, batch, scale)
         trained, new_opt_state, metrics = update(found.grads, opt_state, params, iteration)
         ok = finite(found.loss, found.grads)
         return Stepped(
@@ -113,6 +116,11 @@ def _composed(
         )
 
     return step
+
+
+def _watched(kernel: Kernel, update: UpdateStage, shards: Shards | None) -> UpdateStage:
+    """``update`` recording the statistics ``kernel.stats`` asks for (``statistics.py``), or as it is."""
+    return update if kernel.stats is None else with_statistics(update, kernel, kernel.stats, shards)
 
 
 def _on_every_rank(finite: Callable[..., torch.Tensor], group: Any) -> Callable[..., torch.Tensor]:
@@ -144,7 +152,7 @@ def in_place(kernel: Kernel, group: Any) -> Callable[..., Any]:
         batch: Any,
         shards: Shards | None,
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        if shards is not None or kernel.transforms:  # the pure step, written into the state
+        if shards is not None or kernel.transforms or kernel.stats:  # the pure step, written into the state
             pure = pures.get(shards)
             if pure is None:
                 pure = pures[shards] = transformed(kernel, Layout(shards=shards), group)
@@ -155,7 +163,8 @@ def in_place(kernel: Kernel, group: Any) -> Callable[..., Any]:
                     if after is not before:
                         before.copy_(after)
             return stepped.loss, stepped.finite, stepped.metrics
-        found = gradient(params, {k: v.clone() for k, v in buffers.items()}, batch)
+        scale = kernel.loss_scale(opt_state)
+        found = gradient(params, {k: v.clone() for k, v in buffers.items()}, batch, scale)
         finite = kernel.finite(found.loss, found.grads)
         if not finite:
             return found.loss, finite, {**kernel.rates(iteration, opt_state), **found.metrics}

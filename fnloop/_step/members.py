@@ -85,9 +85,11 @@ def member_update(update: UpdateStage) -> UpdateStage:
 
 
 def member_finite(kernel: Kernel) -> Any:
-    """The guard vmapped: one 0-d bool per member."""
+    """The guard vmapped: one 0-d bool per member (under loss scaling, of the loss alone: ``Kernel.finite``)."""
     from torch.func import vmap
 
+    if kernel.scales_loss:
+        return vmap(lambda loss, grads: all_finite(loss, {}))
     return vmap(all_finite)
 
 

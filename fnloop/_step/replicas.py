@@ -22,8 +22,10 @@ __all__ = ["averaged", "replicated"]
 def replicated(gradient: Gradient, group: Any) -> Gradient:
     """``gradient`` averaged over the ranks of ``group``: each rank's result is the mean of all of theirs."""
 
-    def replicated_gradient(params: dict, buffers: dict, batch: Any) -> Grads:
-        return averaged(gradient(params, buffers, batch), group)
+    def replicated_gradient(
+        params: dict, buffers: dict, batch: Any, scale: torch.Tensor | None = None
+    ) -> Grads:
+        return averaged(gradient(params, buffers, batch, scale), group)
 
     return replicated_gradient
 

@@ -91,9 +91,11 @@ def sharded_gradient(gradient: Gradient, shards: Shards, groups: Groups | None) 
     if groups is None:
         return gradient
 
-    def gradient_of_chunks(params: dict, buffers: dict, batch: Any) -> Grads:
+    def gradient_of_chunks(
+        params: dict, buffers: dict, batch: Any, scale: torch.Tensor | None = None
+    ) -> Grads:
         whole = gathered(params, shards, groups.shard) if shards.params else params
-        found = averaged(gradient(whole, buffers, batch), groups.every, grads=False)
+        found = averaged(gradient(whole, buffers, batch, scale), groups.every, grads=False)
         return found._replace(grads=scattered(found.grads, shards, groups))
 
     return gradient_of_chunks

@@ -31,6 +31,7 @@ from fnloop.optim._base import (
 from fnloop.optim._combining import chain, partition
 from fnloop.optim._inject import InjectedState, inject
 from fnloop.optim._learning_rate import scale_by_learning_rate
+from fnloop.optim._loss_scale import LossScaled, LossScaleState, dynamic_loss_scale
 from fnloop.optim._optimizers import adam, adamw, exclude_bias_and_norm, sgd
 from fnloop.optim._schedules import (
     constant,
@@ -59,6 +60,8 @@ __all__ = [
     "OverShards",
     "InjectedState",
     "LearningRate",
+    "LossScaleState",
+    "LossScaled",
     "OptState",
     "Optimizer",
     "Params",
@@ -72,6 +75,7 @@ __all__ = [
     "chain",
     "clip_by_global_norm",
     "constant",
+    "dynamic_loss_scale",
     "cosine",
     "exclude_bias_and_norm",
     "inject",

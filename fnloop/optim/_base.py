@@ -271,6 +271,7 @@ def learning_rates(
         {'lr': 0.1}
     """
     if isinstance(transform, Optimizer):
+        state = None if state is None else transform.inner_state(state)
         transform = transform.transform
     if isinstance(transform, RatesInState):  # inject's: the rates its state holds, known with the state
         return {} if state is None else dict(transform.state_learning_rates(iteration, state))
@@ -394,6 +395,10 @@ class Optimizer:
         (``clip_by_global_norm``) then computes the whole model's value.
         """
         return Optimizer(over_shards(self.transform, sum_))
+
+    def inner_state(self, state: OptState) -> OptState:
+        """The part of ``state`` that ``transform`` keeps: all of it (a wrapper's, such as ``dynamic_loss_scale``'s, less)."""
+        return state
 
     def __repr__(self) -> str:
         return f"Optimizer({self.transform!r})"

@@ -8,7 +8,8 @@ import statistics
 
 import attrs
 
-from fnloop._core.metrics import to_floats
+from fnloop._core.metrics import STEP_STATISTICS, to_floats
+from fnloop._core.population import split_member_metric
 from fnloop.writers._line import LOGGER, Line
 
 __all__ = ["Console", "console", "format_line"]
@@ -58,6 +59,19 @@ def _order(name: str) -> int:
     return {"time": 3, "data_time": 4, "max_mem": 5}.get(name, 1)
 
 
+def _per_group(name: str, members: int) -> bool:
+    """Whether ``name`` is a block's or a parameter's statistic (``grad_norm/layers.0``): files keep those, the console not.
+
+    A population's member metric (``grad_norm/3``, or ``grad_norm/layers.0/3``) is judged by what precedes the member.
+    """
+    if members:
+        found = split_member_metric(name, members)
+        if found is not None:
+            name = found[0]
+    figure, slash, _ = name.partition("/")
+    return bool(slash) and figure in STEP_STATISTICS
+
+
 def format_line(line: Line) -> str:
     """The console's text for ``line``: ``eta: H:MM:SS  iter: N  loss: ...  lr: ...  time: ...``.
 
@@ -76,7 +90,7 @@ def format_line(line: Line) -> str:
         >>> format_line(Line(2, 10, m, ("loss", "lr", "time")))
         'eta: 0:00:04  iter: 2  loss: 1.5  lr: 1.000e-01  time: 0.5000'
     """
-    names = sorted(line.names, key=_order)
+    names = sorted((n for n in line.names if not _per_group(n, len(line.members))), key=_order)
     recent = line.recent()
     # Counts and peaks (a running total, the memory high-water mark) and the lr read as they are now.
     windowed = {n for n in names if _order(n) not in (2, 5) and n != "skipped"}
