@@ -192,23 +192,21 @@ class Kernel:
         optimizer = self.optimizer if total is None else self.optimizer.over_shards(total)
         with _matching(self.fixed):
             trained, new_state = optimizer.update(grads, opt_state, self.trained(params), iteration)
-        metrics = self.rates(iteration, opt_state)
-        if isinstance(optimizer, LossScaled):
-            metrics.update(optimizer.metrics(opt_state, new_state))
-        return Updated(trained, new_state, metrics)
+        return Updated(
+            trained,
+            new_state,
+            {**self.rates(iteration, opt_state), **optimizer.metrics(opt_state, new_state)},
+        )
 
     def update_(self, grads: dict, opt_state: Any, params: dict, iteration: torch.Tensor) -> dict:
         """The update stage in place: ``params`` and ``opt_state`` written, as ``torch.optim`` writes them.
 
         Returns the learning rates, as ``rates`` gives them (and a loss scale's metrics).
         """
-        before = opt_state._replace(scale=opt_state.scale.clone()) if self.scales_loss else None
+        before = self.optimizer.snapshot(opt_state)
         with _matching(self.fixed):
             self.optimizer.update_(grads, opt_state, self.trained(params), iteration)
-        metrics = self.rates(iteration, opt_state)
-        if before is not None:
-            metrics.update(LossScaled.metrics(before, opt_state))
-        return metrics
+        return {**self.rates(iteration, opt_state), **self.optimizer.metrics(before, opt_state)}
 
     @property
     def scales_loss(self) -> bool:

@@ -103,6 +103,7 @@ def _composed(
         # The forward writes running statistics into the buffers it is given.
         scale = kernel.loss_scale(opt_state)
         found = gradient(params, {k: v.clone() for k, v in buffers.items()}, batch, scale)
+        opt_state = kernel.optimizer.given_loss(opt_state, found.loss)  # for one that judges it
         trained, new_opt_state, metrics = update(found.grads, opt_state, params, iteration)
         ok = finite(found.loss, found.grads)
         return Stepped(
@@ -168,6 +169,9 @@ def in_place(kernel: Kernel, group: Any) -> Callable[..., Any]:
         finite = kernel.finite(found.loss, found.grads)
         if not finite:
             return found.loss, finite, {**kernel.rates(iteration, opt_state), **found.metrics}
+        slot = kernel.optimizer.loss_slot(opt_state)
+        if slot is not None:
+            slot.copy_(found.loss)
         rates = kernel.update_(found.grads, opt_state, params, iteration)
         if buffers:
             torch._foreach_copy_(list(buffers.values()), [found.buffers[k] for k in buffers])

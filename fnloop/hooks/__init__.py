@@ -15,6 +15,7 @@ from fnloop.hooks._precise_bn import PreciseBNState, precise_bn
 from fnloop.hooks._profile import Profile, profile, trace_path
 from fnloop.hooks._progress import Progress, progress
 from fnloop.hooks._replicas import CheckReplicas, ReplicasDiverged, check_replicas
+from fnloop.hooks._spikes import SpikesInARow, StopOnSpikes, stop_on_spikes
 from fnloop.hooks._timer import Timer, TimerState, timer
 from fnloop.hooks._unrecorded import MetricNeverRecorded, NonFiniteMetric
 
@@ -38,6 +39,9 @@ __all__ = [
     "evaluate",
     "mean_over",
     "precise_bn",
+    "SpikesInARow",
+    "StopOnSpikes",
+    "stop_on_spikes",
     # seeing a run
     "Log",
     "LogState",

@@ -42,6 +42,7 @@ from fnloop.optim._schedules import (
     warmup,
     warmup_multistep,
 )
+from fnloop.optim._spikes import SkipsSpikes, SpikeState, skip_spikes
 from fnloop.optim._transforms import (
     ClipByGlobalNormState,
     ScaleByAdamState,
@@ -66,6 +67,8 @@ __all__ = [
     "Optimizer",
     "Params",
     "ScaleByAdamState",
+    "SkipsSpikes",
+    "SpikeState",
     "Schedule",
     "TraceState",
     "adam",
@@ -87,6 +90,7 @@ __all__ = [
     "scale_by_adam",
     "scale_by_learning_rate",
     "sgd",
+    "skip_spikes",
     "trace",
     "warmup",
     "warmup_multistep",

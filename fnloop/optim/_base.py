@@ -400,6 +400,24 @@ class Optimizer:
         """The part of ``state`` that ``transform`` keeps: all of it (a wrapper's, such as ``dynamic_loss_scale``'s, less)."""
         return state
 
+    # What a wrapper of the whole optimizer (dynamic_loss_scale, skip_spikes) tells the step.
+
+    def given_loss(self, state: OptState, loss: torch.Tensor) -> OptState:
+        """``state`` holding the step's ``loss``, for an optimizer that judges it (``skip_spikes``); else ``state``."""
+        return state
+
+    def loss_slot(self, state: OptState) -> torch.Tensor | None:
+        """The tensor of ``state`` that ``given_loss`` fills, for a step that writes it in place; ``None``: none."""
+        return None
+
+    def snapshot(self, state: OptState) -> Any:
+        """What ``metrics`` reads of the state before an update in place (copies); ``None`` for an optimizer with none."""
+        return None
+
+    def metrics(self, before: Any, after: OptState) -> dict[str, torch.Tensor]:
+        """What the step records of this update, from the state ``before`` it (or its ``snapshot``) and ``after``."""
+        return {}
+
     def __repr__(self) -> str:
         return f"Optimizer({self.transform!r})"
 

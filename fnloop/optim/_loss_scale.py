@@ -24,7 +24,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fnloop._core.messages import got
-from fnloop.optim._base import Optimizer, OptState, Params, Sum, first_device, over_shards
+from fnloop.optim._base import Optimizer, OptState, Params, Sum, first_device
 
 __all__ = ["LossScaleState", "LossScaled", "dynamic_loss_scale"]
 
@@ -48,10 +48,11 @@ class LossScaleState(NamedTuple):
 class LossScaled(Optimizer):
     """An optimizer whose updates are loss-scaled: built by ``dynamic_loss_scale``.
 
-    ``transform`` is the wrapped optimizer's own, so its learning rates are
-    read as before; the settings are ``GradScaler``'s.
+    ``inner`` is the wrapped optimizer, and ``transform`` its own, so its
+    learning rates are read as before; the settings are ``GradScaler``'s.
     """
 
+    inner: Optimizer = attrs.field(kw_only=True)
     init_scale: float = 2.0**16
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
@@ -62,7 +63,7 @@ class LossScaled(Optimizer):
     def init(self, params: Params, /) -> LossScaleState:
         device = first_device(params)
         return LossScaleState(
-            self.transform.init(params),
+            self.inner.init(params),
             torch.full((), self.init_scale, dtype=torch.float32, device=device),
             torch.zeros((), dtype=torch.int32, device=device),
         )
@@ -74,7 +75,7 @@ class LossScaled(Optimizer):
         _check_state(state)
         unscaled = _unscaled(grads, state.scale)
         found = self._overflow(_peak(unscaled))
-        new_params, inner = Optimizer(self.transform).update(unscaled, state.inner, params, iteration)
+        new_params, inner = self.inner.update(unscaled, state.inner, params, iteration)
         ok = ~found
         kept = {k: torch.where(ok, v, params[k]) for k, v in new_params.items()}
         inner = pytree.tree_map(lambda new, old: torch.where(ok, new, old), inner, state.inner)
@@ -89,28 +90,41 @@ class LossScaled(Optimizer):
             torch._foreach_mul_(list(grads.values()), inverse)
         found = self._overflow(_peak(grads, eager=True))
         if not bool(found):
-            Optimizer(self.transform).update_(grads, state.inner, params, iteration)
+            self.inner.update_(grads, state.inner, params, iteration)
         scale, growth = self._next(state.scale, state.growth, found)
         state.scale.copy_(scale)
         state.growth.copy_(growth)
 
     def over_shards(self, sum_: Sum, /) -> LossScaled:
-        return attrs.evolve(self, transform=over_shards(self.transform, sum_), summed=sum_)
+        inner = self.inner.over_shards(sum_)
+        return attrs.evolve(self, transform=inner.transform, inner=inner, summed=sum_)
 
     def inner_state(self, state: OptState) -> OptState:
-        return state.inner if isinstance(state, LossScaleState) else state
+        return self.inner.inner_state(state.inner) if isinstance(state, LossScaleState) else state
+
+    def given_loss(self, state: OptState, loss: torch.Tensor) -> OptState:
+        return state._replace(inner=self.inner.given_loss(state.inner, loss))
+
+    def loss_slot(self, state: OptState) -> torch.Tensor | None:
+        return self.inner.loss_slot(state.inner)
+
+    def snapshot(self, state: OptState) -> Any:
+        return state._replace(inner=self.inner.snapshot(state.inner), scale=state.scale.clone())
 
     def loss_scale(self, state: OptState) -> torch.Tensor:
         """What this step's loss is multiplied by before the backward."""
         _check_state(state)
         return state.scale
 
-    @staticmethod
-    def metrics(before: LossScaleState, after: LossScaleState) -> dict[str, torch.Tensor]:
+    def metrics(self, before: Any, after: OptState) -> dict[str, torch.Tensor]:
         """The step's ``loss_scale`` (the scale its backward used) and ``overflow`` (1 where it was skipped)."""
         # Backoff is below 1, so the scale falls exactly when the step overflowed. A copy: the
         # compiled step writes the new scale into the tensor the state held.
-        return {"loss_scale": before.scale.clone(), "overflow": (after.scale < before.scale).to(torch.int64)}
+        return {
+            "loss_scale": before.scale.clone(),
+            "overflow": (after.scale < before.scale).to(torch.int64),
+            **self.inner.metrics(before.inner, after.inner),
+        }
 
     def _overflow(self, peak: torch.Tensor) -> torch.Tensor:
         """A 0-d bool: some gradient element is not finite (on any rank, in a sharded step)."""
@@ -137,7 +151,7 @@ class LossScaled(Optimizer):
             f"init_scale={self.init_scale}, growth_factor={self.growth_factor}, "
             f"backoff_factor={self.backoff_factor}, growth_interval={self.growth_interval}"
         )
-        return f"dynamic_loss_scale({Optimizer(self.transform)!r}, {settings})"
+        return f"dynamic_loss_scale({self.inner!r}, {settings})"
 
 
 def dynamic_loss_scale(
@@ -206,7 +220,12 @@ def dynamic_loss_scale(
             f"dynamic_loss_scale(growth_interval=...) must be a positive int ({got(growth_interval)})."
         )
     return LossScaled(
-        optimizer.transform, float(init_scale), float(growth_factor), float(backoff_factor), growth_interval
+        optimizer.transform,
+        float(init_scale),
+        float(growth_factor),
+        float(backoff_factor),
+        growth_interval,
+        inner=optimizer,
     )
 
 
