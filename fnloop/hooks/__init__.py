@@ -1,5 +1,5 @@
-"""Ready-made hooks: see a run (timer, log, progress, memory, profile), steer it (evaluate,
-early_stop, ema, precise_bn), keep it (checkpoint, best_checkpoint) and check a data-parallel
+"""Ready-made hooks: see a run (timer, throughput, log, progress, memory, profile), steer it (evaluate,
+early_stop, stop_on_spikes, ema, precise_bn), keep it (checkpoint, best_checkpoint) and check a data-parallel
 one (check_replicas).
 
 Combinators (``every``, ``on``, ...) live at the top level, ``fnloop.every``.
@@ -16,6 +16,14 @@ from fnloop.hooks._profile import Profile, profile, trace_path
 from fnloop.hooks._progress import Progress, progress
 from fnloop.hooks._replicas import CheckReplicas, ReplicasDiverged, check_replicas
 from fnloop.hooks._spikes import SpikesInARow, StopOnSpikes, stop_on_spikes
+from fnloop.hooks._throughput import (
+    PEAK_FLOPS,
+    Throughput,
+    ThroughputState,
+    flops_per_token,
+    peak_flops,
+    throughput,
+)
 from fnloop.hooks._timer import Timer, TimerState, timer
 from fnloop.hooks._unrecorded import MetricNeverRecorded, NonFiniteMetric
 
@@ -57,6 +65,12 @@ __all__ = [
     "progress",
     "timer",
     "trace_path",
+    "PEAK_FLOPS",
+    "Throughput",
+    "ThroughputState",
+    "flops_per_token",
+    "peak_flops",
+    "throughput",
     # data parallel
     "CheckReplicas",
     "ReplicasDiverged",

@@ -70,8 +70,16 @@ class _Tick:
         bar = _BARS.get((os.getpid(), self.name))
         if bar is None:
             return
-        if "loss" in state.metrics.series:  # a host sync, as often as the bar is drawn
-            bar.set_postfix_str(f"loss: {state.metrics.latest_float('loss')[1]:.4g}", refresh=False)
+        series = state.metrics.series
+        shown = []
+        if "loss" in series:  # a host sync, as often as the bar is drawn
+            shown.append(f"loss: {state.metrics.latest_float('loss')[1]:.4g}")
+        if "tokens_per_s" in series:  # throughput's floats: no sync
+            shown.append(f"tok/s: {state.metrics.latest_float('tokens_per_s')[1]:.4g}")
+        if "mfu" in series:
+            shown.append(f"mfu: {100 * state.metrics.latest_float('mfu')[1]:.1f}%")
+        if shown:
+            bar.set_postfix_str("  ".join(shown), refresh=False)
         bar.update(state.iteration - bar.n)
 
 
