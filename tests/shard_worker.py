@@ -32,6 +32,9 @@ Options:
     --model KIND       net (default), gpt2 or llama: a transformers model of two layers from a tiny
                        config, dropout on, activation checkpointing on, on random tokens
     --bf16             train_step(..., autocast=torch.bfloat16)
+    --watch            float16 with dynamic loss scaling (an initial scale of 2**24, growth every 3 steps: it
+                       overflows often) and stats="blocks"; RESULTS holds each step's overflow, loss_scale and
+                       norms
     --accumulate K     train_step(..., accumulate=K)
     --from DIR:I       start from DIR's checkpoint of iteration I (at this job's world size)
     --lose-rank R:I:HOW
@@ -168,6 +171,24 @@ def optimizer() -> fl.optim.Optimizer:
     return fl.optim.chain(fl.optim.clip_by_global_norm(0.05), fl.optim.adamw(lr=fl.optim.cosine(3e-2, 60)))
 
 
+WATCHED = (
+    "loss_scale",
+    "overflow",
+    "grad_norm",
+    "param_norm",
+    "update_norm",
+    "grad_norm/blocks.0",
+    "update_norm/head",
+)
+"""What ``--watch`` records into RESULTS."""
+
+
+def _clip_state(state: fl.TrainState):
+    """The clip's state, inside the loss scale's (``--watch``) or not."""
+    opt_state = state.opt_state
+    return (opt_state.inner if isinstance(opt_state, fl.optim.LossScaleState) else opt_state)[0]
+
+
 def held_bytes(state: fl.TrainState) -> int:
     tensors = [*state.params.values(), *pytree.tree_leaves(state.opt_state)]
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
@@ -259,6 +280,7 @@ def run(argv: list[str]) -> Path:
     parser.add_argument("--blocks", choices=("found", "none"), default="found")
     parser.add_argument("--model", choices=("net", "gpt2", "llama"), default="net")
     parser.add_argument("--bf16", action="store_true")
+    parser.add_argument("--watch", action="store_true")
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--from", dest="start", help="DIR:I, start from DIR's checkpoint of iteration I")
     args = parser.parse_args(argv)
@@ -269,6 +291,8 @@ def run(argv: list[str]) -> Path:
         _kill_in_save(int(r), int(i), when)
     shard = None if args.shard == "None" else args.shard
     net, opt = (model() if args.model == "net" else language_model(args.model)), optimizer()
+    if args.watch:
+        opt = fl.optim.dynamic_loss_scale(opt, init_scale=2.0**24, growth_interval=3)
     state = fl.init(net, opt, seed=0, max_iter=args.max_iter, shard=shard, replicate=args.replicate)
     hooks: list = []
     if args.checkpoint:
@@ -296,8 +320,9 @@ def run(argv: list[str]) -> Path:
         compile=args.compile,
         steps_per_call=args.steps_per_call,
         blocks=blocks,
-        autocast=torch.bfloat16 if args.bf16 else None,
+        autocast=torch.float16 if args.watch else torch.bfloat16 if args.bf16 else None,
         accumulate=args.accumulate,
+        stats="blocks" if args.watch else None,
     )
     batches = fl.data.batches(data() if args.model == "net" else tokens(), batch_size=BATCH, seed=0)
     rank = fl.distributed.rank()
@@ -319,7 +344,12 @@ def run(argv: list[str]) -> Path:
         {
             "params": {k: v.clone() for k, v in whole.items()},
             "losses": [float(v) for _, v in final.metrics.series["loss"]],
-            "norms": [float(fl.unshard(final).opt_state[0].global_norm)] if final.iteration else [],
+            "norms": [float(_clip_state(fl.unshard(final)).global_norm)] if final.iteration else [],
+            "watched": {
+                name: [(i, float(v)) for i, v in final.metrics.series[name]]
+                for name in WATCHED
+                if name in final.metrics.series
+            },
             "held": held_bytes(final),
             "iteration": final.iteration,
             "began": began,

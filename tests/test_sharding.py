@@ -99,7 +99,8 @@ def two(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ``dp``: data parallel, 50 steps, compiled; ``full``/``optimizer`` (compiled) and ``full-eager``:
     sharded, the same 50 steps (``full`` block by block, ``full-all`` gathering everything at once,
     ``full-accumulate-eager`` block by block over two micro-batches); ``single``/``several``: 8 steps of ``full`` compiled, one step or two
-    per call; ``ref``: the run that checkpoints into ``ckpt``.
+    per call; ``ref``: the run that checkpoints into ``ckpt``. ``dp-watch``, ``full-watch-eager`` and
+    ``full-watch`` (compiled): float16 with loss scaling and per-block statistics, data parallel and sharded.
     """
     tmp = tmp_path_factory.mktemp("two")
     ok(
@@ -114,6 +115,9 @@ def two(tmp_path_factory: pytest.TempPathFactory) -> Path:
             [tmp / "single", "--shard", "full", "--compile", "--max-iter", "8"],
             [tmp / "several", "--shard", "full", "--compile", "--max-iter", "8", "--steps-per-call", "2"],
             [tmp / "ref", *CHECKPOINTED, "--checkpoint", tmp / "ckpt"],
+            [tmp / "dp-watch", "--watch"],
+            [tmp / "full-watch-eager", "--shard", "full", "--watch"],
+            [tmp / "full-watch", "--shard", "full", "--watch", "--compile"],
         )
     )
     return tmp
@@ -157,6 +161,25 @@ def four(two: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
         )
     )
     return tmp
+
+
+@pytest.mark.parametrize("job", ["full-watch-eager", "full-watch"])
+def test_loss_scaling_and_statistics_of_a_sharded_step_are_the_whole_models(two: Path, job: str) -> None:
+    # Each rank sees its chunks: an overflow in any one skips the step on all, and the norms are
+    # sums over the ranks' chunks, equal to data parallel's (which sees whole gradients). The
+    # reference is eager: the compiled step's float16 kernels round their own way (7e-4 here).
+    tol = 1e-4 if job.endswith("eager") else 3e-3
+    data_parallel = result(two / "dp-watch")["watched"]
+    assert sum(v for _, v in data_parallel["overflow"]) >= 2  # the comparison means something
+    for rank in range(2):
+        mine = result(two / job, rank)
+        watched = mine["watched"]
+        assert watched["overflow"] == data_parallel["overflow"]
+        assert watched["loss_scale"] == data_parallel["loss_scale"]
+        for name in ("grad_norm", "param_norm", "update_norm", "grad_norm/blocks.0", "update_norm/head"):
+            for (i, a), (j, b) in zip(watched[name], data_parallel[name], strict=True):
+                assert i == j and a == pytest.approx(b, rel=tol, abs=1e-7), (name, i)
+        assert furthest(mine, result(two / "dp-watch")) < tol
 
 
 @pytest.mark.parametrize(

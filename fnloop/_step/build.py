@@ -270,7 +270,7 @@ def train_step(
             (for example ``torch.bfloat16``). For ``torch.float16``, wrap the
             optimizer in ``fnloop.optim.dynamic_loss_scale`` (as
             ``torch.amp.GradScaler``): the step then scales the loss by the
-            scale its state holds (see ``docs/step.md#float16``).
+            scale its state holds (see ``docs/watching.md#float16``).
         recompiles: how many graphs beyond the first the step may compile before
             ``RecompileError`` (a signature seen before reuses its graph).
         options: inductor settings, as ``torch.compile(options=...)`` takes
