@@ -15,7 +15,7 @@ positions, batch 16, dropout 0.1, AdamW 1e-3), one thread, each step compiled wh
   run by ``fl.run`` bare; and the hook's own call, timed alone over 10,000 calls.
 
 All are built and warmed (compiled) first, then take turns in one process, ``--rounds`` times
-``--steps`` steps each; the figure is the median over rounds of ms per step, and each
+``--steps`` steps each, each round starting from the next variant; the figure is the median over rounds of ms per step, and each
 variant's ratio to its baseline.
 """
 
@@ -37,7 +37,7 @@ import fnloop as fl
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args(argv)
     if args.quick:
@@ -88,11 +88,15 @@ def main(argv: list[str] | None = None) -> None:
         steps(name, 2)
     folded("off", [hook], 2)
     times: dict[str, list[float]] = {name: [] for name in [*variants, "run", "run+hook"]}
-    for _ in range(args.rounds):
-        for name in variants:
-            times[name].append(steps(name, args.steps))
-        times["run"].append(folded("off", [], args.steps))
-        times["run+hook"].append(folded("off", [hook], args.steps))
+    order = [*variants, "run", "run+hook"]
+    for r in range(args.rounds):
+        for name in order[r % len(order) :] + order[: r % len(order)]:  # each round starts elsewhere
+            if name == "run":
+                times[name].append(folded("off", [], args.steps))
+            elif name == "run+hook":
+                times[name].append(folded("off", [hook], args.steps))
+            else:
+                times[name].append(steps(name, args.steps))
     ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
     print(
         f"{work.label}, AdamW, one thread; median of {args.rounds} rounds of {args.steps} steps, interleaved"

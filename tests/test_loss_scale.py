@@ -192,3 +192,29 @@ def test_the_scale_follows_grad_scalers_rule_to_the_bit():
         torch._amp_update_scale_(scale, tracker, torch.full((1,), float(bad)), 2.0, 0.5, 3)
         assert torch.equal(state.scale, scale.reshape(())), i
         assert int(state.growth) == int(tracker), i
+
+
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_each_member_of_a_population_scales_its_own_loss_as_its_solo_run(compile):
+    def member(seed):
+        torch.manual_seed(seed)
+        net = torch.nn.Sequential(
+            torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.LayerNorm(64), torch.nn.Linear(64, 10)
+        )
+        return fl.init(net, optimizer(), seed=seed, max_iter=20)
+
+    step = fl.train_step(model(), loss_fn, optimizer(), autocast=torch.float16, compile=compile)
+    data = batches()[:20]
+    together = list(fl.scan(fl.population(member, seeds=[0, 1]), step, data))
+    for m in (0, 1):
+        alone = list(fl.scan(member(m), step, data))
+        assert series(together, f"overflow/{m}") == series(alone, "overflow")
+        assert series(together, f"loss_scale/{m}") == series(alone, "loss_scale")
+        mine = fl.member(together[-1], m)
+        if compile:  # the population's graph is another graph than the solo one
+            for name, p in alone[-1].params.items():
+                torch.testing.assert_close(mine.params[name], p, rtol=0, atol=5e-3)
+        else:
+            testing.assert_identical(mine.params, alone[-1].params)
+            testing.assert_identical(mine.opt_state, alone[-1].opt_state)
+    assert series(together, "overflow/0") != series(together, "overflow/1")  # each its own scale
