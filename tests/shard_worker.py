@@ -33,8 +33,8 @@ Options:
                        config, dropout on, activation checkpointing on, on random tokens
     --bf16             train_step(..., autocast=torch.bfloat16)
     --watch            float16 with dynamic loss scaling (an initial scale of 2**24, growth every 3 steps: it
-                       overflows often) and stats="blocks"; RESULTS holds each step's overflow, loss_scale and
-                       norms
+                       overflows often), spikes skipped (a window of 8, 3 sigma) and stats="blocks"; RESULTS
+                       holds each step's overflow, loss_scale, spike and norms
     --accumulate K     train_step(..., accumulate=K)
     --from DIR:I       start from DIR's checkpoint of iteration I (at this job's world size)
     --lose-rank R:I:HOW
@@ -174,6 +174,7 @@ def optimizer() -> fl.optim.Optimizer:
 WATCHED = (
     "loss_scale",
     "overflow",
+    "spike",
     "grad_norm",
     "param_norm",
     "update_norm",
@@ -184,9 +185,11 @@ WATCHED = (
 
 
 def _clip_state(state: fl.TrainState):
-    """The clip's state, inside the loss scale's (``--watch``) or not."""
+    """The clip's state, inside the loss scale's and the spikes' (``--watch``) or not."""
     opt_state = state.opt_state
-    return (opt_state.inner if isinstance(opt_state, fl.optim.LossScaleState) else opt_state)[0]
+    while isinstance(opt_state, (fl.optim.LossScaleState, fl.optim.SpikeState)):
+        opt_state = opt_state.inner
+    return opt_state[0]
 
 
 def held_bytes(state: fl.TrainState) -> int:
@@ -292,7 +295,8 @@ def run(argv: list[str]) -> Path:
     shard = None if args.shard == "None" else args.shard
     net, opt = (model() if args.model == "net" else language_model(args.model)), optimizer()
     if args.watch:
-        opt = fl.optim.dynamic_loss_scale(opt, init_scale=2.0**24, growth_interval=3)
+        spikes = fl.optim.skip_spikes(opt, window=8, threshold=3.0, warmup=4)
+        opt = fl.optim.dynamic_loss_scale(spikes, init_scale=2.0**24, growth_interval=3)
     state = fl.init(net, opt, seed=0, max_iter=args.max_iter, shard=shard, replicate=args.replicate)
     hooks: list = []
     if args.checkpoint:
@@ -345,6 +349,7 @@ def run(argv: list[str]) -> Path:
             "params": {k: v.clone() for k, v in whole.items()},
             "losses": [float(v) for _, v in final.metrics.series["loss"]],
             "norms": [float(_clip_state(fl.unshard(final)).global_norm)] if final.iteration else [],
+            "spikes": int(final.opt_state.inner.skipped) if args.watch else None,
             "watched": {
                 name: [(i, float(v)) for i, v in final.metrics.series[name]]
                 for name in WATCHED

@@ -66,7 +66,7 @@ def judged(losses: list[float], norms: list[float]) -> list[int]:
         recent = kept[-window:]
         spike = 0
         if len(recent) >= warmup:
-            for values, value in ((([l for l, _ in recent]), loss), ([n for _, n in recent], norm)):
+            for values, value in (([a for a, _ in recent], loss), ([b for _, b in recent], norm)):
                 if value > statistics.fmean(values) + threshold * statistics.pstdev(values):
                     spike = 1
         out.append(spike)
