@@ -174,7 +174,7 @@ def optimizer() -> fl.optim.Optimizer:
 WATCHED = (
     "loss_scale",
     "overflow",
-    "spike",
+    "spikes",
     "grad_norm",
     "param_norm",
     "update_norm",

@@ -176,7 +176,7 @@ def test_loss_scaling_and_statistics_of_a_sharded_step_are_the_whole_models(two:
         watched = mine["watched"]
         assert watched["overflow"] == data_parallel["overflow"]
         assert watched["loss_scale"] == data_parallel["loss_scale"]
-        assert watched["spike"] == data_parallel["spike"]  # judged on the whole model's norm
+        assert watched["spikes"] == data_parallel["spikes"]  # judged on the whole model's norm
         assert mine["spikes"] == result(two / "dp-watch")["spikes"]
         for name in ("grad_norm", "param_norm", "update_norm", "grad_norm/blocks.0", "update_norm/head"):
             for (i, a), (j, b) in zip(watched[name], data_parallel[name], strict=True):

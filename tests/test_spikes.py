@@ -57,6 +57,12 @@ def series(states: list[fl.TrainState], name: str) -> list[float]:
     return [found[i] for i in sorted(found)]
 
 
+def skipped_at(states: list[fl.TrainState], name: str = "spikes") -> list[int]:
+    """Per step, 1 where it was skipped: the steps of the running count ``spikes``."""
+    counts = series(states, name)
+    return [int(b - a) for a, b in zip([0.0, *counts], counts)]
+
+
 def judged(losses: list[float], norms: list[float]) -> list[int]:
     """The rule by hand: skip where the loss or norm is above mean + threshold * (population) deviation."""
     window, threshold, warmup = SETTINGS["window"], SETTINGS["threshold"], SETTINGS["warmup"]
@@ -78,7 +84,7 @@ def judged(losses: list[float], norms: list[float]) -> list[int]:
 @pytest.mark.parametrize("how", ["eager", "compiled"])
 def test_the_spikes_are_skipped_by_the_windows_rule_and_change_nothing(how, steps):
     states = list(fl.scan(fl.init(model(), optimizer(), seed=0, max_iter=STEPS), steps[how], data()))
-    spikes = series(states, "spike")
+    spikes = skipped_at(states)
     assert [i for i, s in enumerate(spikes) if s] == list(SPIKES)
     # The same decisions by hand, from each step's loss and gradient norm (taken from a run with stats).
     watched = fl.train_step(model(), loss_fn, optimizer(), compile=False, stats="model")
@@ -119,7 +125,7 @@ def test_with_loss_scaling_the_two_wrap_each_other():
     opt = fl.optim.dynamic_loss_scale(optimizer(), init_scale=2.0**8)
     step = fl.train_step(model(), loss_fn, opt, compile=False)
     states = list(fl.scan(fl.init(model(), opt, seed=0, max_iter=STEPS), step, data()))
-    assert [i for i, s in enumerate(series(states, "spike")) if s] == list(SPIKES)
+    assert [i for i, s in enumerate(skipped_at(states)) if s] == list(SPIKES)
     assert set(series(states, "overflow")) == {0.0}
     with pytest.raises(TypeError, match=r"dynamic_loss_scale\(skip_spikes\(adamw"):
         fl.optim.skip_spikes(fl.optim.dynamic_loss_scale(fl.optim.adam(1e-2)))
@@ -132,3 +138,20 @@ def test_with_loss_scaling_the_two_wrap_each_other():
 def test_settings_are_checked(kwargs, message):
     with pytest.raises(ValueError, match=message):
         fl.optim.skip_spikes(fl.optim.sgd(0.1), **kwargs)
+
+
+@pytest.mark.parametrize("how", ["eager", "compiled"])
+def test_each_member_of_a_population_judges_its_own_spikes_as_its_solo_run(how, steps):
+    def member(seed):
+        torch.manual_seed(seed)
+        net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        return fl.init(net, optimizer(), seed=seed, max_iter=STEPS)
+
+    together = list(fl.scan(fl.population(member, seeds=[0, 1]), steps[how], data()))
+    for m in (0, 1):
+        alone = list(fl.scan(member(m), steps[how], data()))
+        assert skipped_at(together, f"spikes/{m}") == skipped_at(alone)
+        mine = fl.member(together[-1], m)
+        assert int(mine.opt_state.skipped) == int(alone[-1].opt_state.skipped) >= 1
+        if how == "eager":
+            testing.assert_identical(mine.opt_state, alone[-1].opt_state)

@@ -101,12 +101,10 @@ class SkipsSpikes(Optimizer):
     def loss_slot(self, state: OptState) -> torch.Tensor | None:
         return state.loss
 
-    def snapshot(self, state: OptState) -> Any:
-        return state._replace(inner=None, skipped=state.skipped.clone())
-
     def metrics(self, before: Any, after: OptState) -> dict[str, torch.Tensor]:
-        """``spike`` (1 where the step was skipped) and ``spikes_in_a_row``."""
-        return {"spike": after.skipped - before.skipped, "spikes_in_a_row": after.in_a_row.clone()}
+        """``spikes`` (the steps skipped in the run, a running count) and ``spikes_in_a_row``."""
+        # Copies: the compiled step writes the new state into the tensors the state held.
+        return {"spikes": after.skipped.clone(), "spikes_in_a_row": after.in_a_row.clone()}
 
     def _spike(self, grads: Params, state: SpikeState) -> tuple[torch.Tensor, torch.Tensor]:
         """Whether this step is an outlier, and its gradient norm (over every rank, when sharded)."""
@@ -163,7 +161,7 @@ def skip_spikes(
     steps have been accepted. A skipped step's values do not enter the window.
     This is OLMo-core's ``SkipStepOptimizer`` rule. The windows and counts are
     in the state (``SpikeState``): saved, resumed and replayed with it. Each
-    step records ``spike`` (1 for a skipped step) and ``spikes_in_a_row``;
+    step records ``spikes`` (the steps skipped so far) and ``spikes_in_a_row``;
     ``fnloop.hooks.stop_on_spikes(n)`` stops the run after ``n`` in a row.
 
     With ``dynamic_loss_scale``, wrap this one in it

@@ -59,6 +59,10 @@ def _order(name: str) -> int:
     return {"time": 3, "data_time": 4, "max_mem": 5}.get(name, 1)
 
 
+_COUNTS = ("skipped", "spikes", "spikes_in_a_row")
+"""Running counts: shown as they are now, not as a median."""
+
+
 def _per_group(name: str, members: int) -> bool:
     """Whether ``name`` is a block's or a parameter's statistic (``grad_norm/layers.0``): files keep those, the console not.
 
@@ -79,8 +83,10 @@ def format_line(line: Line) -> str:
     previous write that the metrics window still keeps (a training loss or
     batch accuracy recorded every step: the last ``window`` steps; a
     validation metric recorded once per period: that value), as detectron2
-    smooths its losses; ``lr``, ``max_mem`` and ``skipped`` (a rate, a peak
-    and a running count) as their newest value. The ETA is the median ``time`` times the
+    smooths its losses; ``lr``, ``max_mem`` and the running counts ``skipped``,
+    ``spikes`` and ``spikes_in_a_row`` as their newest value. A block's or a
+    parameter's statistic (``grad_norm/<group>``, ``train_step(stats=...)``) is
+    left to the files. The ETA is the median ``time`` times the
     iterations left; a finished run shows ``eta: 0:00:00``; without any
     ``time`` there is no ETA.
 
@@ -93,7 +99,7 @@ def format_line(line: Line) -> str:
     names = sorted((n for n in line.names if not _per_group(n, len(line.members))), key=_order)
     recent = line.recent()
     # Counts and peaks (a running total, the memory high-water mark) and the lr read as they are now.
-    windowed = {n for n in names if _order(n) not in (2, 5) and n != "skipped"}
+    windowed = {n for n in names if _order(n) not in (2, 5) and n not in _COUNTS}
 
     def value(name: str) -> float:
         return statistics.median(recent[name]) if name in windowed else recent[name][-1]
