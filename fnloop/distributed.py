@@ -110,6 +110,8 @@ def _leave() -> None:
     unhandled exception the group is left as it is: another rank may still be
     inside a collective, and leaving could wait on it.
     """
+    if _current is not None:  # a run that never reached its end: its signs of life stop first
+        _current.close()
     if hasattr(sys, "last_value") or not dist.is_initialized():
         return
     # Garbage first: a step (often in a reference cycle) holds the group in its compiled graph's
@@ -190,6 +192,9 @@ BEAT = 0.5
 
 LIFE = 3.0
 """Seconds without a sign of life, or without news of a rank's end, after which it is taken to be gone."""
+
+STORE_WAIT = 60.0
+"""Seconds a run's end waits for the thread giving its signs of life to leave its store call."""
 
 
 class AgreedStop(_Stop):
@@ -316,11 +321,17 @@ class SharedRun:
         return bool(self.store.check([f"{self.prefix}/{key}"]))
 
     def close(self) -> None:
-        """The run is over: no more signs of life (the thread that gave them has ended, or is stuck in a
-        store call to a group that is gone, and dies with the process)."""
+        """The run is over: no more signs of life, once the thread that gave them has ended.
+
+        It is waited for, up to ``STORE_WAIT`` seconds (a store call on a loaded machine can take
+        seconds): a daemon thread still inside a store call when the interpreter finalizes aborts
+        the process after all its work is done ("terminate called without an active exception":
+        Python ends the thread by unwinding through a C++ frame that may not be unwound). Only a
+        store that stopped answering (its host is gone) leaves it running, to die with the process.
+        """
         global _current
         self._done.set()
-        self._beats.join(timeout=4 * BEAT)
+        self._beats.join(timeout=STORE_WAIT)
         if _current is self:
             _current = None
 
