@@ -62,15 +62,15 @@ def assert_identical(a: Any, b: Any) -> None:
         raise AssertionError(f"states differ at {found}")
 
 
-CLOCK_METRICS = ("time", "data_time", "max_mem")
-"""Metrics the machine measured: off the fold's clock (``fnloop.hooks.timer``) and its memory (``fnloop.hooks.memory``)."""
+CLOCK_METRICS = ("time", "data_time", "max_mem", "samples_per_s", "tokens_per_s", "mfu", "hook_time")
+"""Metrics the machine measured: off the fold's clock (``fnloop.hooks.timer``, ``fnloop.hooks.throughput``) and its memory (``fnloop.hooks.memory``)."""
 
 
 def without_clock(state: TrainState) -> TrainState:
     """``state`` without what the machine measured into it (clock, memory): for comparing two runs, not two machines.
 
-    ``state.clock`` becomes ``Clock()``, the metrics ``time``, ``data_time`` and ``max_mem`` and the
-    timer's hook states are left out. Everything else, the run itself, stays;
+    ``state.clock`` becomes ``Clock()``; the metrics ``CLOCK_METRICS`` names (the timer's, the
+    throughput's and ``max_mem``) and the timer's hook states are left out. Everything else, the run itself, stays;
     a resumed run equals an uninterrupted one under this view.
 
     Examples:

@@ -101,3 +101,23 @@ def test_peaks_come_from_the_table_or_are_measured():
 def test_bad_settings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         fl.hooks.throughput(**kwargs)
+
+
+def test_two_runs_on_two_clocks_compare_equal_without_the_rates(tmp_path):
+    # The rates are the machine's, as the timer's times are: fnloop.testing.without_clock and
+    # `fnloop diff` leave them out, and the hook's memory with them.
+    from fnloop import testing
+    from fnloop.cli import main
+
+    hooks = [fl.every(3, fl.hooks.throughput(samples=8, tokens=64, flops_per_token=1e3, peak=1e9))]
+    finals = []
+    for stride in (0.25, 0.5):
+        ticks = itertools.count(0.0, stride)
+        state = fl.run(
+            fl.TrainState(max_iter=STEPS), step, [100] * STEPS, hooks, clock=lambda t=ticks: next(t)
+        )
+        finals.append(state)
+    assert finals[0].metrics.latest("mfu") != finals[1].metrics.latest("mfu")
+    testing.assert_identical(testing.without_clock(finals[0]), testing.without_clock(finals[1]))
+    paths = [fl.save(s, tmp_path / f"run{i}.safetensors") for i, s in enumerate(finals)]
+    assert main(["diff", str(paths[0]), str(paths[1])]) == 0

@@ -34,18 +34,23 @@ _CLOCK = (
     "state.metrics.series['time']",
     "state.metrics.series['data_time']",
     "state.metrics.series['max_mem']",
+    # fnloop.hooks.throughput's rates, off the same clock
+    "state.metrics.series['samples_per_s']",
+    "state.metrics.series['tokens_per_s']",
+    "state.metrics.series['mfu']",
+    "state.metrics.series['hook_time']",
 )
-_TIMER_STATE = ".TimerState"
+_CLOCKED_STATES = (".TimerState", ".ThroughputState")
 _LAST_KEY = re.compile(r"\[[^\[\]]*\]$")
 
 
 def clock_paths(*trees: Any) -> tuple[str, ...]:
-    """The paths of ``trees`` (raw states) the machine measured: time fields, timer and memory metrics, timer states."""
+    """The paths of ``trees`` (raw states) the machine measured: time fields, clock and memory metrics, the timer's and throughput's states."""
     paths = dict.fromkeys(_CLOCK)
     for tree in trees:
         hooks = tree.get("hooks") if type(tree) is Record else None
         for name, value in hooks.items() if isinstance(hooks, dict) else ():
-            if type(value) is Record and value.type.endswith(_TIMER_STATE):
+            if type(value) is Record and value.type.endswith(_CLOCKED_STATES):
                 paths[f"state.hooks[{name!r}]"] = None
     return tuple(paths)
 
