@@ -24,8 +24,9 @@ WORKER = str(Path(__file__).with_name("shard_worker.py"))
 LIMIT = 600
 """Seconds one launch may take: a launch runs several jobs, each compiling on a busy 2-core machine."""
 ONE_CORE_EACH = {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
-"""One thread each; and a rank that dies of a signal prints where its Python was (a rare native
-crash of a rank, seen twice in a launch's first compiled job, and not reproduced since)."""
+"""One thread each; and a rank that dies of a signal prints where its Python was. (A rank's rare
+SIGABRT after its work was the signs-of-life thread caught in a store call at the interpreter's
+finalization, fixed in ``SharedRun.close``: ``tests/test_exit.py``.)"""
 
 pytestmark = pytest.mark.slow
 
