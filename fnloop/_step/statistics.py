@@ -97,7 +97,7 @@ def with_statistics(update: UpdateStage, kernel: Kernel, by: str, shards: Shards
         groups = {"": names, **groups_of_parameters(kernel, names, by)}
         sums = torch.stack(
             [
-                torch.stack([sum((s[n] for n in members), _zero(s, names)) for members in groups.values()])
+                torch.stack([torch.stack([s[n] for n in members]).sum() for members in groups.values()])
                 for s in (grad, param, change)
             ]
         )
@@ -113,7 +113,3 @@ def with_statistics(update: UpdateStage, kernel: Kernel, by: str, shards: Shards
         return found._replace(metrics={**found.metrics, **metrics})
 
     return update_with_statistics
-
-
-def _zero(squares: Mapping[str, torch.Tensor], names: list[str]) -> torch.Tensor:
-    return torch.zeros((), dtype=torch.float32, device=squares[names[0]].device) if names else torch.zeros(())
