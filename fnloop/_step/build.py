@@ -30,7 +30,7 @@ from fnloop._step.sharding import chunk
 from fnloop._step.statistics import checked
 from fnloop._step.train import TrainStep
 from fnloop.distributed import _group, broadcast_tensors, mesh_groups, rank, world_size
-from fnloop.optim import LossScaled, Optimizer
+from fnloop.optim import Optimizer
 from fnloop.optim._base import fixed_learning_rates
 
 __all__ = [
@@ -345,7 +345,7 @@ def train_step(
     steps_per_call = _check_positive("steps_per_call", steps_per_call)
     if type(deterministic) is not bool:
         raise TypeError(f"'deterministic' must be a bool ({got(deterministic)}).")
-    if autocast is torch.float16 and not isinstance(optimizer, LossScaled):
+    if autocast is torch.float16 and not optimizer.scales_loss:
         warnings.warn(
             "train_step(autocast=torch.float16) without loss scaling: float16 gradients below "
             "about 6e-8 become zero. Wrap the optimizer, fnloop.optim.dynamic_loss_scale(opt) "

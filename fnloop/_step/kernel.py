@@ -37,7 +37,7 @@ from torch.utils import _pytree as pytree
 
 from fnloop._step.errors import _NUMBER_METRIC, GraphBreakError, _number
 from fnloop._step.remat import gradients, reentrant_refused
-from fnloop.optim import LossScaled, Optimizer, learning_rates
+from fnloop.optim import Optimizer, learning_rates
 
 if TYPE_CHECKING:
     from fnloop._step.blocks import Units
@@ -211,12 +211,11 @@ class Kernel:
     @property
     def scales_loss(self) -> bool:
         """Whether the optimizer scales the loss (``dynamic_loss_scale``): the step then multiplies it by ``loss_scale``."""
-        return isinstance(self.optimizer, LossScaled)
+        return self.optimizer.scales_loss
 
     def loss_scale(self, opt_state: Any) -> torch.Tensor | None:
         """What the loss is multiplied by before the backward (``dynamic_loss_scale``'s state), or ``None``."""
-        optimizer = self.optimizer
-        return optimizer.loss_scale(opt_state) if isinstance(optimizer, LossScaled) else None
+        return self.optimizer.loss_scale(opt_state)
 
     def transformed_update(self) -> UpdateStage:
         """The update stage with ``transforms`` applied."""

@@ -39,6 +39,7 @@ __all__ = [
     "check_keys",
     "describe",
     "first_device",
+    "kept_unless",
     "update_in_place",
 ]
 
@@ -229,6 +230,15 @@ def zero_count(params: Params) -> torch.Tensor:
     return torch.zeros((), dtype=torch.int64, device=first_device(params))
 
 
+def kept_unless(
+    skip: torch.Tensor, new_params: Params, params: Params, new_state: OptState, state: OptState
+) -> tuple[Params, OptState]:
+    """``(new_params, new_state)``, or where the 0-d bool ``skip`` holds ``(params, state)``: a skipped update, in the graph."""
+    ok = ~skip
+    kept = {k: torch.where(ok, v, params[k]) for k, v in new_params.items()}
+    return kept, pytree.tree_map(lambda new, old: torch.where(ok, new, old), new_state, state)
+
+
 def apply_updates(params: Params, updates: Params) -> Params:
     """New parameters ``params[k] + updates[k]``, each in its parameter's dtype.
 
@@ -401,6 +411,15 @@ class Optimizer:
         return state
 
     # What a wrapper of the whole optimizer (dynamic_loss_scale, skip_spikes) tells the step.
+
+    @property
+    def scales_loss(self) -> bool:
+        """Whether the step multiplies the loss by ``loss_scale`` before the backward (``dynamic_loss_scale``)."""
+        return False
+
+    def loss_scale(self, state: OptState) -> torch.Tensor | None:
+        """What the step's loss is multiplied by before the backward; ``None``: not scaled."""
+        return None
 
     def given_loss(self, state: OptState, loss: torch.Tensor) -> OptState:
         """``state`` holding the step's ``loss``, for an optimizer that judges it (``skip_spikes``); else ``state``."""

@@ -21,10 +21,9 @@ from typing import Any, NamedTuple
 
 import attrs
 import torch
-from torch.utils import _pytree as pytree
 
 from fnloop._core.messages import got
-from fnloop.optim._base import Optimizer, OptState, Params, Sum, first_device
+from fnloop.optim._base import Optimizer, OptState, Params, Sum, first_device, kept_unless
 
 __all__ = ["LossScaleState", "LossScaled", "dynamic_loss_scale"]
 
@@ -76,9 +75,7 @@ class LossScaled(Optimizer):
         unscaled = _unscaled(grads, state.scale)
         found = self._overflow(_peak(unscaled))
         new_params, inner = self.inner.update(unscaled, state.inner, params, iteration)
-        ok = ~found
-        kept = {k: torch.where(ok, v, params[k]) for k, v in new_params.items()}
-        inner = pytree.tree_map(lambda new, old: torch.where(ok, new, old), inner, state.inner)
+        kept, inner = kept_unless(found, new_params, params, inner, state.inner)
         return kept, LossScaleState(inner, *self._next(state.scale, state.growth, found))
 
     def update_(self, grads: Params, state: OptState, params: Params, iteration: torch.Tensor, /) -> None:
@@ -110,6 +107,10 @@ class LossScaled(Optimizer):
 
     def snapshot(self, state: OptState) -> Any:
         return state._replace(inner=self.inner.snapshot(state.inner), scale=state.scale.clone())
+
+    @property
+    def scales_loss(self) -> bool:
+        return True
 
     def loss_scale(self, state: OptState) -> torch.Tensor:
         """What this step's loss is multiplied by before the backward."""
@@ -197,7 +198,7 @@ def dynamic_loss_scale(
         >>> new["w"]  # the gradient 2.0 / 2.0 = 1.0 applied
         tensor([0.9000, 0.9000])
     """
-    if isinstance(optimizer, LossScaled):
+    if isinstance(optimizer, Optimizer) and optimizer.scales_loss:
         raise TypeError(
             f"dynamic_loss_scale() got {optimizer!r}, whose loss is scaled already; wrap the optimizer once."
         )

@@ -14,10 +14,9 @@ from typing import Any, NamedTuple
 
 import attrs
 import torch
-from torch.utils import _pytree as pytree
 
 from fnloop._core.messages import got
-from fnloop.optim._base import Optimizer, OptState, Params, Sum, first_device, over_shards
+from fnloop.optim._base import Optimizer, OptState, Params, Sum, first_device, kept_unless, over_shards
 
 __all__ = ["SpikeState", "SkipsSpikes", "skip_spikes"]
 
@@ -73,9 +72,7 @@ class SkipsSpikes(Optimizer):
         _check_state(state)
         spike, norm = self._spike(grads, state)
         new_params, inner = Optimizer(self.transform).update(grads, state.inner, params, iteration)
-        ok = ~spike
-        kept = {k: torch.where(ok, v, params[k]) for k, v in new_params.items()}
-        inner = pytree.tree_map(lambda new, old: torch.where(ok, new, old), inner, state.inner)
+        kept, inner = kept_unless(spike, new_params, params, inner, state.inner)
         return kept, self._next(state, inner, spike, norm)
 
     def update_(self, grads: Params, state: OptState, params: Params, iteration: torch.Tensor, /) -> None:
@@ -190,7 +187,7 @@ def skip_spikes(
             "skip_spikes() expected a fnloop.optim.Optimizer that does not skip spikes already "
             f"({got(optimizer)})."
         )
-    if type(optimizer) is not Optimizer:
+    if optimizer.scales_loss:
         raise TypeError(
             f"skip_spikes() got {optimizer!r}; wrap the plain optimizer, and put dynamic_loss_scale "
             "outside: dynamic_loss_scale(skip_spikes(adamw(...)))."
