@@ -51,9 +51,11 @@ def setup(*, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> None:
     The backend is gloo for CPU tensors and NCCL for CUDA ones (PyTorch's
     default); on a machine with GPUs this process's device becomes
     ``cuda:LOCAL_RANK``. A process group the script initialized itself is
-    used as it is. Called for you by ``fl.init``, ``fl.train_step``,
-    ``fl.data.batches``, ``fl.run`` and ``fl.checkpoint.resume``; call it
-    first to choose ``timeout``.
+    used as it is. Either way the group is left at a clean exit
+    (``destroy_process_group``), unless the script has left it already.
+    Called for you by ``fl.init``, ``fl.train_step``, ``fl.data.batches``,
+    ``fl.run`` and ``fl.checkpoint.resume``; call it first to choose
+    ``timeout``.
 
     Args:
         timeout: how long a collective waits for the other ranks before it
@@ -66,7 +68,12 @@ def setup(*, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> None:
     """
     if not isinstance(timeout, datetime.timedelta):
         raise TypeError(f"setup(timeout=...) expects a datetime.timedelta, got {timeout!r:.80}.")
-    if not dist.is_available() or dist.is_initialized() or not _launched():
+    if not dist.is_available():
+        return
+    if dist.is_initialized():  # the script's own group: left at exit as one joined here is
+        _leave_at_exit()
+        return
+    if not _launched():
         return
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -82,7 +89,18 @@ def setup(*, timeout: datetime.timedelta = DEFAULT_TIMEOUT) -> None:
         store, rank, size = next(dist.rendezvous("env://", timeout=timeout))
         store = dist.PrefixStore(f"fnloop/attempt_{attempt}/default_pg", store)
         dist.init_process_group(store=store, rank=rank, world_size=size, timeout=timeout)
-    atexit.register(_leave)
+    _leave_at_exit()
+
+
+def _leave_at_exit() -> None:
+    """Register ``_leave`` with ``atexit``, once per process."""
+    global _leaving
+    if not _leaving:
+        _leaving = True
+        atexit.register(_leave)
+
+
+_leaving = False
 
 
 def _check_one_count_of_restarts() -> None:
@@ -102,11 +120,13 @@ def _check_one_count_of_restarts() -> None:
 
 
 def _leave() -> None:
-    """At a clean exit, leave the process group ``setup`` joined (``destroy_process_group``).
+    """At a clean exit, leave the process group (``destroy_process_group``): the one ``setup``
+    joined, or the script's own that fnloop used.
 
     A gloo group left to the interpreter's teardown can abort the process
     after all its work is done (SIGABRT, "terminate called without an active
-    exception": its worker threads outlive the interpreter). After an
+    exception": its worker threads outlive the interpreter, and free a
+    collective's tensors without it). After an
     unhandled exception the group is left as it is: another rank may still be
     inside a collective, and leaving could wait on it.
     """

@@ -47,13 +47,17 @@ def launch(ranks: int, *jobs: list[str], limit: int = LIMIT) -> subprocess.Compl
 
 
 def ok(done: subprocess.CompletedProcess[str]) -> None:
-    # Besides the tail, the lines that say why a rank died (a native abort prints no traceback).
-    why = [
-        line
-        for line in done.stderr.splitlines()
-        if any(w in line for w in ("Error", "terminate", "what()", "Abort", "Fatal", "Segmentation"))
-    ]
-    assert done.returncode == 0, "\n".join(why[:40]) + "\n...\n" + done.stdout[-3000:] + done.stderr[-6000:]
+    # Besides the tail, the lines that say why a rank died (a native abort prints no traceback but
+    # the faulthandler's frames, kept whole), last: a report cut short keeps its end.
+    why, lines = [], done.stderr.splitlines()
+    for i, line in enumerate(lines):
+        if "Fatal Python error" in line:
+            why += lines[i : i + 30]
+        elif any(w in line for w in ("Error", "terminate", "what()", "Abort", "Segmentation", " done")):
+            why.append(line)
+    assert done.returncode == 0, (
+        done.stdout[-2000:] + done.stderr[-5000:] + "\n--- why\n" + "\n".join(why[-60:])
+    )
 
 
 def result(results: Path, rank: int = 0) -> dict:
