@@ -6,6 +6,11 @@ that matters. ``fingerprints(path)`` records them as JSON lines while a run
 trains; ``replay`` runs the same job again from any checkpoint, with effects
 off, and compares step by step. ``fnloop replay`` does the same from the
 command line for a job named ``module:function``.
+
+``check_resume`` (``fnloop check-resume``) checks a job's resume: it runs the
+job straight, then killed and preempted and run again, each in a fresh
+process, and says whether each resumed run ended as the straight one, and if
+not where it parted: the state's part, the first step, the writers' files.
 """
 
 from __future__ import annotations
@@ -28,9 +33,22 @@ from fnloop._core.messages import a_path
 from fnloop._core.phase import Phase
 from fnloop._core.state import TrainState, request
 from fnloop._core.tree import leaves
+from fnloop._resumecheck import Interruption, ResumeCheckError, ResumeReport, check_resume
 from fnloop._run import Step, scan
 
-__all__ = ["Divergence", "Report", "fingerprint", "fingerprints", "main", "read_log", "replay"]
+__all__ = [
+    "Divergence",
+    "Interruption",
+    "Report",
+    "ResumeCheckError",
+    "ResumeReport",
+    "check_resume",
+    "fingerprint",
+    "fingerprints",
+    "main",
+    "read_log",
+    "replay",
+]
 
 
 def fingerprint(state: TrainState) -> dict[str, float]:

@@ -24,12 +24,14 @@ from fnloop._core.combinators import Hook, every, on, once, when
 from fnloop._core.declared import declared
 from fnloop._core.metrics import Metrics
 from fnloop._core.phase import Phase
-from fnloop._core.state import Clock, TrainState, Unclaimed
+from fnloop._core.state import TrainState
 from fnloop._core.stateful import stateful
 from fnloop._core.tree import first_difference, leaves
+from fnloop._measured import CLOCK_METRICS, without_clock
 from fnloop._run import run
 
 __all__ = [
+    "CLOCK_METRICS",
     "Fail",
     "InjectedFailure",
     "Tag",
@@ -60,40 +62,6 @@ def assert_identical(a: Any, b: Any) -> None:
     found = first_difference(a, b)
     if found is not None:
         raise AssertionError(f"states differ at {found}")
-
-
-CLOCK_METRICS = ("time", "data_time", "max_mem", "samples_per_s", "tokens_per_s", "mfu", "hook_time")
-"""Metrics the machine measured: off the fold's clock (``fnloop.hooks.timer``, ``fnloop.hooks.throughput``) and its memory (``fnloop.hooks.memory``)."""
-
-
-def without_clock(state: TrainState) -> TrainState:
-    """``state`` without what the machine measured into it (clock, memory): for comparing two runs, not two machines.
-
-    ``state.clock`` becomes ``Clock()``; the metrics ``CLOCK_METRICS`` names (the timer's, the
-    throughput's and ``max_mem``) and the timer's hook states are left out. Everything else, the run itself, stays;
-    a resumed run equals an uninterrupted one under this view.
-
-    Examples:
-        >>> a = attrs.evolve(TrainState(max_iter=1), clock=Clock(time=1.0))
-        >>> assert_identical(without_clock(a), without_clock(TrainState(max_iter=1)))
-    """
-    metrics = {k: v for k, v in state.metrics.series.items() if k not in CLOCK_METRICS}
-    hooks = {k: v for k, v in state.hooks.items() if not _is_timer_state(v)}
-    return attrs.evolve(
-        state,
-        clock=Clock(),
-        hooks=hooks,
-        metrics=Metrics(window=state.metrics.window, series=metrics),
-    )
-
-
-def _is_timer_state(value: Any) -> bool:
-    from fnloop.checkpoint._codec import type_name
-    from fnloop.hooks import TimerState
-
-    # Loaded without its hook, a timer's state is still data, named by the record's type.
-    unclaimed = type(value) is Unclaimed and getattr(value.data, "type", None) == type_name(TimerState)
-    return type(value) is TimerState or unclaimed
 
 
 def _record(state: TrainState, phase: Phase, log: tuple) -> tuple[TrainState, tuple]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 from collections import Counter
 from collections.abc import Sequence
@@ -23,7 +24,7 @@ import torch
 from fnloop.checkpoint import Record
 from fnloop.checkpoint._raw import Row, children, dtype_name, many, read, short, table, tensor_stats
 
-__all__ = ["run"]
+__all__ = ["differences", "run"]
 
 _COLLAPSE = 4  # a series (list or tuple of plain data) with more differences is reported in one line
 
@@ -246,6 +247,15 @@ def _tensor_difference(a: torch.Tensor, b: torch.Tensor) -> tuple[str | None, fl
         what = f"{_kind(a)}: {n} of {a.numel()} elements differ, max abs diff {diff:.4g} (largest at {where})"
     # Integer tensors (counters, indices) are exact, as Python ints are: no tolerance, no "max abs diff".
     return what, diff if a.is_floating_point() or a.is_complex() else None
+
+
+def differences(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> list[str]:
+    """How the state files ``a`` and ``b`` differ, as ``fnloop diff`` prints it (the clock left out); empty if they do not."""
+    _, _, tree_a = read(os.fspath(a))
+    _, _, tree_b = read(os.fspath(b))
+    found = _Diff(None, (), clock_paths(tree_a, tree_b))
+    found.walk(tree_a, tree_b, "state")
+    return [line.strip() for line in table(found.lines, indent="")]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import overload
 
 import attrs
 import torch
@@ -79,6 +80,18 @@ def _check_transform(obj: object, where: str) -> None:
         )
 
 
+@overload
+def chain(last: Optimizer, /) -> Optimizer: ...
+@overload
+def chain(a: GradientTransformation, last: Optimizer, /) -> Optimizer: ...
+@overload
+def chain(a: GradientTransformation, b: GradientTransformation, last: Optimizer, /) -> Optimizer: ...
+@overload
+def chain(
+    a: GradientTransformation, b: GradientTransformation, c: GradientTransformation, last: Optimizer, /
+) -> Optimizer: ...
+@overload
+def chain(*transforms: GradientTransformation | Optimizer) -> GradientTransformation | Optimizer: ...
 def chain(*transforms: GradientTransformation | Optimizer) -> GradientTransformation | Optimizer:
     """Apply transformations one after another; the state is the tuple of their states.
 
