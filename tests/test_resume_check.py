@@ -109,7 +109,8 @@ def test_what_the_check_cannot_run_is_refused_with_the_fix(tmp_path: Path, capsy
     with pytest.raises(ResumeCheckError, match="cannot be imported by a fresh process"):
         check_resume(lambda directory: None, tmp_path)
     with pytest.raises(
-        ResumeCheckError, match=r"_net\(\) -> 'nn.Module' cannot be called with one argument.*job\(directory\)"
+        ResumeCheckError,
+        match=r"_net\(\) -> 'nn.Module' cannot be called with one argument.*job\(directory\)",
     ):
         check_resume(resume_worker._net, tmp_path)
     with pytest.raises(ResumeCheckError, match="module:function"):

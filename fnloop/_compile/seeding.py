@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -48,9 +48,22 @@ class Draws:
     restored recomputes a region in its backward.
     """
 
+    _tracing: ClassVar[list[Draws]] = []
+    """The instances whose ``from_`` is open, innermost last (one trace at a time: the compiler's lock)."""
+
     def __init__(self) -> None:
         self._active: list[_Drawing] = []
         self.restored = 0
+
+    @classmethod
+    def current(cls) -> Draws | None:
+        """The ``Draws`` of the step being traced, inside its ``from_``; ``None`` when nothing is traced."""
+        return cls._tracing[-1] if cls._tracing else None
+
+    @property
+    def seed(self) -> torch.Tensor:
+        """The seed the random ops draw from now (the innermost ``from_``'s)."""
+        return self._active[-1].seed
 
     @contextlib.contextmanager
     def from_(self, seed: torch.Tensor) -> Iterator[None]:
@@ -83,10 +96,12 @@ class Draws:
                 self.restored += 1
 
         self._active.append(drawing)
+        Draws._tracing.append(self)
         try:
             with rng_state_hooks(saved, restored):
                 yield
         finally:
+            Draws._tracing.pop()
             self._active.pop()
 
     def decompositions(self) -> dict[Any, Callable[..., Any]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 from collections.abc import Mapping, Sequence
@@ -23,6 +24,7 @@ from fnloop._step.errors import (
     RecompileError,
 )
 from fnloop._step.eval import plain_module
+from fnloop._step.invariant import divisors
 from fnloop._step.kernel import Kernel, LossFn, frozen
 from fnloop._step.layout import in_place
 from fnloop._step.materialize import InitWeights, is_meta, materialized
@@ -218,6 +220,26 @@ def _check_positive(name: str, value: object) -> int:
     return value
 
 
+def _check_invariant(slices: object, accumulate: int) -> int:
+    slices = _check_positive("invariant", slices)
+    if accumulate != 1:
+        raise ValueError(
+            f"train_step(invariant={slices}, accumulate={accumulate}): under invariant, a rank runs its "
+            "slices of the batch one after the other already, as micro-batches. Leave accumulate out, "
+            "and raise invariant for smaller slices."
+        )
+    world = world_size()
+    if slices % world:
+        fit = divisors(slices)
+        raise ValueError(
+            f"train_step(invariant={slices}) at {world} ranks: the {slices} slices of a batch cannot be "
+            f"shared out equally, so this run runs at world sizes {fit} only. Run at one of those, or "
+            f"choose an invariant that every world size the run will meet divides (here "
+            f"{math.lcm(slices, world)}, the same in every launch)."
+        )
+    return slices
+
+
 def train_step(
     model: torch.nn.Module,
     loss_fn: LossFn,
@@ -234,6 +256,7 @@ def train_step(
     deterministic: bool = False,
     blocks: Blocks = None,
     stats: str | None = None,
+    invariant: int | None = None,
 ) -> Step:
     """The pure step ``(state, batch) -> state`` for ``model``, ``loss_fn`` and ``optimizer``.
 
@@ -312,6 +335,15 @@ def train_step(
             ``blocks`` finds them), named ``grad_norm/<block>`` and so on;
             ``"parameters"``, also each parameter's. ``None`` (the default)
             computes none. See ``docs/watching.md#statistics``.
+        invariant: make the run the same bits at any world size that divides
+            this number ``G``: each global batch is cut into ``G`` slices, each
+            run alone at the same shape, its dropout drawn from the slice's
+            seed, and the slices' gradients, losses, metrics and buffers are
+            averaged in one fixed order across the ranks. The global batch size
+            must be divisible by ``G``, and the world size must divide it;
+            batches from ``fnloop.data.batches``. ``None`` (the default): each
+            rank's batch at once, averaged by an all-reduce. See
+            ``docs/distributed.md#the-same-run-at-any-world-size``.
 
     Returns:
         The step. With ``donate=False`` it has no ``donating`` variant.
@@ -345,6 +377,8 @@ def train_step(
     steps_per_call = _check_positive("steps_per_call", steps_per_call)
     if type(deterministic) is not bool:
         raise TypeError(f"'deterministic' must be a bool ({got(deterministic)}).")
+    if invariant is not None:
+        invariant = _check_invariant(invariant, accumulate)
     if autocast is torch.float16 and not optimizer.scales_loss:
         warnings.warn(
             "train_step(autocast=torch.float16) without loss scaling: float16 gradients below "
@@ -361,6 +395,7 @@ def train_step(
         autocast,
         eager=not compile,
         stats=checked(stats),
+        slices=invariant,
         units=units_of(model, blocks),
     )
     return step_of(

@@ -143,6 +143,9 @@ class Kernel:
     stats: str | None = None
     """The statistics the step records beside the loss (``statistics.py``): ``None``, ``"model"``,
     ``"blocks"`` or ``"parameters"``."""
+    slices: int | None = None
+    """World-size invariance (``invariant.py``): the global batch's slices, each run alone and summed in
+    one fixed tree; ``None``: the rank's batch at once, averaged over the ranks by an all-reduce."""
     units: Units = attrs.field(factory=lambda: _no_units())
     """The blocks a sharded step gathers one at a time (``blocks.py``); none: every parameter at once."""
     fixed: frozenset[str] = attrs.field()

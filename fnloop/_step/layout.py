@@ -7,8 +7,9 @@ kernel's stages (``kernel.py``), each wrapped by the transformations the
 layout asks for, in one order::
 
     gradient = value_and_grad(loss)          members: the loss vmapped  (members.py)
-             -> accumulated                  accumulate > 1             (accumulate.py)
-             -> replicated | sharded         data parallel | sharded    (replicas.py, sharding.py)
+             -> accumulated | sliced         accumulate > 1 | invariant (accumulate.py, invariant.py)
+             -> replicated | sharded         data parallel | sharded    (replicas.py, sharding.py;
+                                             sliced: its mean is over every rank's slices)
                  | block by block            sharded, the model in blocks (blocks.py)
                                              (HSDP: within one copy, then across the copies)
     update   = kernel.update                 members: vmapped           (members.py)
@@ -32,6 +33,7 @@ from torch.utils import _pytree as pytree
 from fnloop._core.shards import Shards
 from fnloop._step.accumulate import accumulated
 from fnloop._step.blocks import blockwise_gradient
+from fnloop._step.invariant import sliced
 from fnloop._step.kernel import Gradient, Kernel, Stepped, Update, UpdateStage, state_of, value_and_grad
 from fnloop._step.members import member_finite, member_gradient, member_update, only_training
 from fnloop._step.replicas import replicated
@@ -70,14 +72,13 @@ def transformed(kernel: Kernel, layout: Layout, group: Any) -> Update:
     ``group``: the data-parallel ranks (``None`` in one process). ``given``:
     the inputs ``layout.given`` names (a population's: which members train).
     """
+    _check_invariant(kernel, layout)
     if layout.members is not None:  # one process, the whole state: inputs.py refuses shards and ranks
         gradient = member_gradient(kernel, layout.shared)
         update = member_update(_watched(kernel, kernel.transformed_update(), None))
         step = _composed(kernel, gradient, update, member_finite(kernel))
         return only_training(step, layout.stop)
-    gradient = accumulated(
-        value_and_grad(kernel.forward, kernel.fixed, hold=kernel.holding), kernel.accumulate
-    )
+    gradient = _gradient(kernel, group)
     shards = layout.shards
     update, finite = _watched(kernel, kernel.transformed_update(), shards), kernel.finite
     if shards is not None:
@@ -89,9 +90,38 @@ def transformed(kernel: Kernel, layout: Layout, group: Any) -> Update:
         update = sharded_update(update, shards, groups)
         if group is not None:  # each rank saw its own chunks of the gradients
             finite = _on_every_rank(finite, group)
-    elif group is not None:
+    elif group is not None and kernel.slices is None:
         gradient = replicated(gradient, group)
     return _composed(kernel, gradient, update, finite)
+
+
+def _gradient(kernel: Kernel, group: Any) -> Gradient:
+    """The gradient stage of a single run's whole state: accumulated over micro-batches, or over invariant slices.
+
+    Data parallel averages the first over the ranks (``replicated``); the
+    slices' mean is over every rank's slices already (``invariant.py``).
+    """
+    gradient = value_and_grad(kernel.forward, kernel.fixed, hold=kernel.holding)
+    if kernel.slices is not None:
+        return sliced(gradient, kernel.slices, group)
+    return accumulated(gradient, kernel.accumulate)
+
+
+def _check_invariant(kernel: Kernel, layout: Layout) -> None:
+    """A world-size-invariant step runs a single run's whole state; refuse the rest, with the way out."""
+    if kernel.slices is None:
+        return
+    if layout.members is not None:
+        raise ValueError(
+            f"train_step(invariant={kernel.slices}) on a population: a population runs in one "
+            "process, where the world size never changes. Leave invariant out for it."
+        )
+    if layout.shards is not None:
+        raise ValueError(
+            f"train_step(invariant={kernel.slices}) on a state sharded with init(..., "
+            f"shard={layout.shards.mode!r}): the invariant mode runs whole states (data parallel) "
+            "only, so far. Leave shard out of init, or invariant out of train_step."
+        )
 
 
 def _composed(
@@ -137,10 +167,8 @@ def in_place(kernel: Kernel, group: Any) -> Callable[..., Any]:
     made, as ``torch.optim`` makes none. A sharded state, or a kernel with
     transformations of its own, runs the pure step, its results written into the state.
     """
-    gradient = accumulated(
-        value_and_grad(kernel.forward, kernel.fixed, hold=kernel.holding), kernel.accumulate
-    )
-    if group is not None:
+    gradient = _gradient(kernel, group)
+    if group is not None and kernel.slices is None:
         gradient = replicated(gradient, group)
 
     pures: dict[Shards | None, Update] = {}  # the pure step per layout, built once

@@ -1,7 +1,10 @@
-"""The seed of each step: a function of the run's seed, the iteration and the rank.
+"""The seed of each step: a function of the run's seed, the iteration and the rank (or the slice).
 
 Run eagerly, a step draws from torch's generator seeded for it (``seeded``);
 traced, from its seed as an input of the graph (``fnloop/_compile/seeding.py``).
+A world-size-invariant step (``invariant.py``) draws each slice of the batch
+from the slice's own seed, ``step_seed(seed, iteration, slice)``, whichever
+rank runs it (``slice_seeded``).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["seeded", "step_seed"]
+__all__ = ["seeded", "slice_seeded", "slice_seeds", "step_seed"]
 
 _MASK = (1 << 64) - 1
 
@@ -44,6 +47,10 @@ def _generator(device: torch.device) -> torch.Generator:
     return torch.default_generator
 
 
+_STEP: list[tuple[int, int]] = []
+"""The ``(seed, iteration)`` of the steps being run eagerly inside ``seeded``, innermost last."""
+
+
 @contextlib.contextmanager
 def seeded(device: torch.device, seed: int, iteration: int, rank: int = 0) -> Iterator[None]:
     """The device's generator seeded for step ``iteration``, and put back as it was after."""
@@ -52,7 +59,29 @@ def seeded(device: torch.device, seed: int, iteration: int, rank: int = 0) -> It
     generator = _generator(device)
     saved = generator.get_state()
     generator.manual_seed(step_seed(seed, iteration, rank))
+    _STEP.append((seed, iteration))
     try:
         yield
     finally:
+        _STEP.pop()
         generator.set_state(saved)
+
+
+def slice_seeds(seed: int, iteration: int, slices: int) -> list[int]:
+    """The seeds of the ``slices`` slices of step ``iteration``: slice ``g`` draws from ``step_seed(seed, iteration, g)``.
+
+    Examples:
+        >>> slice_seeds(0, 3, 2) == [step_seed(0, 3), step_seed(0, 3, 1)]
+        True
+    """
+    return [step_seed(seed, iteration, g) for g in range(slices)]
+
+
+@contextlib.contextmanager
+def slice_seeded(device: torch.device, g: int) -> Iterator[None]:
+    """Inside an eager step (``seeded``), the generator seeded for slice ``g`` of it, whichever rank runs it."""
+    if not _STEP:
+        raise RuntimeError("slice_seeded: no step is being seeded (call it inside seeded(...))")
+    generator = _generator(device)
+    generator.manual_seed(step_seed(*_STEP[-1], g))
+    yield

@@ -28,10 +28,16 @@ from fnloop._step.errors import _RECOMPILED, RecompileError, public_error
 from fnloop._step.kernel import Kernel, LossFn, _device
 from fnloop._step.layout import Layout
 from fnloop._step.pool import ScalarPool
-from fnloop._step.seeds import seeded
+from fnloop._step.seeds import seeded, slice_seeds
 from fnloop.optim import Optimizer
 
 __all__ = ["TrainStep"]
+
+_GENERATOR_SLICES = (
+    "train_step(invariant={slices}): the compiled step draws from torch's generator, where it "
+    "cannot be seeded slice by slice, so its numbers would depend on the world size. Run it eagerly "
+    "(compile=False), or leave invariant out."
+)
 
 
 class Memo:
@@ -207,7 +213,9 @@ class TrainStep(Applied):
             return state
         if not self.model.training:
             self.model.train()
-        i, params, buffers, rank = state.iteration, state.params, state.buffers, self.rank
+        i, params, buffers = state.iteration, state.params, state.buffers
+        slices = self.kernel.slices
+        rank = 0 if slices is not None else self.rank  # invariant: each slice draws from its own seed
         device = leaves[0].device if leaves else _device(params)
         iteration = self._memo.tensor(("iteration", device), lambda: _zero(device))
         iteration.fill_(i)
@@ -218,6 +226,11 @@ class TrainStep(Applied):
                 out = call.eager(self.function, state, batches[0], iteration, rank, layout)
             else:
                 given = call.inputs(state, batches, rank, layout, self._memo.tensor, device)
+                if slices is not None:  # every slice's seed, for the step (or each step of the call)
+                    seeds = [slice_seeds(state.rng, i + j, slices) for j in range(layout.steps)]
+                    given = given._replace(
+                        seeds=torch.tensor(seeds if layout.steps > 1 else seeds[0], device=device)
+                    )
                 jit = call.jit(self._jits, layout)
                 assert jit is not None
                 out = self._compiled(jit, state, donated, ospec, iteration, given, layout)
@@ -248,6 +261,8 @@ class TrainStep(Applied):
         flat = [*donated, iteration, given.seeds, *given.extra, *given.tensors]
         entry = self._entry(jit, form, flat, state.iteration)
         if entry.draws:  # an op the trace could not give the seed to draws from the generator
+            if self.kernel.slices is not None:
+                raise RuntimeError(_GENERATOR_SLICES.format(slices=self.kernel.slices))
             with seeded(iteration.device, state.rng, state.iteration, self.rank):
                 out = entry.compiled(*flat)
         else:
