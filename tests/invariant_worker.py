@@ -15,6 +15,7 @@ Options:
     --steps-per-call K train_step(..., steps_per_call=K)
     --checkpoint DIR   checkpoint into DIR every 10 steps
     --from DIR:I       start from DIR's checkpoint of iteration I (written at another world size)
+    --slices G         train_step(..., invariant=G) (default 4); a refusal's message is saved instead
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ def run(argv: list[str]) -> None:
     parser.add_argument("--steps-per-call", type=int, default=1)
     parser.add_argument("--checkpoint")
     parser.add_argument("--from", dest="start")
+    parser.add_argument("--slices", type=int, default=SLICES)
     args = parser.parse_args(argv)
     model = net() if args.model == "net" else gpt2()
     opt = fl.optim.chain(fl.optim.clip_by_global_norm(1.0), fl.optim.adamw(1e-2))
@@ -79,21 +81,25 @@ def run(argv: list[str]) -> None:
         where, at = args.start.rsplit(":", 1)
         state = fl.load(fl.checkpoint.path_for(where, int(at)), like=state)
     began = state.iteration
-    step = fl.train_step(
-        model,
-        net_loss if args.model == "net" else lm_loss,
-        opt,
-        compile=args.compile,
-        steps_per_call=args.steps_per_call,
-        invariant=SLICES,
-    )
+    out = Path(args.results)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        step = fl.train_step(
+            model,
+            net_loss if args.model == "net" else lm_loss,
+            opt,
+            compile=args.compile,
+            steps_per_call=args.steps_per_call,
+            invariant=args.slices,
+        )
+    except ValueError as exc:
+        torch.save({"refused": str(exc)}, out / f"rank{fl.distributed.rank()}.pt")
+        return
     hooks = []
     if args.checkpoint:
         hooks.append(fl.every(10, fl.hooks.checkpoint(args.checkpoint, keep=None)))
     batches = fl.data.batches(data(args.model), batch_size=BATCH, seed=0)
     final = fl.run(state, step, batches, hooks)
-    out = Path(args.results)
-    out.mkdir(parents=True, exist_ok=True)
     torch.save(
         {
             "params": dict(final.params),

@@ -163,7 +163,7 @@ def several(update: Update, form: Form) -> Traceable:
     """``form.layout.steps`` steps in one graph (``n``), the batches and the steps' seeds stacked.
 
     Inputs: params, buffers, optimizer state, the first iteration, the ``n``
-    steps' seeds (a 1-d int64), then each batch tensor with the ``n`` batches
+    steps' seeds (int64, one row per step: one seed, or a world-size-invariant step's one per slice), then each batch tensor with the ``n`` batches
     stacked on a new first dimension (so the graph does not grow with ``n``).
     Outputs: ``loss, finite, *metrics``, each a 1-d tensor of the ``n`` steps'
     values. When the structure says ``stop``, a step after a non-finite one
@@ -214,7 +214,10 @@ def several(update: Update, form: Form) -> Traceable:
             stacked = [torch.stack(out[q::per]) for q in range(per)]
         else:
             turns = n // unroll
-            rows = [seeds.reshape(turns, unroll), *(x.reshape(turns, unroll, *x.shape[1:]) for x in xs)]
+            rows = [
+                seeds.reshape(turns, unroll, *seeds.shape[1:]),
+                *(x.reshape(turns, unroll, *x.shape[1:]) for x in xs),
+            ]
 
             def turn(*flat: torch.Tensor) -> list[torch.Tensor]:
                 # One turn of the loop: the carry (state, iteration, gate), then this turn's rows.

@@ -40,7 +40,7 @@ from fnloop._step.replicas import replicated
 from fnloop._step.sharding import all_ranks, groups_of, sharded_gradient, sharded_update
 from fnloop._step.statistics import with_statistics
 
-__all__ = ["Layout", "in_place", "transformed"]
+__all__ = ["Layout", "check_invariant", "in_place", "transformed"]
 
 
 @attrs.frozen
@@ -72,7 +72,7 @@ def transformed(kernel: Kernel, layout: Layout, group: Any) -> Update:
     ``group``: the data-parallel ranks (``None`` in one process). ``given``:
     the inputs ``layout.given`` names (a population's: which members train).
     """
-    _check_invariant(kernel, layout)
+    check_invariant(kernel, layout)
     if layout.members is not None:  # one process, the whole state: inputs.py refuses shards and ranks
         gradient = member_gradient(kernel, layout.shared)
         update = member_update(_watched(kernel, kernel.transformed_update(), None))
@@ -107,7 +107,7 @@ def _gradient(kernel: Kernel, group: Any) -> Gradient:
     return accumulated(gradient, kernel.accumulate)
 
 
-def _check_invariant(kernel: Kernel, layout: Layout) -> None:
+def check_invariant(kernel: Kernel, layout: Layout) -> None:
     """A world-size-invariant step runs a single run's whole state; refuse the rest, with the way out."""
     if kernel.slices is None:
         return

@@ -26,7 +26,7 @@ from fnloop._step.determinism import deterministic_algorithms, warn_varying
 from fnloop._step.donation import Targets, opt_containers, shared
 from fnloop._step.errors import _RECOMPILED, RecompileError, public_error
 from fnloop._step.kernel import Kernel, LossFn, _device
-from fnloop._step.layout import Layout
+from fnloop._step.layout import Layout, check_invariant
 from fnloop._step.pool import ScalarPool
 from fnloop._step.seeds import seeded, slice_seeds
 from fnloop.optim import Optimizer
@@ -183,6 +183,7 @@ class TrainStep(Applied):
         layout = call.layout(
             state, batches, rank=self.rank, world=self.world, scan=scan, stop=not self.skip_nonfinite
         )
+        check_invariant(self.kernel, layout)
         if layout.steps == len(batches):
             return self._call(call, state, batches, leaves, ospec, layout, mine, within=False)
         # The steps one by one, each seeded as alone: eager, or a population's.

@@ -1,0 +1,162 @@
+"""``train_step(..., invariant=G)``: the same run, bit for bit, at 1, 2 and 4 ranks (gloo, CPU).
+
+Three launches of ``tests/invariant_worker.py``, each running several jobs: at 4 ranks first (it
+checkpoints the run the others resume), then 2, then 1 (a plain process). Every job trains a
+network with BatchNorm and dropout, AdamW behind a global-norm clip, ``invariant=4``, a global
+batch of 16; the GPT-2 job a ``transformers`` GPT-2 at its defaults (dropout 0.1).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+
+import fnloop as fl
+
+WORKER = str(Path(__file__).with_name("invariant_worker.py"))
+ONE_CORE_EACH = {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("invariant")]
+
+JOBS = {
+    "eager": [],
+    "compiled": ["--compile"],
+    "several": ["--compile", "--steps-per-call", "2"],
+    "gpt2": ["--model", "gpt2", "--max-iter", "12"],
+}
+
+
+def launch(ranks: int, tmp: Path, jobs: dict[str, list[str]]) -> None:
+    runner = [sys.executable]
+    if ranks > 1:
+        runner += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    argv: list[str] = []
+    for name, options in jobs.items():
+        argv += [*(["--then"] if argv else []), str(tmp / name), *options]
+    env = {**os.environ, **ONE_CORE_EACH}
+    done = subprocess.run([*runner, WORKER, *argv], capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-6000:]
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """At 4 ranks: every job, the run that checkpoints every 10 steps, and a world size that does not divide."""
+    tmp = tmp_path_factory.mktemp("four")
+    launch(4, tmp, {**JOBS, "ckpt": ["--checkpoint", str(tmp / "ckpt")], "six": ["--slices", "6"]})
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def two(four: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """At 2 ranks: every job, and the 4-rank run resumed from its checkpoint of 30."""
+    tmp = tmp_path_factory.mktemp("two")
+    launch(2, tmp, {**JOBS, "resumed": ["--from", f"{four / 'ckpt'}:30"]})
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def one(four: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """In one process: every job, and the 4-rank run resumed from its checkpoint of 20."""
+    tmp = tmp_path_factory.mktemp("one")
+    launch(1, tmp, {**JOBS, "resumed": ["--from", f"{four / 'ckpt'}:20"]})
+    return tmp
+
+
+def result(where: Path, rank: int = 0) -> dict:
+    return torch.load(where / f"rank{rank}.pt", weights_only=False)
+
+
+def assert_same(a: dict, b: dict) -> None:
+    """Every parameter, buffer and optimizer state tensor, and every loss, bit for bit."""
+    for field in ("params", "buffers"):
+        assert a[field].keys() == b[field].keys()
+        for k in a[field]:
+            assert torch.equal(a[field][k], b[field][k]), (field, k, (a[field][k] - b[field][k]).abs().max())
+    assert len(a["opt_state"]) == len(b["opt_state"])
+    assert all(torch.equal(x, y) for x, y in zip(a["opt_state"], b["opt_state"]))
+    assert [i for i, _ in a["losses"]] == [i for i, _ in b["losses"]]
+    assert all(torch.equal(x, y) for (_, x), (_, y) in zip(a["losses"], b["losses"]))
+
+
+@pytest.mark.parametrize("job", list(JOBS))
+def test_the_run_is_the_same_bits_at_1_2_and_4_ranks(one: Path, two: Path, four: Path, job: str) -> None:
+    alone = result(one / job)
+    assert alone["iteration"] == (12 if job == "gpt2" else 50)
+    for rank in range(2):
+        assert_same(alone, result(two / job, rank))
+    for rank in range(4):
+        assert_same(alone, result(four / job, rank))
+
+
+def test_several_steps_per_call_are_the_single_steps(one: Path) -> None:
+    assert_same(result(one / "compiled"), result(one / "several"))
+
+
+@pytest.mark.parametrize(("where", "began"), [("one", 20), ("two", 30)])
+def test_a_run_checkpointed_at_4_ranks_goes_on_at_2_and_at_1_bit_for_bit(
+    one: Path, two: Path, four: Path, where: str, began: int
+) -> None:
+    resumed = result({"one": one, "two": two}[where] / "resumed")
+    assert resumed["began"] == began
+    assert_same(result(four / "ckpt"), resumed)
+    assert_same(result(four / "eager"), resumed)  # checkpointing changed nothing
+
+
+def test_a_world_size_that_does_not_divide_the_slices_is_refused_with_the_fix(four: Path) -> None:
+    said = result(four / "six")["refused"]
+    assert "train_step(invariant=6) at 4 ranks" in said
+    assert "world sizes [1, 2, 3, 6] only" in said and "here 12" in said
+
+
+# -- one process: what the mode refuses, and what it is at one rank ----------------------------------
+
+
+def _net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 3))
+
+
+def _loss(forward, batch):
+    x, y = batch
+    return torch.nn.functional.cross_entropy(forward(x), y)
+
+
+def _batch(rows: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(rows, 6, generator=g), torch.randint(0, 3, (rows,), generator=g)
+
+
+def test_one_slice_is_the_ordinary_step_and_more_slices_draw_per_slice() -> None:
+    net, opt = _net(), fl.optim.adamw(1e-2)
+    state = fl.init(net, opt, seed=0, max_iter=3)
+    plain = fl.train_step(net, _loss, opt, compile=False)(state, _batch())
+    one = fl.train_step(net, _loss, opt, compile=False, invariant=1)(state, _batch())
+    four = fl.train_step(net, _loss, opt, compile=False, invariant=4)(state, _batch())
+    leaves = lambda s: pytree.tree_leaves((s.params, s.opt_state))  # noqa: E731
+    assert all(torch.equal(a, b) for a, b in zip(leaves(plain), leaves(one)))
+    # Four slices of 4 rows, each with its own dropout masks: another step (the mode's own numbers).
+    assert not torch.equal(plain.params["0.weight"], four.params["0.weight"])
+
+
+def test_what_the_mode_cannot_run_is_refused_with_the_fix() -> None:
+    net, opt = _net(), fl.optim.adamw(1e-2)
+    with pytest.raises(ValueError, match=r"invariant=4, accumulate=2\).*Leave accumulate out"):
+        fl.train_step(net, _loss, opt, compile=False, invariant=4, accumulate=2)
+    with pytest.raises(ValueError, match="'invariant' must be a positive int"):
+        fl.train_step(net, _loss, opt, compile=False, invariant=0)
+    step = fl.train_step(net, _loss, opt, compile=False, invariant=4)
+    state = fl.init(net, opt, seed=0, max_iter=3)
+    with pytest.raises(ValueError, match=r"batch has a tensor of 6 rows.*divisible by 4"):
+        step(state, _batch(6))
+    sharded = fl.init(net, opt, seed=0, max_iter=3, shard="full")
+    with pytest.raises(ValueError, match=r"shard='full'.*whole states"):
+        step(sharded, _batch())
+    population = fl.population(lambda seed: fl.init(net, opt, seed=seed, max_iter=3), seeds=[0, 1])
+    with pytest.raises(ValueError, match="on a population"):
+        step(population, _batch())
