@@ -15,9 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import assume, given
+from hypothesis import strategies as st
 from torch.utils import _pytree as pytree
 
 import fnloop as fl
+from fnloop._step.invariant import tree_sum
 
 WORKER = str(Path(__file__).with_name("invariant_worker.py"))
 ONE_CORE_EACH = {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
@@ -160,3 +163,22 @@ def test_what_the_mode_cannot_run_is_refused_with_the_fix() -> None:
     population = fl.population(lambda seed: fl.init(net, opt, seed=seed, max_iter=3), seeds=[0, 1])
     with pytest.raises(ValueError, match="on a population"):
         step(population, _batch())
+
+
+@given(
+    log_slices=st.integers(0, 4),
+    log_world=st.integers(0, 4),
+    scales=st.lists(st.integers(-6, 6), min_size=16, max_size=16),
+)
+def test_a_ranks_slices_are_one_subtree_where_both_counts_are_powers_of_two(
+    log_slices: int, log_world: int, scales: list[int]
+) -> None:
+    # What lets a rank add its own slices before the exchange (invariant.py): the fixed tree over G
+    # rows is, bit for bit, the tree over the W ranks' subtree sums.
+    assume(log_world <= log_slices)
+    slices, world = 2**log_slices, 2**log_world
+    per = slices // world
+    g = torch.Generator().manual_seed(sum(scales) + 7 * slices + world)
+    rows = [torch.randn(33, generator=g) * 10.0 ** scales[i] for i in range(slices)]
+    whole = tree_sum(rows)
+    assert torch.equal(whole, tree_sum([tree_sum(rows[r * per : (r + 1) * per]) for r in range(world)]))

@@ -18,9 +18,10 @@ at every ``W``:
 
 Each element is the same sum of the same values in the same order at any
 ``W``, so the mean is the same bits, and the update that follows too. At
-``W = 1`` there is nothing to exchange. The bytes a rank sends are its
-slices' values once, plus the mean once: ``(S + 1) P``, against about ``2 P``
-for an all-reduce.
+``W = 1`` there is nothing to exchange. Where ``G`` and ``W`` are powers of
+two, a rank's slices are one subtree of the tree: it adds them itself and
+sends one row, so a rank sends ``2 P`` bytes in all, as for an all-reduce;
+otherwise it sends its slices' values once, plus the mean: ``(S + 1) P``.
 
 A running buffer (BatchNorm's statistics) is the mean over the slices of
 each slice's update from the same old buffer: not the sequential updates of
@@ -160,17 +161,25 @@ def _exchanged_sum(rows: list[torch.Tensor], slices: int, group: Any) -> torch.T
     import torch.distributed._functional_collectives as funcol
 
     world = torch.distributed.get_world_size(group)
+    if len(rows) > 1 and _power_of_two(slices) and _power_of_two(world):
+        # This rank's slices are one subtree of the tree (both counts powers of two): its sum here is
+        # the tree's own, and the ranks exchange one row each, the bytes of an all-reduce.
+        rows = [tree_sum(rows)]
     size = rows[0].numel()
     chunk = -(-size // world)
     # [S, P] -> [W, S, P/W]: block k goes to rank k, holding chunk k of each of this rank's slices.
     mine = torch.stack([torch.nn.functional.pad(r, (0, chunk * world - size)) for r in rows])
     blocks = mine.view(len(rows), world, chunk).transpose(0, 1).contiguous()
     got = funcol.all_to_all_single(blocks.view(-1), None, None, group)
-    # From rank k, its slices k*S .. k*S+S-1: the rows are the G slices in order.
-    mine_of_all = got.view(slices, chunk)
+    # From rank k, its rows in order (its slices k*S .. k*S+S-1, or their sum): the tree's rows in order.
+    mine_of_all = got.view(world * len(rows), chunk)
     summed = tree_sum(list(mine_of_all.unbind(0)))
     whole = funcol.all_gather_tensor(summed, 0, group)
     return whole[:size]
+
+
+def _power_of_two(n: int) -> bool:
+    return n & (n - 1) == 0
 
 
 def _device(params: dict[str, torch.Tensor]) -> torch.device:
