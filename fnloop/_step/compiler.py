@@ -163,7 +163,8 @@ def several(update: Update, form: Form) -> Traceable:
     """``form.layout.steps`` steps in one graph (``n``), the batches and the steps' seeds stacked.
 
     Inputs: params, buffers, optimizer state, the first iteration, the ``n``
-    steps' seeds (int64, one row per step: one seed, or a world-size-invariant step's one per slice), then each batch tensor with the ``n`` batches
+    steps' seeds (int64, a row per step: its seed, or a world-size-invariant
+    step's one per slice), then each batch tensor with the ``n`` batches
     stacked on a new first dimension (so the graph does not grow with ``n``).
     Outputs: ``loss, finite, *metrics``, each a 1-d tensor of the ``n`` steps'
     values. When the structure says ``stop``, a step after a non-finite one
