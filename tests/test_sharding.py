@@ -51,8 +51,8 @@ def ok(done: subprocess.CompletedProcess[str]) -> None:
     # the faulthandler's frames, kept whole), last: a report cut short keeps its end.
     why, lines = [], done.stderr.splitlines()
     for i, line in enumerate(lines):
-        if "Fatal Python error" in line:
-            why += lines[i : i + 30]
+        if "Fatal Python error" in line:  # with what the process said just before (a C++ or libc message)
+            why += lines[max(0, i - 6) : i + 30]
         elif any(w in line for w in ("Error", "terminate", "what()", "Abort", "Segmentation", " done")):
             why.append(line)
     assert done.returncode == 0, (
