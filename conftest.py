@@ -80,6 +80,10 @@ def pytest_xdist_node_collection_finished(node, ids):
 
 # -- the suite's own time: a report, not a timed test ----------------------------------------------------
 
+NATIVE_CRASHES = Path(_CACHE) / "native-crashes.log"
+"""Where a launch that a rank's native crash made run again writes the crash's report
+(``tests/test_sharding.py``'s ``launched``); the suite's summary counts those of this run."""
+
 BUDGET = 60.0
 """Seconds a test may take, setup included, on a cold run (empty caches) of an ordinary day on a 2-core
 machine; one that takes longer is named at the end of the run. Nothing fails for it: it is a report."""
@@ -115,6 +119,8 @@ _TIMES: dict[str, float] = {}
 
 def pytest_configure(config):
     config.stash[_STARTED] = time.time()
+    if getattr(config, "workerinput", None) is None:  # the run's own process, before any worker starts
+        NATIVE_CRASHES.unlink(missing_ok=True)
     sys.addaudithook(_launched)
 
 
@@ -171,6 +177,11 @@ def pytest_terminal_summary(terminalreporter, config):
     write(
         f"over the budget of {BUDGET:.0f} s a test: "
         + (", ".join(f"{n} ({s:.0f} s)" for n, s in sorted(over, key=lambda kv: -kv[1])) or "none")
+    )
+    crashes = NATIVE_CRASHES.read_text().count("\n--- ") if NATIVE_CRASHES.exists() else 0
+    write(
+        "launches run again after a rank's native crash: "
+        + (f"{crashes}, their reports in {NATIVE_CRASHES}" if crashes else "none")
     )
     path = config.getoption("--suite-report")
     if path:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -46,18 +48,49 @@ def launch(ranks: int, *jobs: list[str], limit: int = LIMIT) -> subprocess.Compl
     return subprocess.run([*runner, WORKER, *argv], capture_output=True, text=True, timeout=limit, env=env)
 
 
-def ok(done: subprocess.CompletedProcess[str]) -> None:
-    # Besides the tail, the lines that say why a rank died (a native abort prints no traceback but
-    # the faulthandler's frames, kept whole), last: a report cut short keeps its end.
+def _why(done: subprocess.CompletedProcess[str]) -> str:
+    """The lines that say why a rank died: a native abort prints no traceback but the faulthandler's
+    frames (kept whole, with what the process said just before: a C++ or libc message)."""
     why, lines = [], done.stderr.splitlines()
     for i, line in enumerate(lines):
-        if "Fatal Python error" in line:  # with what the process said just before (a C++ or libc message)
+        if "Fatal Python error" in line:
             why += lines[max(0, i - 6) : i + 30]
         elif any(w in line for w in ("Error", "terminate", "what()", "Abort", "Segmentation", " done")):
             why.append(line)
-    assert done.returncode == 0, (
-        done.stdout[-2000:] + done.stderr[-5000:] + "\n--- why\n" + "\n".join(why[-60:])
-    )
+    return "\n".join(why[-60:])
+
+
+def ok(done: subprocess.CompletedProcess[str]) -> None:
+    # Besides the tail, why a rank died, last: a report cut short keeps its end.
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-5000:] + "\n--- why\n" + _why(done)
+
+
+def launched(tmp: Path, ranks: int, *jobs: list[str], limit: int = LIMIT) -> None:
+    """``ok(launch(ranks, *jobs))``, run once more from the same files if a rank died of a native crash.
+
+    A rank of a compiled sharded launch has died of SIGABRT inside torch's gloo transport,
+    mid-run (no Python error; the faulthandler shows the main thread waiting on a collective and
+    the abort in a native thread), in about one CI run in two of this size, and in none of 30
+    loaded launches here. Until it is understood, such a launch runs again once from the files it
+    started with (everything its jobs read and write is under ``tmp``), so that CI keeps checking
+    fnloop's results; the crash is not hidden: each one is appended to ``conftest.NATIVE_CRASHES``
+    with its report, and the suite's summary counts them. A second crash, or any other failure,
+    fails the launch.
+    """
+    from conftest import NATIVE_CRASHES
+
+    before = tmp.with_name(tmp.name + "-before")
+    shutil.copytree(tmp, before)
+    done = launch(ranks, *jobs, limit=limit)
+    if done.returncode and any(
+        f"Fatal Python error: {k}" in done.stderr for k in ("Aborted", "Segmentation")
+    ):
+        with NATIVE_CRASHES.open("a") as log:
+            log.write(f"\n--- {time.strftime('%H:%M:%S')} {ranks} ranks, {tmp.name}\n{_why(done)}\n")
+        shutil.rmtree(tmp)
+        shutil.copytree(before, tmp)
+        done = launch(ranks, *jobs, limit=limit)
+    ok(done)
 
 
 def result(results: Path, rank: int = 0) -> dict:
@@ -97,6 +130,38 @@ CHECKPOINTED = ["--shard", "full", "--max-iter", "30"]
 """The run that checkpoints every 10 steps, eager, 30 steps (with ``--checkpoint DIR``)."""
 
 
+def test_a_launch_a_native_crash_stopped_runs_again_from_its_files_and_is_counted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import conftest
+
+    log = tmp_path.with_name(tmp_path.name + "-crashes.log")
+    monkeypatch.setattr(conftest, "NATIVE_CRASHES", log)  # the suite's own count left alone
+    crashed = "[rank0]: free(): corrupted unsorted chunks\nFatal Python error: Aborted\n"
+    seen: list[list[str]] = []
+
+    def fake(ranks: int, *jobs: list[str], limit: int = LIMIT) -> subprocess.CompletedProcess[str]:
+        seen.append(sorted(p.name for p in tmp_path.iterdir()))
+        (tmp_path / "written").write_text("by the launch")  # what a crashed launch leaves is undone
+        code, err = (-6, crashed) if len(seen) == 1 else (0, "")
+        return subprocess.CompletedProcess([], code, "", err)
+
+    (tmp_path / "input").write_text("given")
+    monkeypatch.setattr(sys.modules[__name__], "launch", fake)
+    launched(tmp_path, 2, [str(tmp_path / "job")])
+    assert seen == [["input"], ["input"]]
+    assert log.read_text().count("free(): corrupted unsorted chunks") == 1
+    # A second crash fails the launch.
+    seen.clear()
+    monkeypatch.setattr(
+        sys.modules[__name__], "launch", lambda *a, **k: subprocess.CompletedProcess([], -6, "", crashed)
+    )
+    other = tmp_path.with_name(tmp_path.name + "-again")
+    other.mkdir()
+    with pytest.raises(AssertionError, match="Fatal Python error: Aborted"):
+        launched(other, 2, [str(other / "job")])
+
+
 @pytest.fixture(scope="module")
 def two(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The 2-rank reference jobs, in one launch; each job's results in a folder of its name.
@@ -108,22 +173,21 @@ def two(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ``full-watch`` (compiled): float16 with loss scaling and per-block statistics, data parallel and sharded.
     """
     tmp = tmp_path_factory.mktemp("two")
-    ok(
-        launch(
-            2,
-            [tmp / "dp", "--compile"],
-            [tmp / "full", "--shard", "full", "--compile"],
-            [tmp / "full-all", "--shard", "full", "--compile", "--blocks", "none"],
-            [tmp / "optimizer", "--shard", "optimizer", "--compile"],
-            [tmp / "full-eager", "--shard", "full"],
-            [tmp / "full-accumulate-eager", "--shard", "full", "--accumulate", "2"],
-            [tmp / "single", "--shard", "full", "--compile", "--max-iter", "8"],
-            [tmp / "several", "--shard", "full", "--compile", "--max-iter", "8", "--steps-per-call", "2"],
-            [tmp / "ref", *CHECKPOINTED, "--checkpoint", tmp / "ckpt"],
-            [tmp / "dp-watch", "--watch"],
-            [tmp / "full-watch-eager", "--shard", "full", "--watch"],
-            [tmp / "full-watch", "--shard", "full", "--watch", "--compile"],
-        )
+    launched(
+        tmp,
+        2,
+        [tmp / "dp", "--compile"],
+        [tmp / "full", "--shard", "full", "--compile"],
+        [tmp / "full-all", "--shard", "full", "--compile", "--blocks", "none"],
+        [tmp / "optimizer", "--shard", "optimizer", "--compile"],
+        [tmp / "full-eager", "--shard", "full"],
+        [tmp / "full-accumulate-eager", "--shard", "full", "--accumulate", "2"],
+        [tmp / "single", "--shard", "full", "--compile", "--max-iter", "8"],
+        [tmp / "several", "--shard", "full", "--compile", "--max-iter", "8", "--steps-per-call", "2"],
+        [tmp / "ref", *CHECKPOINTED, "--checkpoint", tmp / "ckpt"],
+        [tmp / "dp-watch", "--watch"],
+        [tmp / "full-watch-eager", "--shard", "full", "--watch"],
+        [tmp / "full-watch", "--shard", "full", "--watch", "--compile"],
     )
     return tmp
 
@@ -146,24 +210,23 @@ def four(two: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     _copy(two / "ckpt", tmp / "ckpt-to-hsdp", "ckpt-00000030*")
     mesh, to_40 = ["--replicate", "2"], ["--max-iter", "40"]
     hsdp = ["--shard", "full", *mesh]
-    ok(
-        launch(
-            4,
-            [tmp / "optimizer-eager", "--shard", "optimizer"],
-            [tmp / "full-eager", "--shard", "full"],
-            *(
-                [tmp / mode, "--shard", mode, "--max-iter", "40", "--checkpoint", tmp / f"ckpt-{mode}"]
-                for mode in ("full", "optimizer")
-            ),
-            [tmp / "damaged", *CHECKPOINTED, "--checkpoint", tmp / "ckpt-damaged"],
-            [tmp / "hsdp", *hsdp, "--compile"],
-            [tmp / "hsdp-eager", *hsdp],
-            [tmp / "hsdp-optimizer-eager", "--shard", "optimizer", *mesh],
-            [tmp / "hsdp-ckpt", *hsdp, *to_40, "--checkpoint", tmp / "ckpt-hsdp"],
-            [tmp / "hsdp-from", *hsdp, *to_40, "--from", f"{tmp / 'ckpt-hsdp'}:20"],
-            [tmp / "hsdp-to-full", "--shard", "full", *to_40, "--from", f"{tmp / 'ckpt-hsdp'}:30"],
-            [tmp / "full-to-hsdp", *hsdp, *to_40, "--checkpoint", tmp / "ckpt-to-hsdp"],
-        )
+    launched(
+        tmp,
+        4,
+        [tmp / "optimizer-eager", "--shard", "optimizer"],
+        [tmp / "full-eager", "--shard", "full"],
+        *(
+            [tmp / mode, "--shard", mode, "--max-iter", "40", "--checkpoint", tmp / f"ckpt-{mode}"]
+            for mode in ("full", "optimizer")
+        ),
+        [tmp / "damaged", *CHECKPOINTED, "--checkpoint", tmp / "ckpt-damaged"],
+        [tmp / "hsdp", *hsdp, "--compile"],
+        [tmp / "hsdp-eager", *hsdp],
+        [tmp / "hsdp-optimizer-eager", "--shard", "optimizer", *mesh],
+        [tmp / "hsdp-ckpt", *hsdp, *to_40, "--checkpoint", tmp / "ckpt-hsdp"],
+        [tmp / "hsdp-from", *hsdp, *to_40, "--from", f"{tmp / 'ckpt-hsdp'}:20"],
+        [tmp / "hsdp-to-full", "--shard", "full", *to_40, "--from", f"{tmp / 'ckpt-hsdp'}:30"],
+        [tmp / "full-to-hsdp", *hsdp, *to_40, "--checkpoint", tmp / "ckpt-to-hsdp"],
     )
     return tmp
 
@@ -405,7 +468,7 @@ def one(two: Path, four: Path, tmp_path_factory: pytest.TempPathFactory) -> Path
         ckpt = _copy(two / "ckpt", tmp / f"ckpt-{shard}", "ckpt-00000030*")
         jobs.append([tmp / shard, "--shard", shard, "--max-iter", "40", "--checkpoint", ckpt])
     jobs.append([tmp / "from-hsdp", "--max-iter", "40", "--from", f"{four / 'ckpt-hsdp'}:30"])
-    ok(launch(1, *jobs))
+    launched(tmp, 1, *jobs)
     return tmp
 
 
@@ -492,7 +555,7 @@ def language(tmp_path_factory: pytest.TempPathFactory) -> Path:
         )
     # Four transformers graphs to compile (two per model, the resumed jobs load theirs): 3 to 9
     # minutes on a busy 2-core machine.
-    ok(launch(2, *jobs, limit=3 * LIMIT))
+    launched(tmp, 2, *jobs, limit=3 * LIMIT)
     ok(
         launch(
             1,
