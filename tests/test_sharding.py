@@ -68,14 +68,14 @@ def ok(done: subprocess.CompletedProcess[str]) -> None:
 def launched(tmp: Path, ranks: int, *jobs: list[str], limit: int = LIMIT) -> None:
     """``ok(launch(ranks, *jobs))``, run once more from the same files if a rank died of a native crash.
 
-    A rank of a compiled sharded launch has died of SIGABRT inside torch's gloo transport,
-    mid-run (no Python error; the faulthandler shows the main thread waiting on a collective and
-    the abort in a native thread), in about one CI run in two of this size, and in none of 30
-    loaded launches here. Until it is understood, such a launch runs again once from the files it
-    started with (everything its jobs read and write is under ``tmp``), so that CI keeps checking
-    fnloop's results; the crash is not hidden: each one is appended to ``conftest.NATIVE_CRASHES``
-    with its report, and the suite's summary counts them. A second crash, or any other failure,
-    fails the launch.
+    A rank of a compiled sharded launch has died of SIGABRT mid-run, in a native thread (no
+    Python error; the faulthandler shows the main thread waiting on a gloo collective inside the
+    compiled step), in two CI runs of the last three, and in none of 12 launches
+    of the same jobs here, two or three at once. Until it is understood, such a launch runs again
+    once from the files it started with (everything its jobs read and write is under ``tmp``), so
+    that CI keeps checking fnloop's results. The crash is not hidden: each one is appended to
+    ``conftest.NATIVE_CRASHES`` with its report, and the suite's summary counts them. A second
+    crash, or any other failure, fails the launch.
     """
     from conftest import NATIVE_CRASHES
 
