@@ -447,18 +447,18 @@ class _Interrupt:
     """At ``AFTER_STEP`` of the call that brings the run to ``at`` steps: ``how`` this process, once its effects are done.
 
     A call of several steps is interrupted after it, at the first boundary
-    with ``at`` steps or more done; ``log`` records that boundary.
+    with ``at`` steps or more done; ``log`` records that boundary. It fires
+    once: a kill ends the process, and the fold stops at that boundary on
+    the SIGTERM of a preemption.
     """
 
     at: int
     how: str
     log: Path
-    fired: list[bool] = attrs.field(factory=lambda: [False], eq=False)
 
     def __call__(self, state: TrainState, phase: Phase, /) -> TrainState:
-        if phase is not Phase.AFTER_STEP or self.fired[0] or state.iteration + 1 < self.at:
+        if phase is not Phase.AFTER_STEP or state.iteration + 1 < self.at:
             return state
-        self.fired[0] = True
         return request(state, self._interrupt, f"{self.how} this process")
 
     def _interrupt(self, state: TrainState) -> None:

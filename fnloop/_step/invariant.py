@@ -40,7 +40,7 @@ from torch.utils import _pytree as pytree
 
 from fnloop._compile import Draws
 from fnloop._step.accumulate import micro_batches
-from fnloop._step.kernel import Gradient, Grads
+from fnloop._step.kernel import Gradient, Grads, _device
 from fnloop._step.seeds import slice_seeded
 
 __all__ = ["divisors", "sliced", "tree_sum"]
@@ -180,9 +180,3 @@ def _exchanged_sum(rows: list[torch.Tensor], slices: int, group: Any) -> torch.T
 
 def _power_of_two(n: int) -> bool:
     return n & (n - 1) == 0
-
-
-def _device(params: dict[str, torch.Tensor]) -> torch.device:
-    for tensor in params.values():
-        return tensor.device
-    return torch.device("cpu")
