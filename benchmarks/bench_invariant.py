@@ -1,6 +1,7 @@
 """The price of the world-size-invariant mode: ``train_step(..., invariant=G)`` against ordinary data parallel.
 
-Run: python benchmarks/bench_invariant.py [--worlds 1 2 4] [--models wide gpt2] [--slices 8] [--rounds R] [--steps N]
+Run: python benchmarks/bench_invariant.py [--worlds 1 2 4] [--models wide gpt2] [--slices 8] [--shard full]
+         [--rounds R] [--steps N]
 
 For each world size W (1: one process; more: torchrun --standalone, gloo, one thread per rank)
 and each model, one launch whose processes build both steps, compiled, on the same global
@@ -12,6 +13,8 @@ Models: ``wide``, the 2048-wide MLP (2048 -> 2048 -> 2048 -> 10, ReLU, AdamW, gl
 ``gpt2``, ``transformers``' GPT-2 from a config (2 layers, 128 wide, 4 heads, 64 tokens, its
 defaults otherwise: dropout 0.1; AdamW behind a global-norm clip, global batch 16).
 ``--slices G`` (default 8, twice the largest world size here): every global batch in G slices.
+``--shard MODE``: both states sharded, ``init(..., shard=MODE)`` (the GPT-2's ``"full"`` step
+without invariant gathers block by block; with it, every parameter at once).
 """
 
 from __future__ import annotations
@@ -61,15 +64,15 @@ def model_of(kind: str) -> tuple[torch.nn.Module, object, tuple[torch.Tensor, ..
     return model, lm_loss, (torch.randint(0, 256, (128, 64), generator=g),), 16
 
 
-def worker(kind: str, slices: int, rounds: int, steps: int) -> None:
+def worker(kind: str, slices: int, rounds: int, steps: int, shard: str | None) -> None:
     torch.set_num_threads(1)
     model, loss, data, batch = model_of(kind)
     opt = fl.optim.chain(fl.optim.clip_by_global_norm(1.0), fl.optim.adamw(1e-4))
     variants = {
         "data parallel": fl.train_step(model, loss, opt),
-        f"invariant={slices}": fl.train_step(model, loss, opt, invariant=slices),
+        f"invariant={slices}": fl.train_step(model, loss, opt, invariant=slices, blocks=()),
     }
-    states = {name: fl.init(model, opt, seed=0, max_iter=0) for name in variants}
+    states = {name: fl.init(model, opt, seed=0, max_iter=0, shard=shard) for name in variants}
     batches = {name: fl.data.batches(data, batch_size=batch, seed=0) for name in variants}
 
     def advance(name: str, n: int) -> float:
@@ -97,7 +100,7 @@ def launch(world: int, kind: str, args: argparse.Namespace) -> dict[str, float]:
     if world > 1:
         runner += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
     argv = [__file__, "--worker", kind, "--slices", str(args.slices), "--rounds", str(args.rounds)]
-    argv += ["--steps", str(args.steps)]
+    argv += ["--steps", str(args.steps), *(["--shard", args.shard] if args.shard else [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([*runner, *argv], capture_output=True, text=True, env=env, check=False)
     if done.returncode:
@@ -113,11 +116,15 @@ def main() -> None:
     parser.add_argument("--slices", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--shard", choices=("full", "optimizer"))
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.slices, args.rounds, args.steps)
+        worker(args.worker, args.slices, args.rounds, args.steps, args.shard)
         return
-    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, one thread per rank; ms per global step")
+    sharded = f", shard={args.shard!r}" if args.shard else ""
+    print(
+        f"torch {torch.__version__}, {os.cpu_count()} CPUs, one thread per rank{sharded}; ms per global step"
+    )
     print("| model | ranks | data parallel | invariant | ratio |")
     print("|---|---:|---:|---:|---:|")
     for kind in args.models:

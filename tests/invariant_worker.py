@@ -16,6 +16,7 @@ Options:
     --checkpoint DIR   checkpoint into DIR every 10 steps
     --from DIR:I       start from DIR's checkpoint of iteration I (written at another world size)
     --slices G         train_step(..., invariant=G) (default 4); a refusal's message is saved instead
+    --shard MODE       init(..., shard=MODE): full or optimizer (the saved state is gathered whole)
 """
 
 from __future__ import annotations
@@ -73,10 +74,11 @@ def run(argv: list[str]) -> None:
     parser.add_argument("--checkpoint")
     parser.add_argument("--from", dest="start")
     parser.add_argument("--slices", type=int, default=SLICES)
+    parser.add_argument("--shard", choices=("full", "optimizer"))
     args = parser.parse_args(argv)
     model = net() if args.model == "net" else gpt2()
     opt = fl.optim.chain(fl.optim.clip_by_global_norm(1.0), fl.optim.adamw(1e-2))
-    state = fl.init(model, opt, seed=0, max_iter=args.max_iter)
+    state = fl.init(model, opt, seed=0, max_iter=args.max_iter, shard=args.shard)
     if args.start:
         where, at = args.start.rsplit(":", 1)
         state = fl.load(fl.checkpoint.path_for(where, int(at)), like=state)
@@ -99,7 +101,7 @@ def run(argv: list[str]) -> None:
     if args.checkpoint:
         hooks.append(fl.every(10, fl.hooks.checkpoint(args.checkpoint, keep=None)))
     batches = fl.data.batches(data(args.model), batch_size=BATCH, seed=0)
-    final = fl.run(state, step, batches, hooks)
+    final = fl.unshard(fl.run(state, step, batches, hooks))
     torch.save(
         {
             "params": dict(final.params),

@@ -1,9 +1,11 @@
 """``train_step(..., invariant=G)``: the same run, bit for bit, at 1, 2 and 4 ranks (gloo, CPU).
 
 Three launches of ``tests/invariant_worker.py``, each running several jobs: at 4 ranks first (it
-checkpoints the run the others resume), then 2, then 1 (a plain process). Every job trains a
+checkpoints the runs the others resume), then 2, then 1 (a plain process). Every job trains a
 network with BatchNorm and dropout, AdamW behind a global-norm clip, ``invariant=4``, a global
-batch of 16; the GPT-2 job a ``transformers`` GPT-2 at its defaults (dropout 0.1).
+batch of 16; the GPT-2 jobs a ``transformers`` GPT-2 at its defaults (dropout 0.1). The
+``--shard`` jobs shard the state (``"full"``: parameters too; ``"optimizer"``), and train the same
+bits as the whole state's.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from hypothesis import strategies as st
 from torch.utils import _pytree as pytree
 
 import fnloop as fl
-from fnloop._step.invariant import tree_sum
+from fnloop._core.shards import Shards
+from fnloop._step.invariant import pairwise_sum, tree_sum
+from fnloop._step.layout import Layout, check_invariant
 
 WORKER = str(Path(__file__).with_name("invariant_worker.py"))
 ONE_CORE_EACH = {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
@@ -32,7 +36,13 @@ JOBS = {
     "compiled": ["--compile"],
     "several": ["--compile", "--steps-per-call", "2"],
     "gpt2": ["--model", "gpt2", "--max-iter", "12"],
+    "full": ["--compile", "--shard", "full"],
+    "optimizer": ["--shard", "optimizer"],
+    "full-several": ["--compile", "--steps-per-call", "2", "--shard", "full"],
+    "gpt2-full": ["--model", "gpt2", "--max-iter", "12", "--shard", "full"],
 }
+SHARDED = {"full": "compiled", "optimizer": "eager", "full-several": "several", "gpt2-full": "gpt2"}
+"""Each sharded job, and the whole state's job it equals."""
 
 
 def launch(ranks: int, tmp: Path, jobs: dict[str, list[str]]) -> None:
@@ -51,23 +61,34 @@ def launch(ranks: int, tmp: Path, jobs: dict[str, list[str]]) -> None:
 def four(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """At 4 ranks: every job, the run that checkpoints every 10 steps, and a world size that does not divide."""
     tmp = tmp_path_factory.mktemp("four")
-    launch(4, tmp, {**JOBS, "ckpt": ["--checkpoint", str(tmp / "ckpt")], "six": ["--slices", "6"]})
+    launch(
+        4,
+        tmp,
+        {
+            **JOBS,
+            "ckpt": ["--checkpoint", str(tmp / "ckpt")],
+            "ckpt-full": ["--checkpoint", str(tmp / "ckpt-full"), "--shard", "full"],
+            "six": ["--slices", "6"],
+        },
+    )
     return tmp
 
 
 @pytest.fixture(scope="module")
 def two(four: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """At 2 ranks: every job, and the 4-rank run resumed from its checkpoint of 30."""
+    """At 2 ranks: every job, and the 4-rank runs resumed from their checkpoints of 30 (the sharded one sharded)."""
     tmp = tmp_path_factory.mktemp("two")
-    launch(2, tmp, {**JOBS, "resumed": ["--from", f"{four / 'ckpt'}:30"]})
+    resumed_full = ["--from", f"{four / 'ckpt-full'}:30", "--shard", "full"]
+    launch(2, tmp, {**JOBS, "resumed": ["--from", f"{four / 'ckpt'}:30"], "resumed-full": resumed_full})
     return tmp
 
 
 @pytest.fixture(scope="module")
 def one(four: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """In one process: every job, and the 4-rank run resumed from its checkpoint of 20."""
+    """In one process: every job, and the 4-rank runs resumed from their checkpoints of 20 (the sharded one whole)."""
     tmp = tmp_path_factory.mktemp("one")
-    launch(1, tmp, {**JOBS, "resumed": ["--from", f"{four / 'ckpt'}:20"]})
+    resumed_full = ["--from", f"{four / 'ckpt-full'}:20"]
+    launch(1, tmp, {**JOBS, "resumed": ["--from", f"{four / 'ckpt'}:20"], "resumed-full": resumed_full})
     return tmp
 
 
@@ -90,7 +111,7 @@ def assert_same(a: dict, b: dict) -> None:
 @pytest.mark.parametrize("job", list(JOBS))
 def test_the_run_is_the_same_bits_at_1_2_and_4_ranks(one: Path, two: Path, four: Path, job: str) -> None:
     alone = result(one / job)
-    assert alone["iteration"] == (12 if job == "gpt2" else 50)
+    assert alone["iteration"] == (12 if job.startswith("gpt2") else 50)
     for rank in range(2):
         assert_same(alone, result(two / job, rank))
     for rank in range(4):
@@ -101,14 +122,24 @@ def test_several_steps_per_call_are_the_single_steps(one: Path) -> None:
     assert_same(result(one / "compiled"), result(one / "several"))
 
 
+@pytest.mark.parametrize("job", list(SHARDED))
+def test_a_sharded_state_trains_the_same_bits_as_the_whole_one(one: Path, job: str) -> None:
+    # With the test above, at 1, 2 and 4 ranks: the gradients' tree and the global norm's sums do
+    # not depend on how the state is cut. At one process the chunks are the whole tensors.
+    assert_same(result(one / SHARDED[job]), result(one / job))
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["whole", "sharded"])
 @pytest.mark.parametrize(("where", "began"), [("one", 20), ("two", 30)])
 def test_a_run_checkpointed_at_4_ranks_goes_on_at_2_and_at_1_bit_for_bit(
-    one: Path, two: Path, four: Path, where: str, began: int
+    one: Path, two: Path, four: Path, where: str, began: int, sharded: bool
 ) -> None:
-    resumed = result({"one": one, "two": two}[where] / "resumed")
+    # The sharded run's checkpoints, written by 4 ranks' chunks, go on sharded over 2 ranks, and whole at 1.
+    suffix = "-full" if sharded else ""
+    resumed = result({"one": one, "two": two}[where] / f"resumed{suffix}")
     assert resumed["began"] == began
-    assert_same(result(four / "ckpt"), resumed)
-    assert_same(result(four / "eager"), resumed)  # checkpointing changed nothing
+    assert_same(result(four / f"ckpt{suffix}"), resumed)
+    assert_same(result(four / "eager"), resumed)  # checkpointing, and sharding, changed nothing
 
 
 def test_a_world_size_that_does_not_divide_the_slices_is_refused_with_the_fix(four: Path) -> None:
@@ -157,9 +188,9 @@ def test_what_the_mode_cannot_run_is_refused_with_the_fix() -> None:
     state = fl.init(net, opt, seed=0, max_iter=3)
     with pytest.raises(ValueError, match=r"batch has a tensor of 6 rows.*divisible by 4"):
         step(state, _batch(6))
-    sharded = fl.init(net, opt, seed=0, max_iter=3, shard="full")
-    with pytest.raises(ValueError, match=r"shard='full'.*whole states"):
-        step(sharded, _batch())
+    hybrid = Layout(shards=Shards("full", world=2, rank=0, rows={"0.weight": 8}, replicas=2))
+    with pytest.raises(ValueError, match=r"replicate=2\).*Leave replicate out"):
+        check_invariant(step.kernel, hybrid)
     population = fl.population(lambda seed: fl.init(net, opt, seed=seed, max_iter=3), seeds=[0, 1])
     with pytest.raises(ValueError, match="on a population"):
         step(population, _batch())
@@ -182,3 +213,13 @@ def test_a_ranks_slices_are_one_subtree_where_both_counts_are_powers_of_two(
     rows = [torch.randn(33, generator=g) * 10.0 ** scales[i] for i in range(slices)]
     whole = tree_sum(rows)
     assert torch.equal(whole, tree_sum([tree_sum(rows[r * per : (r + 1) * per]) for r in range(world)]))
+
+
+@given(values=st.lists(st.floats(-1e6, 1e6, width=32), max_size=70))
+def test_the_pairwise_sum_is_a_sum_and_one_fixed_order_whatever_the_layout(values: list[float]) -> None:
+    # The global norm's last reduction (RowSquares): the same bits from a contiguous vector and
+    # from a strided one holding the same values, as a sharded step's gathered rows are.
+    v = torch.tensor(values, dtype=torch.float32)
+    strided = torch.stack([v, torch.zeros_like(v)], dim=1)[:, 0]
+    assert torch.equal(pairwise_sum(v), pairwise_sum(strided))
+    assert abs(pairwise_sum(v).item() - sum(values)) <= 1e-6 * (sum(map(abs, values)) + 1)

@@ -27,23 +27,36 @@ A running buffer (BatchNorm's statistics) is the mean over the slices of
 each slice's update from the same old buffer: not the sequential updates of
 micro-batches. An integer buffer (a counter) is the first slice's: every
 slice counts the same.
+
+A sharded state (``init(..., shard=...)``) runs the same slices on the whole
+parameters (a ``"full"`` state's gathered first, all at once). Of a sharded
+parameter's gradient, rank ``r`` is sent the rows of its chunk of every
+slice's, and keeps their tree sum: the all-to-all and the tree stand for the
+reduce-scatter, and nothing is gathered back. The update's sums over the
+whole model (a global norm's, the statistics') are each tensor's rows' sums
+of squares, gathered from the ranks that hold them and added pairwise in one
+order (``RowSquares``): every element of the state is then the same bits at
+any world size, and the same as a whole state's.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
+import attrs
 import torch
 from torch.utils import _pytree as pytree
 
 from fnloop._compile import Draws
+from fnloop._core.shards import Shards
 from fnloop._step.accumulate import micro_batches
 from fnloop._step.kernel import Gradient, Grads, _device
 from fnloop._step.seeds import slice_seeded
+from fnloop._step.sharding import _done
 
-__all__ = ["divisors", "sliced", "tree_sum"]
+__all__ = ["RowSquares", "divisors", "pairwise_sum", "sliced", "tree_sum"]
 
 
 def divisors(n: int) -> list[int]:
@@ -69,10 +82,12 @@ def tree_sum(rows: list[torch.Tensor]) -> torch.Tensor:
     return tree_sum(rows[:half]) + tree_sum(rows[half:])
 
 
-def sliced(gradient: Gradient, slices: int, group: Any) -> Gradient:
+def sliced(gradient: Gradient, slices: int, group: Any, shards: Shards | None = None) -> Gradient:
     """``gradient`` run on this rank's slices of the global batch, and the mean of all ``slices`` slices' results.
 
-    ``group``: the ranks (``None``: one process, every slice here).
+    ``group``: the ranks (``None``: one process, every slice here). ``shards``:
+    a sharded state's layout, whose parameters' gradients this rank keeps its
+    chunks of (the others' values every rank has whole).
     """
     world = 1 if group is None else torch.distributed.get_world_size(group)
     rank = 0 if group is None else torch.distributed.get_rank(group)
@@ -84,7 +99,7 @@ def sliced(gradient: Gradient, slices: int, group: Any) -> Gradient:
         for j, part in enumerate(micro_batches(batch, per)):
             with _drawing(rank * per + j, _device(params)):
                 found.append(gradient(params, {k: v.clone() for k, v in buffers.items()}, part, scale))
-        return _mean(found, slices, group)
+        return _mean(found, slices, group, shards)
 
     return sliced_gradient
 
@@ -116,9 +131,15 @@ def _drawing(g: int, device: torch.device) -> Iterator[None]:
         yield
 
 
-def _mean(found: list[Grads], slices: int, group: Any) -> Grads:
-    """The mean over the ``slices`` slices of the values ``found`` (this rank's slices), the same at any world size."""
+def _mean(found: list[Grads], slices: int, group: Any, shards: Shards | None) -> Grads:
+    """The mean over the ``slices`` slices of the values ``found`` (this rank's slices), the same at any world size.
+
+    A sharded parameter's gradient is this rank's chunk of the mean (its rows,
+    zero-padded as the state's chunks are); every other value is whole.
+    """
     first = found[0]
+    split = shards.names if shards is not None else frozenset()
+    world = 1 if group is None else torch.distributed.get_world_size(group)
     keys: list[tuple[str, str]] = [
         *(("g", k) for k in first.grads),
         ("l", ""),
@@ -141,11 +162,22 @@ def _mean(found: list[Grads], slices: int, group: Any) -> Grads:
         by_dtype.setdefault(value(first, key).dtype, []).append(key)
     out: dict[tuple[str, str], torch.Tensor] = {}
     for entries in by_dtype.values():
-        rows = [torch.cat([value(f, k).reshape(-1) for k in entries]) for f in found]
-        mean = _exchanged_sum(rows, slices, group) / slices
-        shapes = [value(first, k) for k in entries]
-        for key, part, like in zip(entries, mean.split([t.numel() for t in shapes]), shapes):
-            out[key] = part.view(like.shape)
+        chunked = [k for k in entries if k[0] == "g" and k[1] in split]
+        whole = [k for k in entries if k not in chunked]
+        rows = [shards.rows_per_rank(k[1]) for k in chunked] if shards is not None else []
+        size = sum(value(first, k).numel() for k in whole)
+        blocks = [
+            _blocks([value(f, k) for k in chunked], rows, [value(f, k) for k in whole], world) for f in found
+        ]
+        mine = _exchanged_sum(blocks, slices, group) / slices
+        widths = [n * value(first, k)[0].numel() for k, n in zip(chunked, rows)]
+        *parts, rest = mine.split([*widths, mine.numel() - sum(widths)])
+        for key, part, n in zip(chunked, parts, rows):
+            out[key] = part.view(n, *value(first, key).shape[1:])
+        if group is not None and whole:
+            rest = _all_gathered(rest, group)
+        for key, part in zip(whole, rest[:size].split([value(first, k).numel() for k in whole])):
+            out[key] = part.view(value(first, key).shape)
     return Grads(
         {k: out["g", k] for k in first.grads},
         {k: out.get(("b", k), v) for k, v in first.buffers.items()},
@@ -154,28 +186,109 @@ def _mean(found: list[Grads], slices: int, group: Any) -> Grads:
     )
 
 
-def _exchanged_sum(rows: list[torch.Tensor], slices: int, group: Any) -> torch.Tensor:
-    """The tree sum over all ``slices`` slices of the flat values ``rows`` (this rank's slices, in order)."""
+def _blocks(
+    chunked: list[torch.Tensor], rows: list[int], whole: list[torch.Tensor], world: int
+) -> torch.Tensor:
+    """One slice's values as ``[W, n]``: block ``k`` is what rank ``k`` keeps the sum of.
+
+    Its rows of each ``chunked`` gradient (``rows`` each, the chunks' padding
+    zeros), then its part of the ``whole`` values put end to end.
+    """
+    rowed = [_padded(t, world * n).reshape(world, -1) for t, n in zip(chunked, rows)]
+    flat = torch.cat([t.reshape(-1) for t in whole]) if whole else chunked[0].new_zeros(0)
+    width = -(-flat.numel() // world)
+    return torch.cat([*rowed, _padded(flat, world * width).view(world, width)], dim=1)
+
+
+def _padded(value: torch.Tensor, rows: int) -> torch.Tensor:
+    """``value`` with zero rows added up to ``rows``."""
+    missing = rows - value.shape[0]
+    return value if not missing else torch.cat([value, value.new_zeros((missing, *value.shape[1:]))])
+
+
+def _exchanged_sum(blocks: list[torch.Tensor], slices: int, group: Any) -> torch.Tensor:
+    """This rank's block of the tree sum over all ``slices`` slices, given this rank's slices' ``[W, n]`` blocks."""
     if group is None:
-        return tree_sum(rows)
+        return tree_sum([b[0] for b in blocks])
+    world = torch.distributed.get_world_size(group)
+    if len(blocks) > 1 and _power_of_two(slices) and _power_of_two(world):
+        # This rank's slices are one subtree of the tree (both counts powers of two): its sum here is
+        # the tree's own, and the ranks exchange one row each, the bytes of a reduce-scatter.
+        blocks = [tree_sum(blocks)]
+    # [S, W, n] -> [W, S, n]: rank k gets block k of each of this rank's slices.
+    sent = torch.stack(blocks).transpose(0, 1).contiguous()
+    got = _done(funcol().all_to_all_single(sent.view(-1), None, None, group))
+    # From rank k, its rows in order (its slices k*S .. k*S+S-1, or their sum): the tree's rows in order.
+    return tree_sum(list(got.view(world * len(blocks), -1).unbind(0)))
+
+
+def funcol() -> Any:
+    """torch's functional collectives, which trace into the step's graph."""
     import torch.distributed._functional_collectives as funcol
 
-    world = torch.distributed.get_world_size(group)
-    if len(rows) > 1 and _power_of_two(slices) and _power_of_two(world):
-        # This rank's slices are one subtree of the tree (both counts powers of two): its sum here is
-        # the tree's own, and the ranks exchange one row each, the bytes of an all-reduce.
-        rows = [tree_sum(rows)]
-    size = rows[0].numel()
-    chunk = -(-size // world)
-    # [S, P] -> [W, S, P/W]: block k goes to rank k, holding chunk k of each of this rank's slices.
-    mine = torch.stack([torch.nn.functional.pad(r, (0, chunk * world - size)) for r in rows])
-    blocks = mine.view(len(rows), world, chunk).transpose(0, 1).contiguous()
-    got = funcol.all_to_all_single(blocks.view(-1), None, None, group)
-    # From rank k, its rows in order (its slices k*S .. k*S+S-1, or their sum): the tree's rows in order.
-    mine_of_all = got.view(world * len(rows), chunk)
-    summed = tree_sum(list(mine_of_all.unbind(0)))
-    whole = funcol.all_gather_tensor(summed, 0, group)
-    return whole[:size]
+    return funcol
+
+
+def _all_gathered(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """Every rank's ``tensor`` end to end, in rank order."""
+    gather = getattr(funcol(), "all_gather_single", None) or funcol().all_gather_tensor  # the newer name
+    return _done(gather(tensor, 0, group))
+
+
+@attrs.frozen(eq=False)
+class RowSquares:
+    """The sums over the whole model of a world-size-invariant step's update (``SquaresSum``).
+
+    A tensor's sum of squares is the sum of its rows' sums of squares, and
+    each row is whole on one rank: a sharded tensor's rows' sums are gathered
+    from every rank, padding cut off, so the vector of rows, and the pairwise
+    sum of it, is the same at any world size, sharded or not.
+
+    ``shards``: the state's layout (``None``: whole tensors). ``group``: the
+    ranks sharing the chunks (``None``: one process).
+    """
+
+    shards: Shards | None
+    group: Any
+
+    def __call__(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` summed over the ranks holding chunks (a count of non-finite gradients, say)."""
+        if self.shards is None or self.group is None:
+            return value
+        return _done(funcol().all_reduce(value, "sum", self.group))
+
+    def squares(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        rows = {k: _row_squares(t, dtype) for k, t in tensors.items()}
+        chunked = [k for k in rows if self.shards is not None and k in self.shards.names]
+        if chunked and self.group is not None:
+            assert self.shards is not None
+            every = _all_gathered(torch.cat([rows[k] for k in chunked]), self.group)
+            by_rank = every.view(self.shards.world, -1).split([rows[k].numel() for k in chunked], dim=1)
+            for k, part in zip(chunked, by_rank):
+                rows[k] = part.reshape(-1)[: self.shards.whole(k)]
+        return torch.stack([pairwise_sum(r) for r in rows.values()])
+
+
+def _row_squares(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Each row's sum of squares (a 0-d tensor is one row), in ``dtype``."""
+    flat = tensor.to(dtype).reshape(tensor.shape[0] if tensor.ndim else 1, -1)
+    return flat.square().sum(1) if flat.shape[1] else flat.new_zeros(flat.shape[0])
+
+
+def pairwise_sum(values: torch.Tensor) -> torch.Tensor:
+    """The sum of a vector's elements by halving it with elementwise adds: one fixed tree for a length.
+
+    A reduction kernel's order of adds may change with how its input was laid
+    out or fused; an elementwise add cannot.
+
+    Examples:
+        >>> pairwise_sum(torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]))
+        tensor(15.)
+    """
+    while values.numel() > 1:
+        half = values.numel() // 2
+        values = torch.cat([values[:half] + values[half : 2 * half], values[2 * half :]])
+    return values.reshape(()) if values.numel() else values.new_zeros(())
 
 
 def _power_of_two(n: int) -> bool:

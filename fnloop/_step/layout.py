@@ -9,10 +9,13 @@ layout asks for, in one order::
     gradient = value_and_grad(loss)          members: the loss vmapped  (members.py)
              -> accumulated | sliced         accumulate > 1 | invariant (accumulate.py, invariant.py)
              -> replicated | sharded         data parallel | sharded    (replicas.py, sharding.py;
-                                             sliced: its mean is over every rank's slices)
+                                             sliced: its mean is over every rank's slices, and
+                                             of a sharded state's gradients this rank's chunks,
+                                             the parameters gathered whole before it)
                  | block by block            sharded, the model in blocks (blocks.py)
                                              (HSDP: within one copy, then across the copies)
     update   = kernel.update                 members: vmapped           (members.py)
+             -> given RowSquares             invariant: sums over the model (invariant.py)
              -> sharded                      sharded                    (sharding.py)
     step     = gradient, update, guard       members: those training    (members.py)
 
@@ -23,6 +26,7 @@ this whole step (``compiler.py``).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -33,14 +37,22 @@ from torch.utils import _pytree as pytree
 from fnloop._core.shards import Shards
 from fnloop._step.accumulate import accumulated
 from fnloop._step.blocks import blockwise_gradient
-from fnloop._step.invariant import sliced
+from fnloop._step.invariant import RowSquares, sliced
 from fnloop._step.kernel import Gradient, Kernel, Stepped, Update, UpdateStage, state_of, value_and_grad
 from fnloop._step.members import member_finite, member_gradient, member_update, only_training
 from fnloop._step.replicas import replicated
-from fnloop._step.sharding import all_ranks, groups_of, sharded_gradient, sharded_update
+from fnloop._step.sharding import all_ranks, groups_of, on_whole_params, sharded_gradient, sharded_update
 from fnloop._step.statistics import with_statistics
 
 __all__ = ["Layout", "check_invariant", "in_place", "transformed"]
+
+
+_WHOLE_UNDER_INVARIANT = (
+    "train_step(invariant={slices}) on a shard='full' state: its slices run on the whole parameters, "
+    "gathered all at once, not block by block, so a rank's peak holds the whole model (and its "
+    "slices' gradients until they are exchanged). Where the model fits a rank only block by block, "
+    "leave invariant out; pass train_step(..., blocks=()) to say that gathering at once is meant."
+)
 
 
 @attrs.frozen
@@ -78,12 +90,18 @@ def transformed(kernel: Kernel, layout: Layout, group: Any) -> Update:
         update = member_update(_watched(kernel, kernel.transformed_update(), None))
         step = _composed(kernel, gradient, update, member_finite(kernel))
         return only_training(step, layout.stop)
-    gradient = _gradient(kernel, group)
     shards = layout.shards
+    gradient = _gradient(kernel, group, shards)
     update, finite = _watched(kernel, kernel.transformed_update(), shards), kernel.finite
+    if kernel.slices is not None:  # sums over the model in one order at any world size (invariant.py)
+        update = _given_total(update, RowSquares(shards, None if shards is None else group))
     if shards is not None:
         groups = groups_of(shards, group)
-        if shards.params and groups is not None and kernel.units:  # block by block (blocks.py)
+        if kernel.slices is not None:  # sliced: its gradients this rank's chunks already
+            if shards.params and groups is not None and kernel.units:
+                warnings.warn(_WHOLE_UNDER_INVARIANT.format(slices=kernel.slices), stacklevel=2)
+            gradient = on_whole_params(gradient, shards, groups)
+        elif shards.params and groups is not None and kernel.units:  # block by block (blocks.py)
             gradient = blockwise_gradient(kernel, kernel.units, shards, groups)
         else:
             gradient = sharded_gradient(gradient, shards, groups)
@@ -95,16 +113,28 @@ def transformed(kernel: Kernel, layout: Layout, group: Any) -> Update:
     return _composed(kernel, gradient, update, finite)
 
 
-def _gradient(kernel: Kernel, group: Any) -> Gradient:
-    """The gradient stage of a single run's whole state: accumulated over micro-batches, or over invariant slices.
+def _gradient(kernel: Kernel, group: Any, shards: Shards | None = None) -> Gradient:
+    """The gradient stage of a single run's whole parameters: accumulated over micro-batches, or over invariant slices.
 
     Data parallel averages the first over the ranks (``replicated``); the
-    slices' mean is over every rank's slices already (``invariant.py``).
+    slices' mean is over every rank's slices already (``invariant.py``), and of
+    a sharded state's parameters this rank's chunks.
     """
     gradient = value_and_grad(kernel.forward, kernel.fixed, hold=kernel.holding)
     if kernel.slices is not None:
-        return sliced(gradient, kernel.slices, group)
+        return sliced(gradient, kernel.slices, group, shards)
     return accumulated(gradient, kernel.accumulate)
+
+
+def _given_total(update: UpdateStage, total: RowSquares) -> UpdateStage:
+    """``update`` summing over the model with ``total`` (a world-size-invariant step's), whatever it is given."""
+
+    def update_with_total(
+        grads: dict, opt_state: Any, params: dict, iteration: torch.Tensor, _: Any = None
+    ) -> Any:
+        return update(grads, opt_state, params, iteration, total)
+
+    return update_with_total
 
 
 def check_invariant(kernel: Kernel, layout: Layout) -> None:
@@ -116,11 +146,12 @@ def check_invariant(kernel: Kernel, layout: Layout) -> None:
             f"train_step(invariant={kernel.slices}) on a population: a population runs in one "
             "process, where the world size never changes. Leave invariant out for it."
         )
-    if layout.shards is not None:
+    if layout.shards is not None and layout.shards.replicas > 1:
         raise ValueError(
             f"train_step(invariant={kernel.slices}) on a state sharded with init(..., "
-            f"shard={layout.shards.mode!r}): the invariant mode runs whole states (data parallel) "
-            "only, so far. Leave shard out of init, or invariant out of train_step."
+            f"replicate={layout.shards.replicas}): the invariant mode runs whole states and states "
+            "sharded over every rank, not several copies of a sharded one. Leave replicate out of "
+            "init (shard over every rank), or invariant out of train_step."
         )
 
 
@@ -170,6 +201,7 @@ def in_place(kernel: Kernel, group: Any) -> Callable[..., Any]:
     gradient = _gradient(kernel, group)
     if group is not None and kernel.slices is None:
         gradient = replicated(gradient, group)
+    whole_step = kernel.transforms or kernel.stats or kernel.slices  # sums of its own over the model
 
     pures: dict[Shards | None, Update] = {}  # the pure step per layout, built once
 
@@ -181,7 +213,7 @@ def in_place(kernel: Kernel, group: Any) -> Callable[..., Any]:
         batch: Any,
         shards: Shards | None,
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        if shards is not None or kernel.transforms or kernel.stats:  # the pure step, written into the state
+        if shards is not None or whole_step:  # the pure step, written into the state
             pure = pures.get(shards)
             if pure is None:
                 pure = pures[shards] = transformed(kernel, Layout(shards=shards), group)

@@ -42,6 +42,7 @@ __all__ = [
     "chunk",
     "gathered",
     "groups_of",
+    "on_whole_params",
     "scattered",
     "sharded_gradient",
     "sharded_update",
@@ -99,6 +100,19 @@ def sharded_gradient(gradient: Gradient, shards: Shards, groups: Groups | None) 
         return found._replace(grads=scattered(found.grads, shards, groups))
 
     return gradient_of_chunks
+
+
+def on_whole_params(gradient: Gradient, shards: Shards, groups: Groups | None) -> Gradient:
+    """``gradient`` given a ``"full"`` state's chunks: each parameter gathered whole first (else as it is)."""
+    if groups is None or not shards.params:
+        return gradient
+
+    def gradient_of_whole(
+        params: dict, buffers: dict, batch: Any, scale: torch.Tensor | None = None
+    ) -> Grads:
+        return gradient(gathered(params, shards, groups.shard), buffers, batch, scale)
+
+    return gradient_of_whole
 
 
 def sharded_update(update: UpdateStage, shards: Shards, groups: Groups | None) -> UpdateStage:

@@ -12,7 +12,8 @@ per block or per parameter:
 
 A group's figure is named ``<figure>/<group>`` (``grad_norm/transformer.h.0``).
 Frozen parameters take no part. Sums of squares are float32, one per group
-and figure, stacked: a sharded step adds its ranks' in one all-reduce.
+and figure, stacked: a sharded step adds its ranks' in one all-reduce (a
+world-size-invariant step's are each tensor's whole sum, from ``SquaresSum``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from fnloop._core.messages import got
 from fnloop._core.metrics import STEP_STATISTICS as FIGURES
 from fnloop._core.shards import Shards
 from fnloop._step.kernel import Kernel, Updated, UpdateStage
+from fnloop.optim._base import SquaresSum
 
 __all__ = ["FIGURES", "STATS", "groups_of_parameters", "with_statistics"]
 
@@ -81,8 +83,12 @@ def with_statistics(update: UpdateStage, kernel: Kernel, by: str, shards: Shards
         scale = kernel.loss_scale(opt_state)
         every = float(shards.world) if shards is not None and total is not None else 1.0
         split = shards.names if shards is not None else frozenset()
+        invariant = isinstance(total, SquaresSum)
 
         def squares(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            if invariant:  # each tensor's whole sum, the same bits at any world size
+                assert isinstance(total, SquaresSum)
+                return dict(zip(names, total.squares({n: tensors[n] for n in names}, torch.float32).unbind()))
             out = {}
             for name in names:
                 square = torch.linalg.vector_norm(tensors[name], dtype=torch.float32).square()
@@ -101,7 +107,7 @@ def with_statistics(update: UpdateStage, kernel: Kernel, by: str, shards: Shards
                 for s in (grad, param, change)
             ]
         )
-        if total is not None:
+        if total is not None and not invariant:
             sums = total(sums)
         norms = sums.sqrt()
         ratio = norms[2] / norms[1]

@@ -25,6 +25,7 @@ from fnloop.optim._base import (
     OverShards,
     Params,
     Schedule,
+    SquaresSum,
     apply_updates,
     learning_rates,
 )
@@ -70,6 +71,7 @@ __all__ = [
     "SkipsSpikes",
     "SpikeState",
     "Schedule",
+    "SquaresSum",
     "TraceState",
     "adam",
     "adamw",

@@ -199,6 +199,25 @@ class OverShards(Protocol):
     def over_shards(self, sum_: Sum, /) -> Any: ...
 
 
+@runtime_checkable
+class SquaresSum(Protocol):
+    """A ``Sum`` that also gives each tensor's sum of squares over the whole model, the same bits however it is cut.
+
+    A world-size-invariant step (``train_step(..., invariant=G)``) gives its
+    update one (``fnloop/_step/invariant.py``): a global norm computed from it is
+    the same number at any world size, sharded or not, where an all-reduce of
+    each rank's partial sums would add them in an order that depends on the
+    ranks. A transformation that reduces over the whole model takes its
+    ``squares`` where it is given one.
+    """
+
+    def __call__(self, value: torch.Tensor, /) -> torch.Tensor: ...
+
+    def squares(self, tensors: Params, dtype: torch.dtype, /) -> torch.Tensor:
+        """``[len(tensors)]``: each tensor's sum of squares in ``dtype``, over the whole model, in ``tensors``' order."""
+        ...
+
+
 def over_shards(transform: Any, sum_: Sum) -> Any:
     """``transform`` for a sharded step: its ``over_shards(sum_)``, or itself where it reduces over nothing."""
     return transform.over_shards(sum_) if isinstance(transform, OverShards) else transform

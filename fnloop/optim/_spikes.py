@@ -16,7 +16,16 @@ import attrs
 import torch
 
 from fnloop._core.messages import got
-from fnloop.optim._base import Optimizer, OptState, Params, Sum, first_device, kept_unless, over_shards
+from fnloop.optim._base import (
+    Optimizer,
+    OptState,
+    Params,
+    SquaresSum,
+    Sum,
+    first_device,
+    kept_unless,
+    over_shards,
+)
 
 __all__ = ["SpikeState", "SkipsSpikes", "skip_spikes"]
 
@@ -105,12 +114,15 @@ class SkipsSpikes(Optimizer):
 
     def _spike(self, grads: Params, state: SpikeState) -> tuple[torch.Tensor, torch.Tensor]:
         """Whether this step is an outlier, and its gradient norm (over every rank, when sharded)."""
-        squares = [
-            torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in grads.values() if g.numel()
-        ]
-        total = torch.stack(squares).sum() if squares else torch.zeros((), device=state.loss.device)
-        if self.summed is not None:
-            total = self.summed(total)
+        if isinstance(self.summed, SquaresSum):  # a world-size-invariant step's: the same bits at any W
+            total = self.summed.squares(grads, torch.float32).sum()
+        else:
+            squares = [
+                torch.linalg.vector_norm(g, dtype=torch.float32).square() for g in grads.values() if g.numel()
+            ]
+            total = torch.stack(squares).sum() if squares else torch.zeros((), device=state.loss.device)
+            if self.summed is not None:
+                total = self.summed(total)
         norm = total.sqrt()
         n = state.seen.clamp(max=self.window)
         filled = torch.arange(self.window, device=n.device) < n

@@ -19,6 +19,7 @@ from fnloop.optim._base import (
     EmptyState,
     GradientTransformation,
     Params,
+    SquaresSum,
     Sum,
     _number,
     check_keys,
@@ -59,6 +60,8 @@ def _norm_dtype(params: Params) -> torch.dtype:
 
 def _global_norm(updates: Params, summed: Sum | None) -> torch.Tensor:
     """The L2 norm of all ``updates`` together; with ``summed``, of the whole model's: they are one rank's chunks."""
+    if isinstance(summed, SquaresSum):  # a world-size-invariant step's: the same bits at any world size
+        return summed.squares(updates, _norm_dtype(updates)).sum().sqrt()
     first = next(iter(updates.values())).device
     norms = [torch.linalg.vector_norm(u).to(first) for u in updates.values()]
     total = torch.linalg.vector_norm(torch.stack(norms))
