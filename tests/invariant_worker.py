@@ -6,7 +6,8 @@ A small network (Linear, BatchNorm1d, GELU, dropout 0.2, Linear) with AdamW behi
 clip, or a ``transformers`` GPT-2 of two layers at its defaults (dropout 0.1), trained with
 ``train_step(..., invariant=4)`` on a global batch of 16 rows from ``fl.data.batches``. Each job
 saves into ``RESULTS/rank{r}.pt`` every tensor of the final state (params, buffers, optimizer
-state's leaves), the loss history (tensors, compared bit for bit), and where the run began.
+state's leaves), the loss history (tensors, compared bit for bit), where the run began, and the
+warnings the run gave.
 
 Options:
     --model KIND       net (default) or gpt2
@@ -22,6 +23,7 @@ Options:
 from __future__ import annotations
 
 import argparse
+import warnings
 from pathlib import Path
 
 import torch
@@ -101,7 +103,9 @@ def run(argv: list[str]) -> None:
     if args.checkpoint:
         hooks.append(fl.every(10, fl.hooks.checkpoint(args.checkpoint, keep=None)))
     batches = fl.data.batches(data(args.model), batch_size=BATCH, seed=0)
-    final = fl.unshard(fl.run(state, step, batches, hooks))
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        final = fl.unshard(fl.run(state, step, batches, hooks))
     torch.save(
         {
             "params": dict(final.params),
@@ -110,6 +114,7 @@ def run(argv: list[str]) -> None:
             "losses": [(i, torch.as_tensor(v)) for i, v in final.metrics.series["loss"]],
             "began": began,
             "iteration": final.iteration,
+            "warned": "\n".join(str(w.message) for w in warned),
         },
         out / f"rank{fl.distributed.rank()}.pt",
     )

@@ -25,6 +25,7 @@ import fnloop as fl
 from fnloop._core.shards import Shards
 from fnloop._step.invariant import pairwise_sum, tree_sum
 from fnloop._step.layout import Layout, check_invariant
+from tests.launches import again_after_native_crash
 
 WORKER = str(Path(__file__).with_name("invariant_worker.py"))
 ONE_CORE_EACH = {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
@@ -53,8 +54,13 @@ def launch(ranks: int, tmp: Path, jobs: dict[str, list[str]]) -> None:
     for name, options in jobs.items():
         argv += [*(["--then"] if argv else []), str(tmp / name), *options]
     env = {**os.environ, **ONE_CORE_EACH}
-    done = subprocess.run([*runner, WORKER, *argv], capture_output=True, text=True, timeout=900, env=env)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-6000:]
+    again_after_native_crash(
+        tmp,
+        lambda: subprocess.run(
+            [*runner, WORKER, *argv], capture_output=True, text=True, timeout=900, env=env
+        ),
+        f"{ranks} ranks",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +133,15 @@ def test_a_sharded_state_trains_the_same_bits_as_the_whole_one(one: Path, job: s
     # With the test above, at 1, 2 and 4 ranks: the gradients' tree and the global norm's sums do
     # not depend on how the state is cut. At one process the chunks are the whole tensors.
     assert_same(result(one / SHARDED[job]), result(one / job))
+
+
+def test_a_full_state_in_blocks_is_gathered_at_once_and_the_step_says_so(one: Path, two: Path) -> None:
+    # GPT-2's layers are blocks: under invariant its slices run on every parameter gathered at once
+    # (the bits above), which the step says where the blocks would otherwise be gathered one by one.
+    said = result(two / "gpt2-full")["warned"]
+    assert "gathered all at once, not block by block" in said and "blocks=()" in said
+    assert "block by block" not in result(one / "gpt2-full")["warned"]  # one process: nothing to gather
+    assert "block by block" not in result(two / "full")["warned"]  # no blocks
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["whole", "sharded"])

@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 import fnloop as fl
+from tests.launches import again_after_native_crash, ok
 
 WORKER = str(Path(__file__).with_name("shard_worker.py"))
 LIMIT = 600
@@ -48,49 +47,10 @@ def launch(ranks: int, *jobs: list[str], limit: int = LIMIT) -> subprocess.Compl
     return subprocess.run([*runner, WORKER, *argv], capture_output=True, text=True, timeout=limit, env=env)
 
 
-def _why(done: subprocess.CompletedProcess[str]) -> str:
-    """The lines that say why a rank died: a native abort prints no traceback but the faulthandler's
-    frames (kept whole, with what the process said just before: a C++ or libc message)."""
-    why, lines = [], done.stderr.splitlines()
-    for i, line in enumerate(lines):
-        if "Fatal Python error" in line:
-            why += lines[max(0, i - 6) : i + 30]
-        elif any(w in line for w in ("Error", "terminate", "what()", "Abort", "Segmentation", " done")):
-            why.append(line)
-    return "\n".join(why[-60:])
-
-
-def ok(done: subprocess.CompletedProcess[str]) -> None:
-    # Besides the tail, why a rank died, last: a report cut short keeps its end.
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-5000:] + "\n--- why\n" + _why(done)
-
-
 def launched(tmp: Path, ranks: int, *jobs: list[str], limit: int = LIMIT) -> None:
-    """``ok(launch(ranks, *jobs))``, run once more from the same files if a rank died of a native crash.
-
-    A rank of a compiled sharded launch has died of SIGABRT mid-run, in a native thread (no
-    Python error; the faulthandler shows the main thread waiting on a gloo collective inside the
-    compiled step), in two CI runs of the last three, and in none of 12 launches
-    of the same jobs here, two or three at once. Until it is understood, such a launch runs again
-    once from the files it started with (everything its jobs read and write is under ``tmp``), so
-    that CI keeps checking fnloop's results. The crash is not hidden: each one is appended to
-    ``conftest.NATIVE_CRASHES`` with its report, and the suite's summary counts them. A second
-    crash, or any other failure, fails the launch.
-    """
-    from conftest import NATIVE_CRASHES
-
-    before = tmp.with_name(tmp.name + "-before")
-    shutil.copytree(tmp, before)
-    done = launch(ranks, *jobs, limit=limit)
-    if done.returncode and any(
-        f"Fatal Python error: {k}" in done.stderr for k in ("Aborted", "Segmentation")
-    ):
-        with NATIVE_CRASHES.open("a") as log:
-            log.write(f"\n--- {time.strftime('%H:%M:%S')} {ranks} ranks, {tmp.name}\n{_why(done)}\n")
-        shutil.rmtree(tmp)
-        shutil.copytree(before, tmp)
-        done = launch(ranks, *jobs, limit=limit)
-    ok(done)
+    """``ok(launch(ranks, *jobs))``, run once more from the same files if a rank died of a native
+    crash (``tests/launches.py``)."""
+    again_after_native_crash(tmp, lambda: launch(ranks, *jobs, limit=limit), f"{ranks} ranks")
 
 
 def result(results: Path, rank: int = 0) -> dict:
