@@ -6,8 +6,9 @@ A small network (Linear, BatchNorm1d, GELU, dropout 0.2, Linear) with AdamW behi
 clip, or a ``transformers`` GPT-2 of two layers at its defaults (dropout 0.1), trained with
 ``train_step(..., invariant=4)`` on a global batch of 16 rows from ``fl.data.batches``. Each job
 saves into ``RESULTS/rank{r}.pt`` every tensor of the final state (params, buffers, optimizer
-state's leaves), the loss history (tensors, compared bit for bit), where the run began, and the
-warnings the run gave.
+state's leaves), the loss history (tensors, compared bit for bit), where the run began, the
+warnings the run gave, and how many times a block's backward added a slice's gradients over the
+ranks (traced once, compiled).
 
 Options:
     --model KIND       net (default) or gpt2
@@ -66,6 +67,22 @@ def data(model: str) -> tuple[torch.Tensor, ...]:
     return torch.randn(96, 6, generator=g), torch.randint(0, 3, (96,), generator=g)
 
 
+TREES = [0]
+"""How many times a block's gather's backward added a slice's gradients over the ranks (``ranks_tree``)."""
+
+
+def _count_trees() -> None:
+    import fnloop._step.blocks as blocks
+
+    real = blocks.ranks_tree
+
+    def counted(grad: torch.Tensor, group: object) -> torch.Tensor:
+        TREES[0] += 1
+        return real(grad, group)
+
+    blocks.ranks_tree = counted
+
+
 def run(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("results")
@@ -103,6 +120,7 @@ def run(argv: list[str]) -> None:
     if args.checkpoint:
         hooks.append(fl.every(10, fl.hooks.checkpoint(args.checkpoint, keep=None)))
     batches = fl.data.batches(data(args.model), batch_size=BATCH, seed=0)
+    TREES[0] = 0
     with warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")
         final = fl.unshard(fl.run(state, step, batches, hooks))
@@ -114,6 +132,7 @@ def run(argv: list[str]) -> None:
             "losses": [(i, torch.as_tensor(v)) for i, v in final.metrics.series["loss"]],
             "began": began,
             "iteration": final.iteration,
+            "trees": TREES[0],
             "warned": "\n".join(str(w.message) for w in warned),
         },
         out / f"rank{fl.distributed.rank()}.pt",
@@ -124,6 +143,7 @@ def main() -> None:
     import sys
 
     torch.set_num_threads(1)
+    _count_trees()
     for job in jobs(sys.argv[1:]):
         run(job)
     leave(fl.distributed.rank())

@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 
 import fnloop as fl
 from fnloop._core.shards import Shards
-from fnloop._step.invariant import pairwise_sum, tree_sum
+from fnloop._step.invariant import pairwise_sum, slice_tree, tree_sum
 from fnloop._step.layout import Layout, check_invariant
 from tests.launches import again_after_native_crash
 
@@ -41,6 +41,7 @@ JOBS = {
     "optimizer": ["--shard", "optimizer"],
     "full-several": ["--compile", "--steps-per-call", "2", "--shard", "full"],
     "gpt2-full": ["--model", "gpt2", "--max-iter", "12", "--shard", "full"],
+    "gpt2-full-compiled": ["--model", "gpt2", "--max-iter", "6", "--shard", "full", "--compile"],
 }
 SHARDED = {"full": "compiled", "optimizer": "eager", "full-several": "several", "gpt2-full": "gpt2"}
 """Each sharded job, and the whole state's job it equals."""
@@ -117,7 +118,7 @@ def assert_same(a: dict, b: dict) -> None:
 @pytest.mark.parametrize("job", list(JOBS))
 def test_the_run_is_the_same_bits_at_1_2_and_4_ranks(one: Path, two: Path, four: Path, job: str) -> None:
     alone = result(one / job)
-    assert alone["iteration"] == (12 if job.startswith("gpt2") else 50)
+    assert alone["iteration"] == {"gpt2": 12, "gpt2-full": 12, "gpt2-full-compiled": 6}.get(job, 50)
     for rank in range(2):
         assert_same(alone, result(two / job, rank))
     for rank in range(4):
@@ -135,13 +136,19 @@ def test_a_sharded_state_trains_the_same_bits_as_the_whole_one(one: Path, job: s
     assert_same(result(one / SHARDED[job]), result(one / job))
 
 
-def test_a_full_state_in_blocks_is_gathered_at_once_and_the_step_says_so(one: Path, two: Path) -> None:
-    # GPT-2's layers are blocks: under invariant its slices run on every parameter gathered at once
-    # (the bits above), which the step says where the blocks would otherwise be gathered one by one.
-    said = result(two / "gpt2-full")["warned"]
-    assert "gathered all at once, not block by block" in said and "blocks=()" in said
-    assert "block by block" not in result(one / "gpt2-full")["warned"]  # one process: nothing to gather
-    assert "block by block" not in result(two / "full")["warned"]  # no blocks
+def test_a_full_state_in_blocks_adds_each_slice_over_the_ranks_block_by_block(
+    one: Path, two: Path, four: Path
+) -> None:
+    # GPT-2's root and 2 layers' 12 parameters each, gathered per slice one by one, each gather's
+    # backward adding that slice's gradients over the ranks: 4/W slices a rank, 12 steps, eager;
+    # compiled, traced once. In one process nothing is gathered; without blocks nothing block by block.
+    assert result(one / "gpt2-full")["trees"] == 0
+    per_slice = sum(1 for k in result(one / "gpt2")["params"])
+    assert result(two / "gpt2-full")["trees"] == 12 * 2 * per_slice
+    assert result(four / "gpt2-full", 3)["trees"] == 12 * 1 * per_slice
+    assert result(two / "gpt2-full-compiled")["trees"] == 2 * per_slice
+    assert result(two / "full")["trees"] == 0
+    assert "block by block" not in result(two / "gpt2-full")["warned"]  # G a power of two: no warning
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["whole", "sharded"])
@@ -216,18 +223,25 @@ def test_what_the_mode_cannot_run_is_refused_with_the_fix() -> None:
     log_world=st.integers(0, 4),
     scales=st.lists(st.integers(-6, 6), min_size=16, max_size=16),
 )
-def test_a_ranks_slices_are_one_subtree_where_both_counts_are_powers_of_two(
+def test_each_slice_summed_over_the_ranks_first_is_the_slices_tree_where_counts_are_powers_of_two(
     log_slices: int, log_world: int, scales: list[int]
 ) -> None:
-    # What lets a rank add its own slices before the exchange (invariant.py): the fixed tree over G
-    # rows is, bit for bit, the tree over the W ranks' subtree sums.
+    # What lets the block-by-block step add each slice's gradients over the ranks in its backward
+    # (blocks.py, ranks_tree): the fixed tree over G rows is, bit for bit, the tree over each
+    # rank's j-th slices of the trees over the ranks.
     assume(log_world <= log_slices)
     slices, world = 2**log_slices, 2**log_world
     per = slices // world
     g = torch.Generator().manual_seed(sum(scales) + 7 * slices + world)
     rows = [torch.randn(33, generator=g) * 10.0 ** scales[i] for i in range(slices)]
-    whole = tree_sum(rows)
-    assert torch.equal(whole, tree_sum([tree_sum(rows[r * per : (r + 1) * per]) for r in range(world)]))
+    by_slice = [slice_tree([rows[r * per + j] for r in range(world)]) for j in range(per)]
+    assert torch.equal(slice_tree(rows), slice_tree(by_slice))
+
+
+def test_the_slices_tree_pairs_low_bits_first_and_is_the_plain_tree_otherwise() -> None:
+    rows = [torch.tensor(10.0**k) for k in range(6)]
+    assert torch.equal(slice_tree(rows), tree_sum(rows))
+    assert slice_tree(rows[:4]).item() == ((rows[0] + rows[2]) + (rows[1] + rows[3])).item()
 
 
 @given(values=st.lists(st.floats(-1e6, 1e6, width=32), max_size=70))

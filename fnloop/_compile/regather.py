@@ -8,7 +8,8 @@ forward to its backward: every block at once at the turn, as if everything had
 been gathered. torchtitan's SimpleFSDP marks such gathers "must recompute" for
 AOTAutograd's partitioner; fnloop's trace has no partitioner, so this pass
 does the same on the graph: where a gather's results are read again after
-another collective ran since their last read (an all-gather or a reduce-scatter), it copies
+another collective ran since their last read (an all-gather, a reduce-scatter, or the all-to-all
+a world-size-invariant step scatters with), it copies
 the gather and the ops that make the parameters from it (the wait, the
 copy-out, an autocast's cast, a transpose) just before that use, and the
 later uses read the copy. The forward's gathered block then dies after the
@@ -30,7 +31,10 @@ __all__ = ["regathered"]
 def _ops() -> tuple[object, frozenset[object]]:
     functional = torch.ops._c10d_functional
     gather = functional.all_gather_into_tensor.default
-    return gather, frozenset({gather, functional.reduce_scatter_tensor.default})
+    # A world-size-invariant step's reduce-scatter is an all-to-all (fnloop/_step/invariant.py).
+    return gather, frozenset(
+        {gather, functional.reduce_scatter_tensor.default, functional.all_to_all_single.default}
+    )
 
 
 def regathered(graph: torch.fx.GraphModule) -> int:

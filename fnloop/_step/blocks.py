@@ -34,11 +34,12 @@ import torch
 from fnloop._core.messages import got
 from fnloop._core.shards import Shards
 from fnloop._step.accumulate import accumulated
+from fnloop._step.invariant import ranks_tree, sliced
 from fnloop._step.kernel import Gradient, Grads, Kernel, _holding, value_and_grad
 from fnloop._step.replicas import averaged
 from fnloop._step.sharding import Groups, _by_dtype, _done, across_copies, all_reduced_mean
 
-__all__ = ["Units", "blockwise_gradient", "gathered_together", "units_of"]
+__all__ = ["Units", "blockwise_gradient", "blockwise_sliced", "gathered_together", "units_of"]
 
 Blocks = Sequence[str | type[torch.nn.Module]] | None
 """What ``train_step(..., blocks=...)`` takes: module names or classes; ``None`` finds them; ``()`` none."""
@@ -144,37 +145,57 @@ def _named(blocks: Sequence[Any], modules: Mapping[str, torch.nn.Module]) -> lis
 
 
 class _Gather(torch.autograd.Function):
-    """All-gather of a flat chunk whose gradient is the reduce-scatter (sum) of the whole's."""
+    """All-gather of a flat chunk whose gradient is the reduce-scatter (sum) of the whole's.
+
+    ``tree``: the sum over the ranks in ``slice_tree``'s order instead
+    (``ranks_tree``), the same bits at any world size (``invariant.py``).
+    """
 
     @staticmethod
-    def forward(ctx: Any, flat: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, flat: torch.Tensor, group: Any, tree: bool) -> torch.Tensor:  # type: ignore[override]
         import torch.distributed._functional_collectives as funcol
 
-        ctx.group = group
+        ctx.group, ctx.tree = group, tree
         gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
         return _done(gather(flat, 0, group))
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
         import torch.distributed._functional_collectives as funcol
 
+        if ctx.tree:
+            return ranks_tree(grad, ctx.group), None, None
         scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
-        return _done(scatter(grad.contiguous(), "sum", 0, ctx.group)), None
+        return _done(scatter(grad.contiguous(), "sum", 0, ctx.group)), None, None
 
 
 def gathered_together(
-    chunks: Mapping[str, torch.Tensor], shards: Shards, group: Any
+    chunks: Mapping[str, torch.Tensor], shards: Shards, group: Any, tree: bool = False
 ) -> dict[str, torch.Tensor]:
     """The whole tensors of ``chunks``, in one all-gather per dtype of them all end to end (FSDP2's copy-in).
 
     Differentiable: the gradient of each chunk is this rank's rows of the sum
     over ranks of the whole's gradient, in one reduce-scatter per dtype.
+
+    ``tree`` (a world-size-invariant step's): one gather per tensor, whose
+    backward is an all-to-all and ``ranks_tree``'s fixed order. Each
+    gradient then leaves the backward as its own tensor, computed as a whole
+    state's is: put end to end with others, inductor compiled some of the
+    reductions that make them otherwise (a few gradients of a GPT-2 about
+    ``1e-9`` off the whole state's), and the run was no longer the same bits.
     """
     world = shards.world
     out = {}
+    if tree:
+        for name, chunk in chunks.items():
+            whole = _Gather.apply(chunk.reshape(-1), group, True).view(
+                world * chunk.shape[0], *chunk.shape[1:]
+            )
+            out[name] = whole[: shards.whole(name)]
+        return out
     for names in _by_dtype(chunks).values():
         flat = torch.cat([chunks[n].reshape(-1) for n in names])
-        by_rank = _Gather.apply(flat, group).view(world, -1)
+        by_rank = _Gather.apply(flat, group, False).view(world, -1)
         for name, part in zip(names, by_rank.split([chunks[n].numel() for n in names], dim=1)):
             shape = chunks[name].shape
             out[name] = part.reshape(world * shape[0], *shape[1:])[: shards.whole(name)]
@@ -208,19 +229,42 @@ def blockwise_gradient(kernel: Kernel, units: Units, shards: Shards, groups: Gro
     return gradient_of_chunks
 
 
+def blockwise_sliced(kernel: Kernel, units: Units, shards: Shards, groups: Groups) -> Gradient:
+    """The gradient stage of a ``"full"`` sharded state, block by block, world-size-invariant (``invariant.py``).
+
+    Each of this rank's slices runs block by block, and each block's gather's
+    backward adds that slice's gradients over the ranks in ``slice_tree``'s
+    order (``ranks_tree``) as soon as they exist, where the reduce-scatter
+    would; the sums over this rank's slices of the chunks follow.
+    """
+    assert kernel.slices is not None
+
+    def hold(tensors: dict[str, torch.Tensor]) -> contextlib.AbstractContextManager[None]:
+        return _held_by_blocks(kernel.model, units, shards, groups.shard, tensors, tree=True)
+
+    gradient = value_and_grad(kernel.forward, kernel.fixed, hold=hold)
+    return sliced(gradient, kernel.slices, groups.every, shards, summed=True)
+
+
 @contextlib.contextmanager
 def _held_by_blocks(
-    model: torch.nn.Module, units: Units, shards: Shards, group: Any, tensors: dict[str, torch.Tensor]
+    model: torch.nn.Module,
+    units: Units,
+    shards: Shards,
+    group: Any,
+    tensors: dict[str, torch.Tensor],
+    tree: bool = False,
 ) -> Iterator[None]:
     """``model`` holding ``tensors`` (chunks): the root's gathered now, each block's as it runs."""
     split, in_blocks = shards.names, units.names
     root = gathered_together(
-        {k: v for k, v in tensors.items() if k in split and k not in in_blocks}, shards, group
+        {k: v for k, v in tensors.items() if k in split and k not in in_blocks}, shards, group, tree
     )
     outer = {k: root.get(k, v) for k, v in tensors.items() if k not in in_blocks}
     with _holding(model, outer), contextlib.ExitStack() as stack:
         for block, names in units.blocks:
-            stack.enter_context(_gathering(model.get_submodule(block), block, names, shards, group, tensors))
+            module = model.get_submodule(block)
+            stack.enter_context(_gathering(module, block, names, shards, group, tensors, tree))
         yield
 
 
@@ -232,6 +276,7 @@ def _gathering(
     shards: Shards,
     group: Any,
     tensors: dict[str, torch.Tensor],
+    tree: bool,
 ) -> Iterator[None]:
     """``module`` gathering its parameters' chunks each time it runs, and holding them from then on.
 
@@ -247,7 +292,7 @@ def _gathering(
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             split = {n: tensors[n] for n in names if n in shards.names}
-            whole = {**{n: tensors[n] for n in names}, **gathered_together(split, shards, group)}
+            whole = {**{n: tensors[n] for n in names}, **gathered_together(split, shards, group, tree)}
             held.enter_context(_holding(module, {n[prefix:]: v for n, v in whole.items()}))
             return original(*args, **kwargs)
 

@@ -13,15 +13,20 @@ at every ``W``:
 
 * put end to end per dtype, each slice's values are cut into ``W`` chunks;
 * an all-to-all gives rank ``r`` chunk ``r`` of every slice, ``[G, P/W]``;
-* the rows are added pairwise in one fixed order (``tree_sum``) and divided by ``G``;
+* the rows are added pairwise in one fixed tree (``slice_tree``) and divided by ``G``;
 * an all-gather gives every rank the whole mean.
 
 Each element is the same sum of the same values in the same order at any
 ``W``, so the mean is the same bits, and the update that follows too. At
-``W = 1`` there is nothing to exchange. Where ``G`` and ``W`` are powers of
-two, a rank's slices are one subtree of the tree: it adds them itself and
-sends one row, so a rank sends ``2 P`` bytes in all, as for an all-reduce;
-otherwise it sends its slices' values once, plus the mean: ``(S + 1) P``.
+``W = 1`` there is nothing to exchange. A rank sends its slices' values
+once, plus its part of the mean: ``(S + 1) P (W - 1) / W`` bytes, against an
+all-reduce's ``2 P (W - 1) / W``.
+
+Where ``G`` is a power of two, the tree pairs slices by their low bits first,
+so that the ``j``-th slices of all ranks are one subtree at any ``W``: a
+``"full"`` state of a model in blocks adds each slice's block gradients over
+the ranks inside that slice's backward (``ranks_tree``, in ``blocks.py``), as
+its reduce-scatter would.
 
 A running buffer (BatchNorm's statistics) is the mean over the slices of
 each slice's update from the same old buffer: not the sequential updates of
@@ -29,7 +34,8 @@ micro-batches. An integer buffer (a counter) is the first slice's: every
 slice counts the same.
 
 A sharded state (``init(..., shard=...)``) runs the same slices on the whole
-parameters (a ``"full"`` state's gathered first, all at once). Of a sharded
+parameters (a ``"full"`` state's gathered first, all at once, or block by
+block as above). Of a sharded
 parameter's gradient, rank ``r`` is sent the rows of its chunk of every
 slice's, and keeps their tree sum: the all-to-all and the tree stand for the
 reduce-scatter, and nothing is gathered back. The update's sums over the
@@ -56,7 +62,16 @@ from fnloop._step.kernel import Gradient, Grads, _device
 from fnloop._step.seeds import slice_seeded
 from fnloop._step.sharding import _done
 
-__all__ = ["RowSquares", "divisors", "pairwise_sum", "sliced", "tree_sum"]
+__all__ = [
+    "RowSquares",
+    "divisors",
+    "pairwise_sum",
+    "power_of_two",
+    "ranks_tree",
+    "slice_tree",
+    "sliced",
+    "tree_sum",
+]
 
 
 def divisors(n: int) -> list[int]:
@@ -82,12 +97,38 @@ def tree_sum(rows: list[torch.Tensor]) -> torch.Tensor:
     return tree_sum(rows[:half]) + tree_sum(rows[half:])
 
 
-def sliced(gradient: Gradient, slices: int, group: Any, shards: Shards | None = None) -> Gradient:
+def slice_tree(rows: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of the slices' ``rows`` (in slice order) in the mode's one fixed tree.
+
+    Where their count is a power of two, the tree pairs the slices by their
+    low bits first: it is ``tree_sum`` of the rows in bit-reversed order. At
+    any world size ``W`` (a power of two too) the slices ``j, S + j, 2S + j, ...``,
+    the ``j``-th of each rank's ``S``, are then one subtree, and the tree is
+    ``slice_tree`` over ``j`` of ``slice_tree`` over the ranks: a step can add
+    each of its slices over the ranks as soon as that slice's backward is done
+    (block by block, ``blocks.py``). Otherwise ``tree_sum`` of the rows in order.
+
+    Examples:
+        >>> slice_tree([torch.tensor(float(2**k)) for k in range(4)])  # (1 + 4) + (2 + 8)
+        tensor(15.)
+    """
+    n = len(rows)
+    if n == 1 or not power_of_two(n):
+        return tree_sum(rows)
+    bits = n.bit_length() - 1
+    return tree_sum([rows[int(f"{i:0{bits}b}"[::-1], 2)] for i in range(n)])
+
+
+def sliced(
+    gradient: Gradient, slices: int, group: Any, shards: Shards | None = None, summed: bool = False
+) -> Gradient:
     """``gradient`` run on this rank's slices of the global batch, and the mean of all ``slices`` slices' results.
 
     ``group``: the ranks (``None``: one process, every slice here). ``shards``:
     a sharded state's layout, whose parameters' gradients this rank keeps its
-    chunks of (the others' values every rank has whole).
+    chunks of (the others' values every rank has whole). ``summed``: the
+    gradient stage gives those chunks summed over the ranks already, each
+    slice's (``slice_tree`` over the ranks, block by block).
     """
     world = 1 if group is None else torch.distributed.get_world_size(group)
     rank = 0 if group is None else torch.distributed.get_rank(group)
@@ -99,7 +140,7 @@ def sliced(gradient: Gradient, slices: int, group: Any, shards: Shards | None = 
         for j, part in enumerate(micro_batches(batch, per)):
             with _drawing(rank * per + j, _device(params)):
                 found.append(gradient(params, {k: v.clone() for k, v in buffers.items()}, part, scale))
-        return _mean(found, slices, group, shards)
+        return _mean(found, slices, group, shards, summed)
 
     return sliced_gradient
 
@@ -131,17 +172,23 @@ def _drawing(g: int, device: torch.device) -> Iterator[None]:
         yield
 
 
-def _mean(found: list[Grads], slices: int, group: Any, shards: Shards | None) -> Grads:
+def _mean(found: list[Grads], slices: int, group: Any, shards: Shards | None, summed: bool) -> Grads:
     """The mean over the ``slices`` slices of the values ``found`` (this rank's slices), the same at any world size.
 
     A sharded parameter's gradient is this rank's chunk of the mean (its rows,
     zero-padded as the state's chunks are); every other value is whole.
+    ``summed``: the chunks found are each slice's sum over the ranks already.
     """
     first = found[0]
     split = shards.names if shards is not None else frozenset()
     world = 1 if group is None else torch.distributed.get_world_size(group)
+    out: dict[tuple[str, str], torch.Tensor] = {}
+    if summed:  # each slice's chunks summed over the ranks already: left, the tree over the slices
+        for name in [k for k in first.grads if k in split]:
+            out["g", name] = slice_tree([f.grads[name] for f in found]) / slices
+        split = frozenset()
     keys: list[tuple[str, str]] = [
-        *(("g", k) for k in first.grads),
+        *(("g", k) for k in first.grads if ("g", k) not in out),
         ("l", ""),
         *(("m", k) for k in first.metrics),
         *(("b", k) for k, v in first.buffers.items() if v.is_floating_point()),
@@ -160,7 +207,6 @@ def _mean(found: list[Grads], slices: int, group: Any, shards: Shards | None) ->
     by_dtype: dict[torch.dtype, list[tuple[str, str]]] = {}
     for key in keys:
         by_dtype.setdefault(value(first, key).dtype, []).append(key)
-    out: dict[tuple[str, str], torch.Tensor] = {}
     for entries in by_dtype.values():
         chunked = [k for k in entries if k[0] == "g" and k[1] in split]
         whole = [k for k in entries if k not in chunked]
@@ -209,17 +255,25 @@ def _padded(value: torch.Tensor, rows: int) -> torch.Tensor:
 def _exchanged_sum(blocks: list[torch.Tensor], slices: int, group: Any) -> torch.Tensor:
     """This rank's block of the tree sum over all ``slices`` slices, given this rank's slices' ``[W, n]`` blocks."""
     if group is None:
-        return tree_sum([b[0] for b in blocks])
+        return slice_tree([b[0] for b in blocks])
     world = torch.distributed.get_world_size(group)
-    if len(blocks) > 1 and _power_of_two(slices) and _power_of_two(world):
-        # This rank's slices are one subtree of the tree (both counts powers of two): its sum here is
-        # the tree's own, and the ranks exchange one row each, the bytes of a reduce-scatter.
-        blocks = [tree_sum(blocks)]
     # [S, W, n] -> [W, S, n]: rank k gets block k of each of this rank's slices.
     sent = torch.stack(blocks).transpose(0, 1).contiguous()
     got = _done(funcol().all_to_all_single(sent.view(-1), None, None, group))
-    # From rank k, its rows in order (its slices k*S .. k*S+S-1, or their sum): the tree's rows in order.
-    return tree_sum(list(got.view(world * len(blocks), -1).unbind(0)))
+    # From rank k, its slices k*S .. k*S+S-1: every slice's row, in slice order.
+    return slice_tree(list(got.view(world * len(blocks), -1).unbind(0)))
+
+
+def ranks_tree(grad: torch.Tensor, group: Any) -> torch.Tensor:
+    """This rank's chunk of the sum over the ranks of ``grad`` (``[W * n]``, rank ``k``'s chunk ``k``-th), in ``slice_tree``'s order.
+
+    The reduce-scatter of a world-size-invariant step that adds one slice's
+    gradients over the ranks as its backward runs: an all-to-all, then the
+    ranks' rows added in the subtree ``slice_tree`` gives them.
+    """
+    world = torch.distributed.get_world_size(group)
+    got = _done(funcol().all_to_all_single(grad.contiguous(), None, None, group))
+    return slice_tree(list(got.view(world, -1).unbind(0)))
 
 
 def funcol() -> Any:
@@ -291,5 +345,6 @@ def pairwise_sum(values: torch.Tensor) -> torch.Tensor:
     return values.reshape(()) if values.numel() else values.new_zeros(())
 
 
-def _power_of_two(n: int) -> bool:
+def power_of_two(n: int) -> bool:
+    """Whether ``n`` (positive) is a power of two: slices whose ``slice_tree`` lets each be summed over the ranks alone."""
     return n & (n - 1) == 0

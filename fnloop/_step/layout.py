@@ -36,8 +36,8 @@ from torch.utils import _pytree as pytree
 
 from fnloop._core.shards import Shards
 from fnloop._step.accumulate import accumulated
-from fnloop._step.blocks import blockwise_gradient
-from fnloop._step.invariant import RowSquares, sliced
+from fnloop._step.blocks import blockwise_gradient, blockwise_sliced
+from fnloop._step.invariant import RowSquares, power_of_two, sliced
 from fnloop._step.kernel import Gradient, Kernel, Stepped, Update, UpdateStage, state_of, value_and_grad
 from fnloop._step.members import member_finite, member_gradient, member_update, only_training
 from fnloop._step.replicas import replicated
@@ -48,10 +48,11 @@ __all__ = ["Layout", "check_invariant", "in_place", "transformed"]
 
 
 _WHOLE_UNDER_INVARIANT = (
-    "train_step(invariant={slices}) on a shard='full' state: its slices run on the whole parameters, "
-    "gathered all at once, not block by block, so a rank's peak holds the whole model (and its "
-    "slices' gradients until they are exchanged). Where the model fits a rank only block by block, "
-    "leave invariant out; pass train_step(..., blocks=()) to say that gathering at once is meant."
+    "train_step(invariant={slices}) on a shard='full' state: with a number of slices that is not a "
+    "power of two, the slices run on the whole parameters, gathered all at once, not block by block, "
+    "so a rank's peak holds the whole model (and its slices' gradients until they are exchanged). "
+    "Choose invariant=2**k (for 1, 2, 4, ... ranks) to gather block by block, or pass "
+    "train_step(..., blocks=()) to say that gathering at once is meant."
 )
 
 
@@ -97,8 +98,12 @@ def transformed(kernel: Kernel, layout: Layout, group: Any) -> Update:
         update = _given_total(update, RowSquares(shards, None if shards is None else group))
     if shards is not None:
         groups = groups_of(shards, group)
-        if kernel.slices is not None:  # sliced: its gradients this rank's chunks already
-            if shards.params and groups is not None and kernel.units:
+        blockwise = shards.params and groups is not None and bool(kernel.units)
+        if kernel.slices is not None and blockwise and power_of_two(kernel.slices):
+            assert groups is not None
+            gradient = blockwise_sliced(kernel, kernel.units, shards, groups)
+        elif kernel.slices is not None:  # sliced: its gradients this rank's chunks already
+            if blockwise:
                 warnings.warn(_WHOLE_UNDER_INVARIANT.format(slices=kernel.slices), stacklevel=2)
             gradient = on_whole_params(gradient, shards, groups)
         elif shards.params and groups is not None and kernel.units:  # block by block (blocks.py)
