@@ -13,7 +13,9 @@ layout asks for, in one order::
                                              of a sharded state's gradients this rank's chunks,
                                              the parameters gathered whole before it)
                  | block by block            sharded, the model in blocks (blocks.py)
-                                             (HSDP: within one copy, then across the copies)
+                                             (HSDP: within one copy, then across the copies;
+                                             sliced: each slice added over the ranks by its
+                                             gathers' backward, G a power of two)
     update   = kernel.update                 members: vmapped           (members.py)
              -> given RowSquares             invariant: sums over the model (invariant.py)
              -> sharded                      sharded                    (sharding.py)
