@@ -243,7 +243,7 @@ def blockwise_sliced(kernel: Kernel, units: Units, shards: Shards, groups: Group
         return _held_by_blocks(kernel.model, units, shards, groups.shard, tensors, tree=True)
 
     gradient = value_and_grad(kernel.forward, kernel.fixed, hold=hold)
-    return sliced(gradient, kernel.slices, groups.every, shards, summed=True)
+    return sliced(gradient, kernel.slices, groups.every, shards, summed=True, low_bits=True)
 
 
 @contextlib.contextmanager

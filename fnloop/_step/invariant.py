@@ -13,20 +13,23 @@ at every ``W``:
 
 * put end to end per dtype, each slice's values are cut into ``W`` chunks;
 * an all-to-all gives rank ``r`` chunk ``r`` of every slice, ``[G, P/W]``;
-* the rows are added pairwise in one fixed tree (``slice_tree``) and divided by ``G``;
+* the rows are added pairwise in one fixed tree (``tree_sum``) and divided by ``G``;
 * an all-gather gives every rank the whole mean.
 
 Each element is the same sum of the same values in the same order at any
 ``W``, so the mean is the same bits, and the update that follows too. At
-``W = 1`` there is nothing to exchange. A rank sends its slices' values
-once, plus its part of the mean: ``(S + 1) P (W - 1) / W`` bytes, against an
-all-reduce's ``2 P (W - 1) / W``.
+``W = 1`` there is nothing to exchange. Where ``G`` and ``W`` are powers of
+two, a rank's slices are one subtree of the tree: it adds them itself and
+sends one row, so a rank sends ``2 P`` bytes in all, as for an all-reduce;
+otherwise it sends its slices' values once, plus the mean: ``(S + 1) P``.
 
-Where ``G`` is a power of two, the tree pairs slices by their low bits first,
-so that the ``j``-th slices of all ranks are one subtree at any ``W``: a
-``"full"`` state of a model in blocks adds each slice's block gradients over
-the ranks inside that slice's backward (``ranks_tree``, in ``blocks.py``), as
-its reduce-scatter would.
+A ``"full"`` state of a model in blocks, with ``G`` a power of two, adds its
+slices in another fixed tree, which pairs them by their low bits first
+(``slice_tree``): the ``j``-th slices of all ranks are then one subtree at any
+``W``, and each slice's block gradients are added over the ranks inside that
+slice's backward (``ranks_tree``, in ``blocks.py``), as its reduce-scatter
+would. Its runs are the same bits at any world size as one another, not as
+a whole state's (another tree).
 
 A running buffer (BatchNorm's statistics) is the mean over the slices of
 each slice's update from the same old buffer: not the sequential updates of
@@ -42,7 +45,7 @@ reduce-scatter, and nothing is gathered back. The update's sums over the
 whole model (a global norm's, the statistics') are each tensor's rows' sums
 of squares, gathered from the ranks that hold them and added pairwise in one
 order (``RowSquares``): every element of the state is then the same bits at
-any world size, and the same as a whole state's.
+any world size, and (but block by block) the same as a whole state's.
 """
 
 from __future__ import annotations
@@ -120,7 +123,12 @@ def slice_tree(rows: list[torch.Tensor]) -> torch.Tensor:
 
 
 def sliced(
-    gradient: Gradient, slices: int, group: Any, shards: Shards | None = None, summed: bool = False
+    gradient: Gradient,
+    slices: int,
+    group: Any,
+    shards: Shards | None = None,
+    summed: bool = False,
+    low_bits: bool = False,
 ) -> Gradient:
     """``gradient`` run on this rank's slices of the global batch, and the mean of all ``slices`` slices' results.
 
@@ -128,7 +136,9 @@ def sliced(
     a sharded state's layout, whose parameters' gradients this rank keeps its
     chunks of (the others' values every rank has whole). ``summed``: the
     gradient stage gives those chunks summed over the ranks already, each
-    slice's (``slice_tree`` over the ranks, block by block).
+    slice's (``slice_tree`` over the ranks, block by block). ``low_bits``: the
+    slices are added in ``slice_tree``'s order (a ``"full"`` state in blocks'),
+    else in ``tree_sum``'s, where a rank adds its own slices first.
     """
     world = 1 if group is None else torch.distributed.get_world_size(group)
     rank = 0 if group is None else torch.distributed.get_rank(group)
@@ -140,7 +150,7 @@ def sliced(
         for j, part in enumerate(micro_batches(batch, per)):
             with _drawing(rank * per + j, _device(params)):
                 found.append(gradient(params, {k: v.clone() for k, v in buffers.items()}, part, scale))
-        return _mean(found, slices, group, shards, summed)
+        return _mean(found, slices, group, shards, summed, low_bits)
 
     return sliced_gradient
 
@@ -172,7 +182,9 @@ def _drawing(g: int, device: torch.device) -> Iterator[None]:
         yield
 
 
-def _mean(found: list[Grads], slices: int, group: Any, shards: Shards | None, summed: bool) -> Grads:
+def _mean(
+    found: list[Grads], slices: int, group: Any, shards: Shards | None, summed: bool, low_bits: bool
+) -> Grads:
     """The mean over the ``slices`` slices of the values ``found`` (this rank's slices), the same at any world size.
 
     A sharded parameter's gradient is this rank's chunk of the mean (its rows,
@@ -215,7 +227,7 @@ def _mean(found: list[Grads], slices: int, group: Any, shards: Shards | None, su
         blocks = [
             _blocks([value(f, k) for k in chunked], rows, [value(f, k) for k in whole], world) for f in found
         ]
-        mine = _exchanged_sum(blocks, slices, group) / slices
+        mine = _exchanged_sum(blocks, slices, group, low_bits) / slices
         widths = [n * value(first, k)[0].numel() for k, n in zip(chunked, rows)]
         *parts, rest = mine.split([*widths, mine.numel() - sum(widths)])
         for key, part, n in zip(chunked, parts, rows):
@@ -252,16 +264,21 @@ def _padded(value: torch.Tensor, rows: int) -> torch.Tensor:
     return value if not missing else torch.cat([value, value.new_zeros((missing, *value.shape[1:]))])
 
 
-def _exchanged_sum(blocks: list[torch.Tensor], slices: int, group: Any) -> torch.Tensor:
+def _exchanged_sum(blocks: list[torch.Tensor], slices: int, group: Any, low_bits: bool) -> torch.Tensor:
     """This rank's block of the tree sum over all ``slices`` slices, given this rank's slices' ``[W, n]`` blocks."""
+    tree = slice_tree if low_bits else tree_sum
     if group is None:
-        return slice_tree([b[0] for b in blocks])
+        return tree([b[0] for b in blocks])
     world = torch.distributed.get_world_size(group)
+    if not low_bits and len(blocks) > 1 and power_of_two(slices) and power_of_two(world):
+        # This rank's slices are one subtree of tree_sum (both counts powers of two): its sum here is
+        # the tree's own, and the ranks exchange one row each, the bytes of an all-reduce.
+        blocks = [tree_sum(blocks)]
     # [S, W, n] -> [W, S, n]: rank k gets block k of each of this rank's slices.
     sent = torch.stack(blocks).transpose(0, 1).contiguous()
     got = _done(funcol().all_to_all_single(sent.view(-1), None, None, group))
-    # From rank k, its slices k*S .. k*S+S-1: every slice's row, in slice order.
-    return slice_tree(list(got.view(world * len(blocks), -1).unbind(0)))
+    # From rank k, its slices k*S .. k*S+S-1 (or their sum): the tree's rows, in slice order.
+    return tree(list(got.view(world * len(blocks), -1).unbind(0)))
 
 
 def ranks_tree(grad: torch.Tensor, group: Any) -> torch.Tensor:

@@ -101,7 +101,7 @@ def transformed(kernel: Kernel, layout: Layout, group: Any) -> Update:
     if shards is not None:
         groups = groups_of(shards, group)
         blockwise = shards.params and groups is not None and bool(kernel.units)
-        if kernel.slices is not None and blockwise and power_of_two(kernel.slices):
+        if kernel.slices is not None and blockwise and in_blocks(kernel, shards):
             assert groups is not None
             gradient = blockwise_sliced(kernel, kernel.units, shards, groups)
         elif kernel.slices is not None:  # sliced: its gradients this rank's chunks already
@@ -129,8 +129,18 @@ def _gradient(kernel: Kernel, group: Any, shards: Shards | None = None) -> Gradi
     """
     gradient = value_and_grad(kernel.forward, kernel.fixed, hold=kernel.holding)
     if kernel.slices is not None:
-        return sliced(gradient, kernel.slices, group, shards)
+        return sliced(gradient, kernel.slices, group, shards, low_bits=in_blocks(kernel, shards))
     return accumulated(gradient, kernel.accumulate)
+
+
+def in_blocks(kernel: Kernel, shards: Shards | None) -> bool:
+    """Whether a world-size-invariant step adds its slices block by block, in ``slice_tree``'s order.
+
+    A ``"full"`` state of a model with blocks, ``G`` a power of two: at any
+    world size, in one process too, so that its runs are one run.
+    """
+    assert kernel.slices is not None
+    return shards is not None and shards.params and bool(kernel.units) and power_of_two(kernel.slices)
 
 
 def _given_total(update: UpdateStage, total: RowSquares) -> UpdateStage:
