@@ -101,7 +101,7 @@ def tree_sum(rows: list[torch.Tensor]) -> torch.Tensor:
 
 
 def slice_tree(rows: list[torch.Tensor]) -> torch.Tensor:
-    """The sum of the slices' ``rows`` (in slice order) in the mode's one fixed tree.
+    """The sum of the slices' ``rows`` (in slice order) in the tree of a ``"full"`` state in blocks.
 
     Where their count is a power of two, the tree pairs the slices by their
     low bits first: it is ``tree_sum`` of the rows in bit-reversed order. At
