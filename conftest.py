@@ -82,7 +82,9 @@ def pytest_xdist_node_collection_finished(node, ids):
 
 NATIVE_CRASHES = Path(_CACHE) / "native-crashes.log"
 """Where a launch that a rank's native crash made run again writes the crash's report
-(``tests/test_sharding.py``'s ``launched``); the suite's summary counts those of this run."""
+(``tests/launches.py``); the suite's summary counts those of this run. The previous run's is kept
+beside it as ``native-crashes.earlier.log`` (a later pytest run, as the device check's, would
+otherwise lose the suite's)."""
 
 BUDGET = 60.0
 """Seconds a test may take, setup included, on a cold run (empty caches) of an ordinary day on a 2-core
@@ -119,8 +121,9 @@ _TIMES: dict[str, float] = {}
 
 def pytest_configure(config):
     config.stash[_STARTED] = time.time()
-    if getattr(config, "workerinput", None) is None:  # the run's own process, before any worker starts
-        NATIVE_CRASHES.unlink(missing_ok=True)
+    # The run's own process, before any worker starts.
+    if getattr(config, "workerinput", None) is None and NATIVE_CRASHES.exists():
+        NATIVE_CRASHES.replace(NATIVE_CRASHES.with_name("native-crashes.earlier.log"))
     sys.addaudithook(_launched)
 
 
