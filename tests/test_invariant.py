@@ -223,38 +223,21 @@ def test_what_the_mode_cannot_run_is_refused_with_the_fix() -> None:
     log_world=st.integers(0, 4),
     scales=st.lists(st.integers(-6, 6), min_size=16, max_size=16),
 )
-def test_each_slice_summed_over_the_ranks_first_is_the_slices_tree_where_counts_are_powers_of_two(
+def test_each_tree_splits_where_its_exchange_needs_where_counts_are_powers_of_two(
     log_slices: int, log_world: int, scales: list[int]
 ) -> None:
-    # What lets the block-by-block step add each slice's gradients over the ranks in its backward
-    # (blocks.py, ranks_tree): the fixed tree over G rows is, bit for bit, the tree over each
-    # rank's j-th slices of the trees over the ranks.
     assume(log_world <= log_slices)
     slices, world = 2**log_slices, 2**log_world
     per = slices // world
     g = torch.Generator().manual_seed(sum(scales) + 7 * slices + world)
     rows = [torch.randn(33, generator=g) * 10.0 ** scales[i] for i in range(slices)]
-    by_slice = [slice_tree([rows[r * per + j] for r in range(world)]) for j in range(per)]
-    assert torch.equal(slice_tree(rows), slice_tree(by_slice))
-
-
-@given(
-    log_slices=st.integers(0, 4),
-    log_world=st.integers(0, 4),
-    scales=st.lists(st.integers(-6, 6), min_size=16, max_size=16),
-)
-def test_a_ranks_slices_are_one_subtree_where_both_counts_are_powers_of_two(
-    log_slices: int, log_world: int, scales: list[int]
-) -> None:
-    # What lets a rank add its own slices before the exchange (invariant.py, tree_sum): the fixed
-    # tree over G rows is, bit for bit, the tree over the W ranks' subtree sums.
-    assume(log_world <= log_slices)
-    slices, world = 2**log_slices, 2**log_world
-    per = slices // world
-    g = torch.Generator().manual_seed(sum(scales) + 7 * slices + world)
-    rows = [torch.randn(33, generator=g) * 10.0 ** scales[i] for i in range(slices)]
+    # tree_sum: a rank's own slices are one subtree, so it adds them before the exchange (invariant.py).
     whole = tree_sum(rows)
     assert torch.equal(whole, tree_sum([tree_sum(rows[r * per : (r + 1) * per]) for r in range(world)]))
+    # slice_tree: each rank's j-th slices are one subtree, so the block-by-block step adds each slice
+    # over the ranks in its backward (blocks.py, ranks_tree).
+    by_slice = [slice_tree([rows[r * per + j] for r in range(world)]) for j in range(per)]
+    assert torch.equal(slice_tree(rows), slice_tree(by_slice))
 
 
 def test_the_slices_tree_pairs_low_bits_first_and_is_the_plain_tree_otherwise() -> None:
