@@ -1,6 +1,6 @@
 """fnloop: a training loop for PyTorch in which the whole run is a value."""
 
-from fnloop import checkpoint, data, distributed, hooks, optim, replay, writers
+from fnloop import checkpoint, config, data, distributed, hooks, optim, replay, writers
 from fnloop._core.checked import checked
 from fnloop._core.combinators import (
     Hook,
@@ -69,6 +69,7 @@ __all__ = [
     "chain",
     "checkpoint",
     "checked",
+    "config",
     "data",
     "distributed",
     "eval_step",

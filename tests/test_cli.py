@@ -313,7 +313,7 @@ def test_diff_names_each_difference_and_exits_1(saved, tmp_path, capsys):
     assert "state.hooks['new'] only in B: 1" in lines
     assert "state.extra['more'] only in B: (1, 2)" in lines
     assert len(lines) == 2 + 6 + 1
-    assert lines[-1] == "different: 3 of 40 leaves differ, max abs diff 0.5; 1 entry only in A, 2 only in B"
+    assert lines[-1] == "different: 3 of 41 leaves differ, max abs diff 0.5; 1 entry only in A, 2 only in B"
 
 
 def test_diff_tolerance_and_ignored_entries(tmp_path, capsys):
@@ -328,7 +328,7 @@ def test_diff_tolerance_and_ignored_entries(tmp_path, capsys):
     assert "state.metrics.series['time'][0][1] 1.0 != 2.0" in squeezed(out)
     code, out, _ = run_cli(capsys, "diff", pa, pb, "--atol", "1e-6", "--clock", "--ignore", "metrics")
     assert code == 0
-    assert out.splitlines()[-1] == "identical: 10 leaves, within atol 1e-06 (1 within atol 1e-06)"
+    assert out.splitlines()[-1] == "identical: 11 leaves, within atol 1e-06 (1 within atol 1e-06)"
     code, out, _ = run_cli(capsys, "diff", pa, pb, "--atol", "1e-8", "--clock", "--ignore", "state.metrics")
     assert code == 1
     assert "max abs diff 1e-07" in out
@@ -377,7 +377,7 @@ def test_diff_reports_a_long_series_in_one_line_and_keeps_integer_tensors_exact(
     lines = squeezed(out)
     assert "state.metrics.series['loss'] 5 of 10 leaves differ, max abs diff 0.05" in lines
     assert (
-        lines[-1] == "different: 6 of 21 leaves differ, max abs diff 0.05; 0 entries only in A, 0 only in B"
+        lines[-1] == "different: 6 of 22 leaves differ, max abs diff 0.05; 0 entries only in A, 0 only in B"
     )
 
 

@@ -9,6 +9,7 @@ from typing import Any, NamedTuple
 import attrs
 import torch
 
+from fnloop._core.config import plain
 from fnloop._core.messages import got, non_negative_int
 from fnloop._core.metrics import Metrics, Scalar
 from fnloop._core.population import Population
@@ -231,6 +232,12 @@ class TrainState:
         metrics: scalars recorded so far (``fnloop.Metrics``).
         hooks: hook name -> that hook's own state.
         extra: the user's own data (a frozen record or pytree).
+        config: the run's configuration: the settings it was started with, as
+            plain data (a dict of str, numbers, bools, ``None``, tuples and
+            dicts). Given an attrs record, a dataclass or a mapping, it keeps
+            that as such a dict (``fnloop.init(..., config=...)``; see
+            ``docs/config.md``). Saved in every checkpoint, shown by ``fnloop
+            inspect``; ``fnloop.checkpoint.resume`` names what changed.
         shards: how the state is split across ranks (a ``Shards``), or ``None``
             for a whole state. ``fnloop.init(..., shard=...)`` sets it; a
             checkpoint records it in its index, not in the state's entries.
@@ -261,6 +268,7 @@ class TrainState:
     metrics: Metrics = attrs.field(factory=Metrics, validator=_metrics)
     hooks: Mapping[str, Any] = attrs.field(factory=dict, validator=_str_mapping)
     extra: Any = None
+    config: Mapping[str, Any] | None = attrs.field(default=None, converter=plain)
     shards: Shards | None = attrs.field(default=None, validator=_shards)
     population: Population | None = attrs.field(default=None, validator=_population)
     clock: Clock = attrs.field(default=_STOPPED, validator=_clock)

@@ -11,6 +11,7 @@ from typing import Any
 import attrs
 import torch
 
+from fnloop._core.config import plain
 from fnloop._core.messages import got
 from fnloop._core.shards import MODES, Shards
 from fnloop._core.state import TrainState
@@ -53,6 +54,7 @@ def init(
     seed: int,
     max_iter: int,
     extra: Any = None,
+    config: Any = None,
     shard: str | None = None,
     replicate: int = 1,
     init_weights: InitWeights | None = None,
@@ -73,6 +75,10 @@ def init(
             of ``(seed, iteration)``.
         max_iter: how many steps the run takes.
         extra: your own data, kept in ``state.extra``.
+        config: the run's configuration (an attrs record such as
+            ``fnloop.config.parse`` gives, a dataclass or a mapping), kept in
+            ``state.config`` as plain data: saved in every checkpoint, shown by
+            ``fnloop inspect``, and compared by ``resume`` (see ``docs/config.md``).
         shard: split the state across the data-parallel ranks (``torchrun``):
             ``"full"`` shards parameters, gradients and optimizer state (as
             FSDP2's ``fully_shard``); ``"optimizer"`` shards gradients and
@@ -113,6 +119,7 @@ def init(
         )
     if type(seed) is not int or seed < 0:
         raise ValueError(f"'seed' must be a non-negative int ({got(seed)}).")
+    config = plain(config, "init(config=...)")  # refused before any tensor is made
     fixed = frozen(model, "init")
     if init_weights is not None and not callable(init_weights):
         raise TypeError(f"init(init_weights=...) must be a function of a module ({got(init_weights)}).")
@@ -137,6 +144,7 @@ def init(
         opt_state=optimizer.init({k: v for k, v in trained.items() if k not in fixed}),
         rng=seed,
         extra=extra,
+        config=config,
         shards=shards,
     )
 

@@ -6,6 +6,7 @@ import warnings
 
 import attrs
 
+from fnloop._core.config import changes
 from fnloop._core.population import Population
 from fnloop._core.state import TrainState
 from fnloop.checkpoint._codec import CheckpointMismatch
@@ -17,8 +18,8 @@ __all__ = ["RunChanged", "resume"]
 class RunChanged(UserWarning):
     """``resume`` continues a run whose template changed a setting; the message names both values.
 
-    The template's ``max_iter`` wins; a population's hyperparameters stay the
-    checkpoint's (they are part of its state).
+    The template's ``max_iter`` and configuration win; a population's
+    hyperparameters stay the checkpoint's (they are part of its state).
     """
 
 
@@ -36,7 +37,11 @@ def resume(directory: StrPath, *, like: TrainState) -> TrainState:
     error. So is, for a population, a template whose members are seeded
     otherwise; one whose members were built with other hyperparameters (their
     labels differ) resumes with the checkpoint's, which its state holds, and a
-    ``RunChanged`` warning naming both.
+    ``RunChanged`` warning naming both. A template whose configuration
+    (``state.config``) differs from the saved one's continues with the
+    template's, with a ``RunChanged`` warning naming each setting that changed,
+    its saved and its new value (a checkpoint saved without one takes the
+    template's silently).
 
     Args:
         directory: the run's checkpoint directory (missing or empty: a fresh start).
@@ -81,6 +86,8 @@ def resume(directory: StrPath, *, like: TrainState) -> TrainState:
         )
     if saved.population is not None and like.population is not None:
         _warn_hyperparameters(saved.population, like.population, where)
+    if saved.config != like.config:
+        saved = _new_config(saved, like, where)
     if saved.max_iter == like.max_iter:
         return saved
     if saved.iteration > like.max_iter:
@@ -97,6 +104,23 @@ def resume(directory: StrPath, *, like: TrainState) -> TrainState:
         stacklevel=2,
     )
     return attrs.evolve(saved, max_iter=like.max_iter)
+
+
+def _new_config(saved: TrainState, like: TrainState, where: str) -> TrainState:
+    """``saved`` with the template's configuration; a warning naming what changed, if it had one."""
+    changed = changes(saved.config, like.config)
+    if saved.config is not None and changed:
+        listed = "; ".join(changed[:10]) + (f"; and {len(changed) - 10} more" if len(changed) > 10 else "")
+        warnings.warn(
+            f"{where} started with another configuration; it continues with the template's. Changed "
+            f"(saved -> now): {listed}. What the code builds from them (the schedule, the step) follows the "
+            "new settings; the tensors, optimizer state and data cursor are the checkpoint's. To keep the "
+            "run as it was, start it with the saved settings; to train with the new ones from scratch, "
+            "give the run another directory.",
+            RunChanged,
+            stacklevel=3,
+        )
+    return attrs.evolve(saved, config=like.config)
 
 
 def _check_members(saved: Population, like: Population, where: str) -> None:

@@ -30,7 +30,7 @@ and ``shards``, which a sharded checkpoint's index holds (``fnloop.checkpoint._s
 _DROPPED = ("time",)
 """Entries files of earlier versions hold and this one reads past: the clock's ``time`` was saved then."""
 
-_ADDED = {"population": None}
+_ADDED = {"population": None, "config": None}
 """Entries files of earlier versions lack, and the value they stand for there."""
 
 
@@ -78,6 +78,8 @@ def fill_state(raw: Any, like: TrainState, where: str, shards: Shards | None = N
             values[name] = _hooks(raw[name], like.hooks, at, shards)
         elif name == "data" and type(like.data) is int:
             values[name] = _cursor(raw[name], at)
+        elif name == "config" and name in raw:  # as saved: resume compares it with the template's
+            values[name] = as_plain(raw[name], at, "a run's configuration is read without a template")
         elif name not in raw:  # an entry files of earlier versions lack
             values[name] = fill(_ADDED[name], getattr(like, name), at)
         else:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from fnloop._core.config import flat
 from fnloop.checkpoint import Record
 from fnloop.checkpoint._raw import (
     Row,
@@ -167,8 +168,13 @@ def _inspect_text(path: Path, metadata: dict[str, str], tree: Record) -> list[st
         head.insert(2, ("population", f"{len(labels)} members, {done} stopped: {'; '.join(labels)}"))
     head += [(name, short(tree[name])) for name in _HEAD_FIELDS if name in tree]
     lines = table(head, indent="")
+    config = tree.get("config")
+    if isinstance(config, dict):  # the run's settings, dotted, first: what a reader looks for
+        settings = flat(config)
+        lines += ["", f"config: {many(len(settings), 'setting')}"]
+        lines += table([(key, short(value)) for key, value in settings.items()])
     for name, value in tree.items():
-        if name in ("iteration", "max_iter", "population", *_HEAD_FIELDS):
+        if name in ("iteration", "max_iter", "population", *_HEAD_FIELDS) or (name == "config" and (config is None or isinstance(config, dict))):
             continue
         lines.append("")
         if name == "metrics" and (found := _metric_rows(value)) is not None:
