@@ -12,7 +12,9 @@ Each rank writes, before it joins the group, what its launcher told it
 (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``GROUP_RANK``, the restart count,
 its agent's PID) into ``SEEN/<ns>-<pid>.json``, one file per process started,
 so that the test knows every worker it has to end. When the run ends it saves
-what the test compares into ``RESULTS/rank{r}.pt``, with every path under
+what the test compares into ``RESULTS/rank{r}.pt`` (and the same into
+``RESULTS/rank{r}-from{i}.pt``, ``i`` the iteration it resumed at, which a
+later round of the job does not overwrite), with every path under
 ``OUT`` that this process created, wrote, renamed or removed (recorded by an
 audit hook): outside ``OUT``, so that the test can check that only rank 0
 wrote there.
@@ -133,20 +135,19 @@ def main() -> None:
     final = fl.run(state, step, stream, hooks)
     results = Path(args.results)
     results.mkdir(parents=True, exist_ok=True)
-    torch.save(
-        {
-            "params": final.params,
-            "iteration": final.iteration,
-            "started": started,
-            "loss": [float(v) for _, v in final.metrics.history("loss")],
-            "told": told,
-            "agent": os.getppid(),
-            "rank": fl.distributed.rank(),
-            "world_size": fl.distributed.world_size(),
-            "wrote": sorted(set(wrote)),
-        },
-        results / f"rank{fl.distributed.rank()}.pt",
-    )
+    result = {
+        "params": final.params,
+        "iteration": final.iteration,
+        "started": started,
+        "loss": [float(v) for _, v in final.metrics.history("loss")],
+        "told": told,
+        "agent": os.getppid(),
+        "rank": fl.distributed.rank(),
+        "world_size": fl.distributed.world_size(),
+        "wrote": sorted(set(wrote)),
+    }
+    torch.save(result, results / f"rank{fl.distributed.rank()}.pt")
+    torch.save(result, results / f"rank{fl.distributed.rank()}-from{started}.pt")
     leave(fl.distributed.rank())
 
 
