@@ -1,4 +1,4 @@
-"""Writers: where ``fnloop.hooks.log`` sends the metrics (the console, JSON lines, CSV, TensorBoard, MLflow).
+"""Writers: where ``fnloop.hooks.log`` sends the metrics (console, JSON lines, CSV, TensorBoard, MLflow, W&B).
 
 A writer is a small picklable record with three methods, all called at the
 edge (inside effects the fold performs), never inside a hook:
@@ -6,7 +6,7 @@ edge (inside effects the fold performs), never inside a hook:
 * ``start(iteration)`` when a run begins at ``iteration``: drop whatever the
   writer holds for iterations ``>= iteration``, so that a resumed run's log
   reads as one run (the JSON lines file is cut back; TensorBoard gets
-  ``purge_step``);
+  ``purge_step``; W&B rewinds the run, ``resume_from``);
 * ``write(line)`` with a ``Line``: the metrics recorded since the previous write;
 * ``close()`` when the run ends.
 
@@ -21,5 +21,6 @@ from fnloop.writers._files import Csv, Jsonl, csv, jsonl  # noqa: F401
 from fnloop.writers._line import LOGGER, Line, Writer, claim, release, since  # noqa: F401
 from fnloop.writers._mlflow import Mlflow, mlflow  # noqa: F401
 from fnloop.writers._tensorboard import Tensorboard, tensorboard  # noqa: F401
+from fnloop.writers._wandb import Wandb, wandb  # noqa: F401
 
-__all__ = ["Line", "Writer", "console", "csv", "jsonl", "mlflow", "tensorboard"]
+__all__ = ["Line", "Writer", "console", "csv", "jsonl", "mlflow", "tensorboard", "wandb"]
