@@ -41,9 +41,7 @@ __all__ = ["as_dict", "changes", "parse", "parser"]
 
 T = TypeVar("T")
 
-MISSING = (
-    'fnloop.config needs jsonargparse, the parser behind LightningCLI. Install it with: pip install "fnloop[config]"'
-)
+MISSING = 'fnloop.config needs jsonargparse, the parser behind LightningCLI. Install it with: pip install "fnloop[config]"'
 
 _TOML = (".toml",)
 
@@ -103,6 +101,42 @@ def _mode(args: Sequence[str]) -> str:
     return "toml" if toml == {True} else "yaml"
 
 
+def _booleans(cls: type, prefix: str = "") -> set[str]:
+    """The dotted names of ``cls``'s bool fields, nested records' included."""
+    found: set[str] = set()
+    for field in attrs.fields(attrs.resolve_types(cls)):
+        if field.type is bool:
+            found.add(prefix + field.name)
+        elif isinstance(field.type, type) and attrs.has(field.type):
+            found |= _booleans(field.type, f"{prefix}{field.name}.")
+    return found
+
+
+def _as_typed(cls: type, argv: list[str]) -> list[str]:
+    """``argv`` with flags written as argparse users write them, as jsonargparse reads them.
+
+    ``--max-iter`` is ``--max_iter``; a bool setting alone (``--eager``) is
+    ``--eager=true``, and ``--no-eager`` is ``--eager=false``. Values are left as they are.
+    """
+    booleans = _booleans(cls)
+    out = []
+    for i, arg in enumerate(argv):
+        if not arg.startswith("--") or arg == "--":
+            out.append(arg)
+            continue
+        name, eq, value = arg[2:].partition("=")
+        name = name.replace("-", "_")
+        bare = not eq and (i + 1 == len(argv) or argv[i + 1].startswith("--"))
+        if bare and name in booleans:
+            arg = f"--{name}=true"
+        elif bare and name.startswith("no_") and name[3:] in booleans:
+            arg = f"--{name[3:]}=false"
+        else:
+            arg = f"--{name}{eq}{value}"
+        out.append(arg)
+    return out
+
+
 def parse(
     cls: type[T],
     args: Sequence[str] | None = None,
@@ -115,7 +149,9 @@ def parse(
     Defaults come from ``cls``; each ``--config FILE`` sets what it names,
     in order (TOML for ``.toml``; YAML, of which JSON is a part, otherwise);
     each ``--key=value`` (or ``--key value``) flag then sets one field, a
-    nested record's as ``--section.key=value``. Values are checked against
+    nested record's as ``--section.key=value``. As with argparse, a dash is an
+    underscore (``--max-iter`` sets ``max_iter``), and a bool setting may be
+    given alone (``--eager``; ``--no-eager`` for false). Values are checked against
     the fields' types, and the record is built through its own ``__init__``
     (its validators run). ``--help`` lists the settings with their types,
     defaults and docstrings; ``--print_config`` prints them as parsed, as a
@@ -138,12 +174,13 @@ def parse(
         Settings(steps=500, lr=0.3)
     """
     _record_class(cls, "fnloop.config.parse()")
-    argv = list(sys.argv[1:] if args is None else args)
+    argv = _as_typed(cls, list(sys.argv[1:] if args is None else args))
     if prog is None and args is None:
         prog = os.path.basename(sys.argv[0]) or None
     made = parser(cls, prog=prog, description=description, mode=_mode(argv))
     found = made.instantiate(made.parse_args(argv))
-    return cls(**{f.alias: found[f.name] for f in attrs.fields(cls) if f.init})  # type: ignore[call-arg]
+    fields = attrs.fields(cls)  # type: ignore[arg-type]
+    return cls(**{f.alias: found[f.name] for f in fields if f.init})
 
 
 def as_dict(config: object) -> dict[str, Any]:
@@ -161,4 +198,3 @@ def as_dict(config: object) -> dict[str, Any]:
     if found is None:
         raise TypeError("as_dict() expected the run's settings, got None.")
     return found
-

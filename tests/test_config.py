@@ -107,7 +107,9 @@ def test_toml_and_yaml_files_together_and_a_class_not_a_record_are_refused(tmp_p
     (tmp_path / "a.toml").write_text("steps = 1\n")
     (tmp_path / "b.yaml").write_text("steps: 2\n")
     with pytest.raises(ValueError, match="TOML and other files"):
-        fl.config.parse(Settings, ["--config", str(tmp_path / "a.toml"), "--config", str(tmp_path / "b.yaml")])
+        fl.config.parse(
+            Settings, ["--config", str(tmp_path / "a.toml"), "--config", str(tmp_path / "b.yaml")]
+        )
 
     @dataclasses.dataclass
     class NotAttrs:
@@ -191,13 +193,18 @@ def test_save_then_load_gives_the_configuration_back(tmp_path_factory, config):
 
 def _state(settings: Settings) -> fl.TrainState:
     torch.manual_seed(0)
-    return fl.init(torch.nn.Linear(2, 1), fl.optim.sgd(settings.optim.lr), seed=0, max_iter=8, config=settings)
+    return fl.init(
+        torch.nn.Linear(2, 1), fl.optim.sgd(settings.optim.lr), seed=0, max_iter=8, config=settings
+    )
 
 
 @pytest.fixture
 def two_checkpoints(tmp_path):
     a = save(attrs.evolve(_state(Settings()), iteration=4), path_for(tmp_path / "a", 4))
-    b = save(attrs.evolve(_state(Settings(optim=Optim(lr=0.3), bar=False)), iteration=4), path_for(tmp_path / "b", 4))
+    b = save(
+        attrs.evolve(_state(Settings(optim=Optim(lr=0.3), bar=False)), iteration=4),
+        path_for(tmp_path / "b", 4),
+    )
     return a, b
 
 
@@ -240,3 +247,24 @@ def test_a_checkpoint_saved_without_settings_takes_the_templates_silently(tmp_pa
         warnings.simplefilter("error")
         resumed = resume(tmp_path, like=_state(Settings()))
     assert resumed.iteration == 4 and resumed.config == fl.config.as_dict(Settings())
+
+
+def test_flags_as_argparse_users_write_them():
+    assert fl.config.parse(Settings, ["--no-bar", "--optim.lr", "0.5"]) == Settings(
+        bar=False, optim=Optim(lr=0.5)
+    )
+    assert fl.config.parse(Settings, ["--bar", "--steps", "2"]) == Settings(bar=True, steps=2)
+    assert fl.config.parse(Settings, ["--bar=false"]).bar is False
+
+
+@pytest.mark.parametrize("example", ["digits", "lm"])
+def test_the_examples_help_lists_their_settings(example, capsys):
+    module = __import__(f"fnloop.examples.{example}", fromlist=["main"])
+    with pytest.raises(SystemExit) as exit_:
+        module.main(["--help"])
+    assert exit_.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"usage: python -m fnloop.examples.{example} [--config CONFIG]" in out
+    for field in attrs.fields(module.Settings):
+        assert f"--{field.name}" in out, field.name
+    assert "Seeds the weights, data order and dropout. (type: int, default: 0)" in out

@@ -67,7 +67,8 @@ def _node(value: object, where: str) -> Any:
     if isinstance(value, os.PathLike):
         return os.fspath(value)
     if attrs.has(type(value)):
-        return {f.name: _node(getattr(value, f.name), f"{where}.{f.name}") for f in attrs.fields(type(value))}
+        fields = attrs.fields(type(value))  # type: ignore[arg-type]
+        return {f.name: _node(getattr(value, f.name), f"{where}.{f.name}") for f in fields}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _node(getattr(value, f.name), f"{where}.{f.name}") for f in dataclasses.fields(value)}
     if isinstance(value, Mapping):

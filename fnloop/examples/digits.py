@@ -1,6 +1,8 @@
 """Train a small MLP on scikit-learn's handwritten digits: fnloop's main job.
 
-Run it with ``python -m fnloop.examples.digits``. It shows a progress bar on a
+Run it with ``python -m fnloop.examples.digits`` (``--help`` lists its
+settings, which ``--config FILE``, TOML or YAML, and ``--key=value`` flags
+set). It shows a progress bar on a
 terminal, logs to the console, to ``runs/digits/metrics.jsonl`` and to
 TensorBoard (``runs/digits/tb``), evaluates on a validation split, keeps the
 best state in ``runs/digits/best`` and checkpoints into ``runs/digits/ckpt``;
@@ -11,13 +13,13 @@ Walkthrough: ``docs/example.md``.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -37,6 +39,26 @@ N_TRAIN = 1_300
 N_VAL = 200
 
 Split = tuple[torch.Tensor, torch.Tensor]
+
+
+@attrs.frozen
+class Settings:
+    """Train a small MLP on scikit-learn's handwritten digits (fnloop's main job)."""
+
+    out: str = "runs/digits"
+    """The run's directory; the same one resumes."""
+    max_iter: int = MAX_ITER
+    """Training steps; the learning rate schedule spans them."""
+    seed: int = 0
+    """Seeds the weights, data order and dropout."""
+    checkpoint_every: int = CHECKPOINT_EVERY
+    """Save every this many steps (and when the run ends)."""
+    eval_every: int = EVAL_EVERY
+    """Evaluate on the validation split every this many steps (and when the run ends)."""
+    eager: bool = False
+    """Do not compile the step (debugging)."""
+    quiet: bool = False
+    """No console lines or progress bar (the files are still written)."""
 
 
 @functools.cache
@@ -116,7 +138,12 @@ def job(
         torch.manual_seed(seed)
         model = mlp()
     optimizer = fl.optim.adamw(fl.optim.warmup(fl.optim.cosine(LR, max_iter), WARMUP))
-    state = fl.init(model, optimizer, seed=seed, max_iter=max_iter)
+    # The settings go into every checkpoint: fnloop inspect shows them, resume names what changed.
+    # Where the run writes and whether it prints are no part of it: the same run in two directories
+    # is the same state (a resume check compares such runs).
+    settings = attrs.asdict(Settings(out, max_iter, seed, checkpoint_every, eval_every, not compile, quiet))
+    settings = {k: v for k, v in settings.items() if k not in ("out", "quiet")}
+    state = fl.init(model, optimizer, seed=seed, max_iter=max_iter, config=settings)
     step = fl.train_step(model, loss_fn, optimizer, compile=compile)
     # Endless and resumable: its position is state.data, saved with every checkpoint.
     batches = fl.data.batches((x, y), batch_size=BATCH_SIZE, seed=seed)
@@ -151,20 +178,8 @@ def evaluate(state: fl.TrainState) -> float:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Train (or resume), then print ``test accuracy: 0.xxxx``."""
-    parser = argparse.ArgumentParser(
-        prog="python -m fnloop.examples.digits",
-        description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    parser.add_argument("--out", default="runs/digits", help="run directory; the same one resumes")
-    parser.add_argument("--max-iter", type=int, default=MAX_ITER, metavar="N", help="training steps")
-    parser.add_argument("--seed", type=int, default=0, help="seeds the weights, data order and dropout")
-    parser.add_argument("--checkpoint-every", type=int, default=CHECKPOINT_EVERY, metavar="N", help="steps")
-    parser.add_argument("--eval-every", type=int, default=EVAL_EVERY, metavar="N", help="steps")
-    parser.add_argument("--eager", action="store_true", help="do not compile the step (debugging)")
-    parser.add_argument("--quiet", action="store_true", help="no console lines or progress bar")
-    args = parser.parse_args(argv)
-
+    # --config FILE (TOML or YAML) and --key=value flags; --help lists the settings (docs/config.md).
+    args = fl.config.parse(Settings, argv, prog="python -m fnloop.examples.digits")
     template, step, batches, hooks = job(
         args.out,
         args.seed,

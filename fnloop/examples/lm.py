@@ -1,7 +1,8 @@
 """Train a small GPT-2 on Python's own standard library, byte by byte: fnloop on a Hugging Face model.
 
 Run it with ``python -m fnloop.examples.lm`` (``pip install fnloop[examples]``:
-it needs ``transformers``). The model is ``transformers``' GPT-2 built from a
+it needs ``transformers``); ``--help`` lists its settings, which ``--config
+FILE`` (TOML or YAML) and ``--key=value`` flags set. The model is ``transformers``' GPT-2 built from a
 config (2 layers, 128 wide, 4 heads, 128 positions), randomly initialised, at
 the library's defaults (dropout 0.1 in the embeddings, attention and residuals),
 trained on the raw bytes (a vocabulary of 256) of the ``.py`` files that ship
@@ -15,7 +16,6 @@ Walkthrough: ``docs/huggingface.md``.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import math
 import sys
@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 import fnloop as fl
@@ -39,6 +40,28 @@ CHECKPOINT_EVERY = 100
 CORPUS_BYTES = 1_500_000
 VAL_SEQUENCES = 64
 PROMPT = "def main():\n"
+
+
+@attrs.frozen
+class Settings:
+    """Train a small GPT-2 on Python's own standard library, byte by byte."""
+
+    out: str = "runs/lm"
+    """The run's directory; the same one resumes."""
+    max_iter: int = MAX_ITER
+    """Training steps; the learning rate schedule spans them."""
+    seed: int = 0
+    """Seeds the weights, data order and dropout."""
+    checkpoint_every: int = CHECKPOINT_EVERY
+    """Save every this many steps (and when the run ends)."""
+    eval_every: int = EVAL_EVERY
+    """Evaluate on the held-out sequences every this many steps (and at the end)."""
+    sample: int = 200
+    """Bytes to generate at the end."""
+    eager: bool = False
+    """Do not compile the step (debugging)."""
+    quiet: bool = False
+    """No console lines or progress bar (the log file is still written)."""
 
 
 @functools.cache
@@ -74,7 +97,11 @@ def gpt2() -> Any:
     config = GPT2Config(
         vocab_size=256, n_positions=CONTEXT, n_embd=128, n_layer=2, n_head=4, bos_token_id=10, eos_token_id=10
     )
-    return GPT2LMHeadModel(config)
+    model = GPT2LMHeadModel(config)
+    # The class's name names no loss of transformers' table, which then warns at the first forward
+    # (`loss_type=None` ... unrecognized) and uses the causal LM loss: name that one.
+    model.loss_type = "ForCausalLM"
+    return model
 
 
 def loss_fn(forward: Any, batch: tuple[torch.Tensor]) -> torch.Tensor:
@@ -96,6 +123,7 @@ def job(
     *,
     checkpoint_every: int = CHECKPOINT_EVERY,
     eval_every: int = EVAL_EVERY,
+    sample: int = 200,
     compile: bool = True,
     quiet: bool = False,
 ) -> tuple[fl.TrainState, fl.Step, fl.data.Batches, list[fl.Hook | None], Any]:
@@ -107,8 +135,9 @@ def job(
         max_iter: how many steps; the learning rate schedule spans them.
         checkpoint_every: save every this many steps (and when the run ends).
         eval_every: evaluate on the held-out sequences every this many steps (and at the end).
+        sample: how many bytes ``main`` generates at the end (kept with the settings).
         compile: compile the step (``False`` runs it eagerly).
-        quiet: no console lines (the log file is still written).
+        quiet: no console lines and no progress bar (the log file is still written).
 
     Returns:
         ``(state, step, batches, hooks, model)``; ``state`` is also the template to load checkpoints into.
@@ -120,7 +149,14 @@ def job(
         model = gpt2()
     schedule = fl.optim.warmup(fl.optim.cosine(LR, max_iter), WARMUP)
     optimizer = fl.optim.adamw(schedule, weight_decay=0.1, decay_mask=fl.optim.exclude_bias_and_norm)
-    state = fl.init(model, optimizer, seed=seed, max_iter=max_iter)
+    # The settings go into every checkpoint: fnloop inspect shows them, resume names what changed.
+    # Where the run writes and whether it prints are no part of it: the same run in two directories
+    # is the same state (a resume check compares such runs).
+    settings = attrs.asdict(
+        Settings(out, max_iter, seed, checkpoint_every, eval_every, sample, not compile, quiet)
+    )
+    settings = {k: v for k, v in settings.items() if k not in ("out", "quiet")}
+    state = fl.init(model, optimizer, seed=seed, max_iter=max_iter, config=settings)
     step = fl.train_step(model, loss_fn, optimizer, compile=compile)
     batches = fl.data.batches((train,), batch_size=BATCH_SIZE, seed=seed)
     # Four forwards every few hundred steps: compiling them would cost more than it saves.
@@ -136,6 +172,7 @@ def job(
         writers.append(fl.writers.console())
     hooks: list[fl.Hook | None] = [
         fl.hooks.timer(),
+        None if quiet else fl.hooks.progress(),  # drawn only when stderr is a terminal
         fl.every(eval_every, fl.hooks.evaluate(validate)),
         fl.every(LOG_EVERY, fl.hooks.log(*writers)),
         fl.every(checkpoint_every, fl.hooks.checkpoint(Path(out) / "ckpt", keep=2)),
@@ -163,29 +200,15 @@ def generate(model: Any, state: fl.TrainState, prompt: str = PROMPT, length: int
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Train (or resume), then print the validation perplexity and a sample."""
-    parser = argparse.ArgumentParser(
-        prog="python -m fnloop.examples.lm",
-        description=__doc__.split("\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    parser.add_argument("--out", default="runs/lm", help="run directory; the same one resumes")
-    parser.add_argument("--max-iter", type=int, default=MAX_ITER, metavar="N", help="training steps")
-    parser.add_argument("--seed", type=int, default=0, help="seeds the weights, data order and dropout")
-    parser.add_argument("--checkpoint-every", type=int, default=CHECKPOINT_EVERY, metavar="N", help="steps")
-    parser.add_argument("--eval-every", type=int, default=EVAL_EVERY, metavar="N", help="steps")
-    parser.add_argument(
-        "--sample", type=int, default=200, metavar="BYTES", help="bytes to generate at the end"
-    )
-    parser.add_argument("--eager", action="store_true", help="do not compile the step (debugging)")
-    parser.add_argument("--quiet", action="store_true", help="no console lines")
-    args = parser.parse_args(argv)
-
+    # --config FILE (TOML or YAML) and --key=value flags; --help lists the settings (docs/config.md).
+    args = fl.config.parse(Settings, argv, prog="python -m fnloop.examples.lm")
     template, step, batches, hooks, model = job(
         args.out,
         args.seed,
         args.max_iter,
         checkpoint_every=args.checkpoint_every,
         eval_every=args.eval_every,
+        sample=args.sample,
         compile=not args.eager,
         quiet=args.quiet,
     )
