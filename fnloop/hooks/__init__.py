@@ -5,7 +5,7 @@ one (check_replicas).
 Combinators (``every``, ``on``, ...) live at the top level, ``fnloop.every``.
 """
 
-from fnloop.hooks._checkpoint import BackgroundFailed, Best, DirectoryInUse, best_checkpoint, checkpoint
+from fnloop.hooks._checkpoint import BackgroundFailed, Best, DirectoryInUse, TopK, best_checkpoint, checkpoint
 from fnloop.hooks._early_stop import EarlyStopState, early_stop
 from fnloop.hooks._ema import EmaState, ema, ema_params
 from fnloop.hooks._evaluate import Evaluated, MeanOver, evaluate, mean_over
@@ -33,6 +33,7 @@ __all__ = [
     "DirectoryInUse",
     "MetricNeverRecorded",
     "NonFiniteMetric",
+    "TopK",
     "best_checkpoint",
     "checkpoint",
     # steering a run

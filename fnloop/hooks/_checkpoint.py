@@ -7,8 +7,10 @@ periodic checkpoint hook is in ``_saving.py``, and re-exported here.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any, ClassVar
@@ -24,6 +26,7 @@ from fnloop._core.state import TrainState, request
 from fnloop._core.stateful import EachMember, stateful
 from fnloop._population import member as population_member
 from fnloop.checkpoint import save
+from fnloop.checkpoint._sharded import parts_of
 from fnloop.hooks._saving import _a_part, _directory, _Do, _sharded, checkpoint
 from fnloop.hooks._unrecorded import MetricNeverRecorded, WarnNonFinite, never_recorded
 
@@ -31,6 +34,7 @@ __all__ = [
     "BackgroundFailed",
     "Best",
     "DirectoryInUse",
+    "TopK",
     "MetricNeverRecorded",
     "best_checkpoint",
     "checkpoint",
@@ -45,12 +49,44 @@ class Best:
     iteration: int = -1
 
 
+@attrs.frozen
+class TopK:
+    """The ``k`` best values of a metric so far, best first, and the iterations they were recorded at.
+
+    Slots not filled yet hold the worst value there is (``inf`` for
+    ``mode="min"``) at iteration -1. Fixed in length, so that a checkpoint's
+    memory is checked against the hook's as any other.
+    """
+
+    values: tuple[float, ...]
+    iterations: tuple[int, ...]
+
+    @property
+    def kept(self) -> tuple[Best, ...]:
+        """The values kept so far, best first."""
+        return tuple(Best(v, i) for v, i in zip(self.values, self.iterations) if i >= 0)
+
+
 def _improves(mode: str, new: float, old: float) -> bool:
     return new < old if mode == "min" else new > old
 
 
+_TOP = re.compile(r"top-\d{8,}\.safetensors")
+
+
+def _top_name(iteration: int) -> str:
+    """The file of the state whose step ``iteration`` recorded a top value: named, as a checkpoint is,
+    by the steps done (``iteration + 1``)."""
+    return f"top-{iteration + 1:08d}.safetensors"
+
+
 def best_checkpoint(
-    directory: str | os.PathLike[str], metric: str, mode: str = "min", *, name: str | None = None
+    directory: str | os.PathLike[str],
+    metric: str,
+    mode: str = "min",
+    *,
+    k: int = 1,
+    name: str | None = None,
 ) -> Hook:
     """A hook keeping ``directory/best.safetensors``: the state where ``metric`` was best.
 
@@ -64,6 +100,16 @@ def best_checkpoint(
     ``metric`` never recorded warns (``MetricNeverRecorded``), naming the
     metrics that were.
 
+    With ``k > 1`` it also keeps the ``k`` best states, as Lightning's
+    ``ModelCheckpoint(save_top_k=k)`` does: ``directory/top-<steps>.safetensors``
+    for each of them (named by the steps done, as ``checkpoint``'s files are) (``best.safetensors`` is still the best one), deleting
+    the file of one that drops out. The memory is then a ``TopK`` (values
+    and iterations, best first), in the state as the single best is: a
+    resumed run keeps the same ``k``. When the run starts, files of
+    ``top-`` states that its memory does not hold are removed: those an
+    interrupted attempt wrote after the checkpoint it resumes from, which
+    the resumed run writes again as it gets there.
+
     On a population's state (``fnloop.population``) it keeps each member's
     best on that member's own values (``val_loss/3``): member ``m``'s best is
     saved as the plain state of its own run (``fnloop.member``) into
@@ -74,11 +120,12 @@ def best_checkpoint(
         directory: where ``best.safetensors`` goes.
         metric: the name of a recorded metric.
         mode: ``"min"`` or ``"max"``.
+        k: how many of the best states to keep (1: ``best.safetensors`` alone).
         name: the hook state's name (default ``"best:<metric>"``).
 
     Raises:
-        ValueError: ``mode`` is neither ``"min"`` nor ``"max"``, or
-            ``directory`` is an existing file.
+        ValueError: ``mode`` is neither ``"min"`` nor ``"max"``, ``k`` is
+            not a positive int, or ``directory`` is an existing file.
         DirectoryInUse: (from ``run``, before the first step) another process
             holds ``directory``.
 
@@ -92,9 +139,12 @@ def best_checkpoint(
     """
     if mode not in ("min", "max"):
         raise ValueError(f"best_checkpoint() mode must be 'min' or 'max' (got {mode!r}).")
+    if type(k) is not int or k < 1:
+        raise ValueError(f"best_checkpoint() k must be a positive int: how many best states to keep ({k!r}).")
     folder = _directory("best_checkpoint()", directory)
-    update = _BestUpdate(os.fspath(folder), metric, mode, os.fspath(directory))
-    start = Best(math.inf if mode == "min" else -math.inf)
+    update = _BestUpdate(os.fspath(folder), metric, mode, os.fspath(directory), k)
+    worst = math.inf if mode == "min" else -math.inf
+    start: Best | TopK = Best(worst) if k == 1 else TopK((worst,) * k, (-1,) * k)
     return stateful(name or f"best:{metric}", EachMember(start), update)
 
 
@@ -109,15 +159,23 @@ class _BestUpdate:
     metric: str
     mode: str
     given: str  # the directory as given, for the repr
+    k: int = 1
 
     def __call__(self, state: TrainState, phase: Phase, best: Any) -> tuple[TrainState, Any]:
         # `best`: a Best, or a population's tuple of them (one per member).
         if phase is Phase.BEFORE_TRAIN:
-            return request(state, _Do(self, _BestUpdate.claim), f"hold {self.directory}", claim=True), best
+            state = request(state, _Do(self, _BestUpdate.claim), f"hold {self.directory}", claim=True)
+            if self.k > 1:  # the top- files of states the memory does not hold go
+                tops = best if state.population is not None else (best,)
+                members = (None,) if state.population is None else tuple(range(len(tops)))
+                kept = tuple(tuple(b.iteration for b in top.kept) for top in tops)
+                state = request(state, _Prune(self, members, kept), f"prune {self.directory}")
+            return state, best
         if phase is Phase.AFTER_TRAIN:
             # Warn only after success: a run that failed early may not have reached its first evaluation.
             bests = best if state.population is not None else (best,)
-            ended = state.iteration == state.max_iter and all(b.iteration < 0 for b in bests)
+            never = [(b.iteration < 0) if type(b) is Best else not b.kept for b in bests]
+            ended = state.iteration == state.max_iter and all(never)
             return request(
                 state,
                 _Do(self, _BestUpdate.finish if ended else _BestUpdate.release),
@@ -134,8 +192,8 @@ class _BestUpdate:
         return self._looked(state, best, self.metric, None)
 
     def _looked(
-        self, state: TrainState, best: Best, metric: str, member: int | None
-    ) -> tuple[TrainState, Best]:
+        self, state: TrainState, best: Any, metric: str, member: int | None
+    ) -> tuple[TrainState, Any]:
         if metric not in state.metrics.series:
             return state, best
         # The index first, the value (a host sync) only for a value recorded in this step.
@@ -146,6 +204,8 @@ class _BestUpdate:
             return request(
                 state, WarnNonFinite(repr(self), metric, iteration, value), "warn: not finite"
             ), best
+        if type(best) is TopK:
+            return self._top(state, best, value, iteration, member)
         if not _improves(self.mode, value, best.value):
             return state, best
         if member is not None:
@@ -159,8 +219,53 @@ class _BestUpdate:
             everywhere=_sharded(state),
         ), Best(value, iteration)
 
+    def _top(
+        self, state: TrainState, top: TopK, value: float, iteration: int, member: int | None
+    ) -> tuple[TrainState, TopK]:
+        """``top`` with ``value`` among the k best, if it is; the effect saving it and dropping the one out."""
+        if not _improves(self.mode, value, top.values[-1]):  # a tie with the k-th keeps the earlier
+            return state, top
+        at = next(j for j, v in enumerate(top.values) if _improves(self.mode, value, v))
+        values = (*top.values[:at], value, *top.values[at:-1])
+        iterations = (*top.iterations[:at], iteration, *top.iterations[at:-1])
+        out = top.iterations[-1]
+        save = _SaveTop(self, member, iteration, at == 0, out)
+        where = self.directory if member is None else f"{self.directory}/member-{member}"
+        return request(
+            state, save, f"top {self.k} {self.metric} into {where}", everywhere=_sharded(state)
+        ), TopK(values, iterations)
+
     def claim(self, state: TrainState) -> None:
         claim(Path(self.directory))
+
+    def save_top(self, state: TrainState, member: int | None, iteration: int, best: bool, out: int) -> None:
+        """Save ``state`` as ``top-<iteration>`` (and as ``best`` if it is), and remove ``top-<out>``."""
+        if _a_part(state):  # another rank's part of a sharded checkpoint: rank 0 holds the directory
+            save(state, Path(self.directory) / _top_name(iteration))
+            if best:
+                save(state, Path(self.directory) / "best.safetensors")
+            return
+        with holding(Path(self.directory)):
+            folder = Path(self.directory)
+            if member is not None:
+                folder = folder / f"member-{member}"
+                folder.mkdir(exist_ok=True)
+                state = population_member(state, member)
+            save(state, folder / _top_name(iteration))
+            if best:
+                save(state, folder / "best.safetensors")
+            if out >= 0:
+                _remove(folder / _top_name(out))
+
+    def prune(self, members: tuple[int | None, ...], kept: tuple[tuple[int, ...], ...]) -> None:
+        """Remove the ``top-`` files of each member's folder that ``kept`` does not name."""
+        with holding(Path(self.directory)):
+            for member, iterations in zip(members, kept):
+                folder = Path(self.directory) if member is None else Path(self.directory) / f"member-{member}"
+                names = {_top_name(i) for i in iterations}
+                for path in folder.glob("top-*.safetensors"):
+                    if _TOP.fullmatch(path.name) and path.name not in names:
+                        _remove(path)
 
     def save(self, state: TrainState) -> None:
         if _a_part(state):  # another rank's part of a sharded checkpoint: rank 0 holds the directory
@@ -187,7 +292,41 @@ class _BestUpdate:
             warnings.warn(message, MetricNeverRecorded, stacklevel=2)
 
     def __repr__(self) -> str:
-        return f"best_checkpoint({self.given!r}, {self.metric!r}, {self.mode!r})"
+        k = f", k={self.k}" if self.k != 1 else ""
+        return f"best_checkpoint({self.given!r}, {self.metric!r}, {self.mode!r}{k})"
+
+
+def _remove(path: Path) -> None:
+    """Remove the file of a state that left the top k; gone already (a resumed run removes it again) is fine."""
+    for file in (path, *parts_of(path)):  # a sharded checkpoint's parts beside its index
+        with contextlib.suppress(FileNotFoundError):
+            file.unlink()
+
+
+@attrs.frozen
+class _SaveTop:
+    """The effect saving a state that entered the top k, and removing the one that left it."""
+
+    hook: _BestUpdate
+    member: int | None
+    iteration: int
+    best: bool
+    out: int
+
+    def __call__(self, state: TrainState) -> None:
+        self.hook.save_top(state, self.member, self.iteration, self.best, self.out)
+
+
+@attrs.frozen
+class _Prune:
+    """The effect removing the ``top-`` files a run's memory does not hold, as it starts."""
+
+    hook: _BestUpdate
+    members: tuple[int | None, ...]
+    kept: tuple[tuple[int, ...], ...]
+
+    def __call__(self, state: TrainState) -> None:
+        self.hook.prune(self.members, self.kept)
 
 
 @attrs.frozen
