@@ -90,7 +90,8 @@ class _Close:
     def __call__(self, state: TrainState) -> None:
         bar = _BARS.pop((os.getpid(), self.name), None)
         if bar is not None:
-            bar.update(state.iteration - bar.n)  # the ticks since its last redraw
+            # The ticks since its last redraw, counted without drawing: `close` draws the final bar once.
+            bar.n = state.iteration
             bar.close()
 
 
@@ -144,7 +145,9 @@ def progress(*, name: str = "progress", mininterval: float = 0.1) -> Progress:
     terminal; otherwise there is no bar at all (logs and CI output stay
     clean). tqdm shows the rate and ETA itself; the loss (a host sync) is read
     only when the bar is drawn. The hook keeps no state: the bar is a live
-    object of the process.
+    object of the process. The console writer's lines (``fnloop.writers.console``)
+    are printed above the live bar, which is drawn again below them, and the
+    finished bar stays on the screen once.
 
     Args:
         name: tells bars of several progress hooks apart.
