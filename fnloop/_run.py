@@ -9,6 +9,7 @@ process's rank in a data-parallel run, the signal handlers. The fold itself
 from __future__ import annotations
 
 import collections
+import datetime
 import time as _time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -19,8 +20,9 @@ from fnloop import distributed
 from fnloop._core.checked import checked
 from fnloop._core.combinators import Hook, chain
 from fnloop._core.fold import BatchesExhausted, Driver, UnclaimedHookState, fold
+from fnloop._core.messages import got
 from fnloop._core.plan import off_boundaries
-from fnloop._core.signals import Preempted, _signals
+from fnloop._core.signals import Preempted, TimeUp, _Deadline, _signals
 from fnloop._core.state import Performs, TrainState
 from fnloop._core.steps import Step, adapt
 
@@ -144,6 +146,7 @@ def run(
     debug: bool = False,
     signals: bool = True,
     donate_input: bool = False,
+    max_time: float | datetime.timedelta | None = None,
 ) -> TrainState:
     """Run ``step`` and ``hooks`` from ``state.iteration`` to ``state.max_iter``.
 
@@ -169,6 +172,14 @@ def run(
 
     * ``signals``: handle SIGTERM/SIGINT as above (main thread only; the
       handlers are removed when ``run`` returns);
+    * ``max_time``: a time limit for this call (seconds, or a ``timedelta``),
+      as Lightning's ``Trainer(max_time=...)``: once it has passed, the run
+      stops at the next boundary between two steps as it does on SIGTERM
+      (``AFTER_TRAIN`` runs, so a checkpoint hook saves that state), and
+      ``run`` returns that state, its ``iteration`` short of ``max_iter``.
+      Run the same script again to go on: it resumes there, for another
+      ``max_time``. Under ``torchrun`` rank 0's clock decides, and every rank
+      stops at the boundary it announces;
     * ``donate_input``: the caller gives ``state`` up, as JAX's
       ``donate_argnums`` does: its tensors may be overwritten from the first
       step on, which saves one copy of params and optimizer state. Without it
@@ -185,16 +196,36 @@ def run(
         (3, (2, 3.0))
     """
     driver = _driver(state, step, hooks, clock=clock, effects=effects, debug=debug, donate=True)
+    seconds = _seconds(max_time)
     with _signals(signals) as stop:
+        if seconds is not None:
+            stop = _Deadline(stop, clock, seconds)
         # In a data-parallel run rank 0 alone stops on a signal; the other ranks
         # keep the signal from killing them mid-step and go on until rank 0 has
         # stopped between two steps and saved. A rank that stopped first would
         # leave rank 0 waiting in the next step's all-reduce, its state torn and unsaved.
         obeys = stop if driver.world <= 1 or driver.rank == 0 else None
-        if driver.world > 1 and state.shards is not None:
-            # A sharded checkpoint needs every rank's part of one state: all stop at one boundary.
+        if driver.world > 1 and (state.shards is not None or seconds is not None):
+            # A sharded checkpoint needs every rank's part of one state, and a time limit ends
+            # every rank's run: all stop at one boundary, the one rank 0 announces.
             obeys = distributed.AgreedStop(stop, driver.rank)
         driver = attrs.evolve(driver, stop=obeys, donate_input=donate_input)
-        # Drained in C, keeping only the last state: the fold's final one.
-        final: TrainState = collections.deque(fold(state, batches, driver), maxlen=1)[0]
+        try:
+            # Drained in C, keeping only the last state: the fold's final one.
+            final: TrainState = collections.deque(fold(state, batches, driver), maxlen=1)[0]
+        except TimeUp as up:
+            final = up.state  # type: ignore[attr-defined]
     return final
+
+
+def _seconds(max_time: object) -> float | None:
+    """``run(max_time=...)`` in seconds, or ``None``; refused unless a positive number or timedelta."""
+    if max_time is None:
+        return None
+    seconds = max_time.total_seconds() if isinstance(max_time, datetime.timedelta) else max_time
+    if type(seconds) not in (int, float) or not seconds > 0:  # type: ignore[operator]
+        raise ValueError(
+            f"run(max_time=...) must be a positive number of seconds or a datetime.timedelta, such as "
+            f"max_time=datetime.timedelta(hours=4) ({got(max_time)})."
+        )
+    return float(seconds)  # type: ignore[arg-type]

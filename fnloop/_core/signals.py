@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 __all__ = ["Preempted"]
 
@@ -79,5 +79,29 @@ def _signals(enabled: bool) -> Iterator[_Stop | None]:
             signal.signal(sig, old)
 
 
+_TIME_UP = 0
+"""What a ``_Deadline`` stops by, in place of a signal's number (no signal has 0)."""
+
+
+class TimeUp(Exception):
+    """The run's ``max_time`` passed: ``run`` catches it and returns ``exc.state``, saved by then."""
+
+
+class _Deadline(_Stop):
+    """A stop at the first boundary once ``seconds`` of ``clock`` have passed, or by the signal ``local`` got."""
+
+    def __init__(self, local: _Stop | None, clock: Callable[[], float], seconds: float) -> None:
+        self.local, self.clock, self.end = local, clock, clock() + seconds
+
+    @property  # type: ignore[override]
+    def signum(self) -> int | None:
+        """A signal's number if one came, ``_TIME_UP`` once the time is up, else ``None``."""
+        if self.local is not None and self.local.signum is not None:
+            return self.local.signum
+        return _TIME_UP if self.clock() >= self.end else None
+
+
 def _interruption(signum: int) -> BaseException:
+    if signum == _TIME_UP:
+        return TimeUp()
     return KeyboardInterrupt() if signum == signal.SIGINT else Preempted(signum)
