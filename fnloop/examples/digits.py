@@ -159,6 +159,7 @@ def job(
         writers.append(fl.writers.console())
     hooks = [
         fl.hooks.timer(),
+        None if quiet else fl.hooks.model_summary(model),  # parameters per block, logged at the start
         None if quiet else fl.hooks.progress(),  # drawn only when stderr is a terminal
         fl.every(eval_every, fl.hooks.evaluate(validate)),
         fl.hooks.best_checkpoint(run / "best", "val_accuracy", mode="max"),

@@ -172,6 +172,7 @@ def job(
         writers.append(fl.writers.console())
     hooks: list[fl.Hook | None] = [
         fl.hooks.timer(),
+        None if quiet else fl.hooks.model_summary(model),  # parameters per block, logged at the start
         None if quiet else fl.hooks.progress(),  # drawn only when stderr is a terminal
         fl.every(eval_every, fl.hooks.evaluate(validate)),
         fl.every(LOG_EVERY, fl.hooks.log(*writers)),

@@ -24,6 +24,7 @@ from fnloop.hooks._throughput import (
     peak_flops,
     throughput,
 )
+from fnloop.hooks._summary import ModelSummary, model_summary, summary
 from fnloop.hooks._timer import Timer, TimerState, timer
 from fnloop.hooks._unrecorded import MetricNeverRecorded, NonFiniteMetric
 
@@ -55,15 +56,18 @@ __all__ = [
     "Log",
     "LogState",
     "Memory",
+    "ModelSummary",
     "Profile",
     "Progress",
     "Timer",
     "TimerState",
     "log",
     "memory",
+    "model_summary",
     "peak_mib",
     "profile",
     "progress",
+    "summary",
     "timer",
     "trace_path",
     "PEAK_FLOPS",
