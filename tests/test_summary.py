@@ -50,7 +50,7 @@ def test_the_hook_logs_the_summary_once_as_the_run_starts(caplog):
 
 
 def test_bad_arguments_say_what_was_expected():
-    with pytest.raises(TypeError, match="expected a torch.nn.Module"):
+    with pytest.raises(TypeError, match=r"expected a torch\.nn\.Module"):
         summary({"w": torch.ones(1)})
     with pytest.raises(ValueError, match="must be a positive int"):
         model_summary(torch.nn.Linear(1, 1), depth=0)

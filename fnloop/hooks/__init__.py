@@ -16,6 +16,7 @@ from fnloop.hooks._profile import Profile, profile, trace_path
 from fnloop.hooks._progress import Progress, progress
 from fnloop.hooks._replicas import CheckReplicas, ReplicasDiverged, check_replicas
 from fnloop.hooks._spikes import SpikesInARow, StopOnSpikes, stop_on_spikes
+from fnloop.hooks._summary import ModelSummary, model_summary, summary
 from fnloop.hooks._throughput import (
     PEAK_FLOPS,
     Throughput,
@@ -24,7 +25,6 @@ from fnloop.hooks._throughput import (
     peak_flops,
     throughput,
 )
-from fnloop.hooks._summary import ModelSummary, model_summary, summary
 from fnloop.hooks._timer import Timer, TimerState, timer
 from fnloop.hooks._unrecorded import MetricNeverRecorded, NonFiniteMetric
 
