@@ -30,8 +30,9 @@ import torch
 import torch.distributed as dist
 
 from fnloop._core.signals import _Stop
+from fnloop._launch import launch
 
-__all__ = ["DEFAULT_TIMEOUT", "device", "is_main", "rank", "setup", "world_size"]
+__all__ = ["DEFAULT_TIMEOUT", "device", "is_main", "launch", "rank", "setup", "world_size"]
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 """How long a collective waits for the other ranks before it fails (a rank died or hangs)."""
