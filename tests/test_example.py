@@ -215,4 +215,4 @@ def test_job_is_one_definition_of_the_run():
     (x, _), (x_val, _), (x_test, _) = digits.digits()
     assert (len(x), len(x_val), len(x_test)) == (1300, 200, 297)
     assert float(x.min()) == 0.0 and float(x.max()) == 1.0
-    assert len(hooks) == 6
+    assert len(hooks) == 7

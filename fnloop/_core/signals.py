@@ -93,8 +93,8 @@ class _Deadline(_Stop):
     def __init__(self, local: _Stop | None, clock: Callable[[], float], seconds: float) -> None:
         self.local, self.clock, self.end = local, clock, clock() + seconds
 
-    @property  # type: ignore[override]
-    def signum(self) -> int | None:
+    @property
+    def signum(self) -> int | None:  # type: ignore[override]
         """A signal's number if one came, ``_TIME_UP`` once the time is up, else ``None``."""
         if self.local is not None and self.local.signum is not None:
             return self.local.signum
