@@ -1,7 +1,8 @@
 """Data parallel on ``torch.distributed``: the same script on one process or under ``torchrun``.
 
-fnloop uses PyTorch's own engine and nothing of its own: ``torchrun`` starts
-the processes, ``torch.distributed`` connects them (gloo on CPU, NCCL on GPU),
+fnloop uses PyTorch's own engine: ``torchrun`` starts the processes (or, on
+one machine, from a script or a notebook, ``launch(fn, nprocs=N)`` does, with
+the environment ``torchrun`` gives), ``torch.distributed`` connects them (gloo on CPU, NCCL on GPU),
 and the compiled step averages the gradients across ranks with functional
 collectives inside its one graph. Every rank holds the whole state, identical
 by construction; rank 0 alone performs effects (checkpoints, writers, the
