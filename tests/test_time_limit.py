@@ -74,3 +74,41 @@ def test_a_run_within_its_time_is_untouched(tmp_path):
 def test_max_time_must_be_a_positive_time(bad):
     with pytest.raises(ValueError, match=r"max_time=\.\.\.\) must be a positive number of seconds"):
         fl.run(start(), step, batches(), max_time=bad)
+
+
+# -- under a launch of 2 ranks: rank 0's clock decides, every rank stops at its boundary --------------
+
+
+def _sliced(directory: str, max_time: float | None) -> list[tuple[int, list[float]]]:
+    """A data-parallel run of ``tests/launch_jobs.py``'s MLP, resumed from ``directory``, for ``max_time``.
+
+    Rank 1's clock never moves: if it did not obey rank 0's stop, it would wait in the next all-reduce.
+    """
+    from tests import launch_jobs as jobs
+
+    fl.distributed.setup(timeout=datetime.timedelta(seconds=20))  # a rank left waiting fails, not hangs
+    net = jobs.model()
+    optimizer = fl.optim.adamw(1e-2)
+    template = fl.init(net, optimizer, seed=0, max_iter=24)
+    step = fl.train_step(net, jobs.loss_fn, optimizer, compile=False)
+    state = resume(directory, like=template)
+    clock = ticks() if fl.distributed.rank() == 0 else (lambda: 0.0)
+    batches = fl.data.batches(jobs.data(), batch_size=8, seed=0)
+    hooks = [fl.every(5, fl.hooks.checkpoint(directory, keep=None))]
+    final = fl.run(state, step, batches, hooks, clock=clock, max_time=max_time)
+    return fl.distributed.gather_object((final.iteration, final.params["0.weight"].flatten().tolist()))
+
+
+@pytest.mark.slow
+def test_under_two_ranks_every_rank_stops_where_rank_zero_says_and_the_slices_end_as_straight(tmp_path):
+    straight = fl.distributed.launch(_sliced, str(tmp_path / "straight"), None, nprocs=2, start_method="fork")
+    assert [it for it, _ in straight] == [24, 24]
+    ends = []
+    while not ends or ends[-1] < 24:
+        ranks = fl.distributed.launch(_sliced, str(tmp_path / "sliced"), 20.0, nprocs=2, start_method="fork")
+        assert ranks[0] == ranks[1]  # the same boundary, the same state
+        ends.append(ranks[0][0])
+        newest = fl.checkpoint.checkpoints(tmp_path / "sliced")[0]
+        assert newest.name == f"ckpt-{ends[-1]:08d}.safetensors"  # saved where it stopped
+    assert len(ends) > 1 and ends[-1] == 24, ends
+    assert ranks == straight
