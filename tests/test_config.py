@@ -268,3 +268,15 @@ def test_the_examples_help_lists_their_settings(example, capsys):
     for field in attrs.fields(module.Settings):
         assert f"--{field.name}" in out, field.name
     assert "Seeds the weights, data order and dropout. (type: int, default: 0)" in out
+
+
+def test_a_changed_max_iter_and_configuration_are_one_warning(tmp_path):
+    save(attrs.evolve(_state(Settings()), iteration=4), path_for(tmp_path, 4))
+    longer = attrs.evolve(_state(Settings(steps=9)), max_iter=9)
+    with pytest.warns(RunChanged) as caught:
+        resumed = resume(tmp_path, like=longer)
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    message = str(caught[0].message)
+    assert "max_iter=8; it continues to the template's max_iter=9" in message
+    assert "It also started with another configuration" in message and "steps: 4 -> 9" in message
+    assert (resumed.max_iter, resumed.config["steps"]) == (9, 9)

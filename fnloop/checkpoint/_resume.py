@@ -86,11 +86,11 @@ def resume(directory: StrPath, *, like: TrainState) -> TrainState:
         )
     if saved.population is not None and like.population is not None:
         _warn_hyperparameters(saved.population, like.population, where)
-    changed = _changed_config(saved, like, where)
+    changed = _changed_config(saved, like)
     saved = attrs.evolve(saved, config=like.config) if saved.config != like.config else saved
     if saved.max_iter == like.max_iter:
         if changed:
-            warnings.warn(changed, RunChanged, stacklevel=2)
+            warnings.warn(f"{where} {changed}", RunChanged, stacklevel=2)
         return saved
     if saved.iteration > like.max_iter:
         raise CheckpointMismatch(
@@ -102,14 +102,14 @@ def resume(directory: StrPath, *, like: TrainState) -> TrainState:
         f"{where} with max_iter={saved.max_iter}; it continues to the template's max_iter={like.max_iter}. "
         f"A schedule spanning max_iter is built from the code, so it spans the template's {like.max_iter} "
         f"steps. To keep the run as it was, build the template with max_iter={saved.max_iter}."
-        + (f" Also: {changed}" if changed else ""),
+        + (f" It also {changed}" if changed else ""),
         RunChanged,
         stacklevel=2,
     )
     return attrs.evolve(saved, max_iter=like.max_iter)
 
 
-def _changed_config(saved: TrainState, like: TrainState, where: str) -> str:
+def _changed_config(saved: TrainState, like: TrainState) -> str:
     """What ``resume`` says of a template whose configuration differs from the saved one's ("" if none).
 
     A checkpoint saved without a configuration takes the template's silently.
@@ -119,7 +119,7 @@ def _changed_config(saved: TrainState, like: TrainState, where: str) -> str:
         return ""
     listed = "; ".join(changed[:10]) + (f"; and {len(changed) - 10} more" if len(changed) > 10 else "")
     return (
-        f"{where} started with another configuration; it continues with the template's. Changed "
+        "started with another configuration; it continues with the template's. Changed "
         f"(saved -> now): {listed}. What the code builds from them (the schedule, the step) follows the "
         "new settings; the tensors, optimizer state and data cursor are the checkpoint's. To keep the "
         "run as it was, start it with the saved settings; to train with the new ones from scratch, "
