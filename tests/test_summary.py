@@ -32,7 +32,9 @@ def test_a_transformers_model_is_counted_once_per_tensor_block_by_block():
     total = sum(p.numel() for p in unique)
     frozen = model.transformer.wpe.weight.numel()
     last = text.splitlines()[-1]
-    assert last.startswith(f"{total / 1e3:.1f} K params: {(total - frozen) / 1e3:.1f} K trainable, {frozen} frozen;")
+    assert last.startswith(
+        f"{total / 1e3:.1f} K params: {(total - frozen) / 1e3:.1f} K trainable, {frozen} frozen;"
+    )
     assert rows["transformer.wpe"][3] == "0" and rows["transformer.wpe"][2] == str(frozen)
     top = {row[0] for row in numbers(summary(model))}
     assert top == {"transformer"}, summary(model)

@@ -174,7 +174,9 @@ def _inspect_text(path: Path, metadata: dict[str, str], tree: Record) -> list[st
         lines += ["", f"config: {many(len(settings), 'setting')}"]
         lines += table([(key, short(value)) for key, value in settings.items()])
     for name, value in tree.items():
-        if name in ("iteration", "max_iter", "population", *_HEAD_FIELDS) or (name == "config" and (config is None or isinstance(config, dict))):
+        if name in ("iteration", "max_iter", "population", *_HEAD_FIELDS) or (
+            name == "config" and (config is None or isinstance(config, dict))
+        ):
             continue
         lines.append("")
         if name == "metrics" and (found := _metric_rows(value)) is not None:
