@@ -22,6 +22,10 @@ def lm(out: Path, *args: str) -> str:
         check=False,
     )
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+    # transformers warned at the first forward of a GPT2LMHeadModel, whose name names no loss
+    assert "loss_type" not in done.stderr, done.stderr
+    if "--quiet" not in args:
+        assert "params: 446.0 K trainable, 0 frozen" in done.stderr, done.stderr  # the model summary
     return done.stdout
 
 
