@@ -112,3 +112,18 @@ def test_under_two_ranks_every_rank_stops_where_rank_zero_says_and_the_slices_en
         assert newest.name == f"ckpt-{ends[-1]:08d}.safetensors"  # saved where it stopped
     assert len(ends) > 1 and ends[-1] == 24, ends
     assert ranks == straight
+
+
+def test_a_run_whose_time_is_up_as_it_ends_ends_as_any_other(tmp_path):
+    done = []
+
+    def last_step_takes_long(state, batch):
+        if state.iteration == MAX_ITER - 1:
+            done.append(True)
+        return step(state, batch)
+
+    ended = fl.on(fl.Phase.AFTER_TRAIN, lambda s, phase: fl.record(s, ended=1.0))
+    clock = lambda: 1e9 if done else 0.0  # noqa: E731
+    final = fl.run(start(), last_step_takes_long, batches(), [ended], clock=clock, max_time=10)
+    assert final.iteration == MAX_ITER
+    assert "ended" in final.metrics.series  # AFTER_TRAIN's changes are in what run returns

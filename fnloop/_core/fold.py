@@ -31,7 +31,7 @@ from fnloop._core.failure import Last, StepFailed, ended_by
 from fnloop._core.messages import a_type
 from fnloop._core.phase import Phase
 from fnloop._core.plan import Plan, call
-from fnloop._core.signals import _interruption, _Stop
+from fnloop._core.signals import _TIME_UP, _interruption, _Stop
 from fnloop._core.state import Effect, Performs, TrainState, Unclaimed, reading, unchecked
 from fnloop._core.steps import Applied
 from fnloop._core.stream import stream as _stream
@@ -121,8 +121,8 @@ def _fold(state: TrainState, batches: Iterable[Any], driver: Driver) -> Iterator
             owned = driver.donate  # from here on the fold threads states nobody else holds
             yield state
             if stop is not None:
-                _check_stop(stop, state.iteration)
-        _check_stop(stop, state.iteration)
+                _check_stop(stop, state)
+        _check_stop(stop, state)
         driver.writer.wait()  # the run ends with its effects done; one that failed fails the run
     except BaseException as exc:
         if driver.stop is not None:  # first: other ranks waiting on this one learn where it ended
@@ -265,8 +265,10 @@ def _moved(i: int, iteration: int) -> RuntimeError:
     )
 
 
-def _check_stop(stop: _Stop | None, iteration: int) -> None:
-    signum = None if stop is None else stop.at(iteration)
+def _check_stop(stop: _Stop | None, state: TrainState) -> None:
+    signum = None if stop is None else stop.at(state.iteration)
+    if signum == _TIME_UP and state.iteration >= state.max_iter:
+        return  # a run done when its time is up ends as any other: nothing is cut short
     if signum is not None:
         raise _interruption(signum)
 
