@@ -390,3 +390,20 @@ def test_the_step_never_writes_into_the_population_it_is_given_and_donation_chan
     undonated = fl.run(population(), kept, stream(), [])  # the fold's own states, never written into
     assert all(torch.equal(undonated.params[k], trained.params[k]) for k in trained.params)
     assert all(losses(undonated, f"loss/{m}") == losses(trained, f"loss/{m}") for m in range(P))
+
+
+def test_best_checkpoint_keeps_each_members_k_best_as_their_own_runs(tmp_path: Path) -> None:
+    table = {0: [3, 1, 2, 2, 2, 2, 2, 2], 1: [3, 2, 1, 0, 4, 4, 4, 4], 2: [1, 2, 3, 4, 5, 6, 7, 8]}
+    hooks = [_scores(table), fl.hooks.best_checkpoint(tmp_path / "best", "score", k=2)]
+    final = fl.run(population(), step(False), stream(), hooks)
+    tops = final.hooks["best:score"]
+    assert [top.iterations for top in tops] == [(1, 2), (3, 2), (0, 1)]
+    for m, top in enumerate(tops):
+        folder = tmp_path / "best" / f"member-{m}"
+        assert sorted(p.name for p in folder.glob("*.safetensors")) == sorted(
+            ["best.safetensors", *(f"top-{i + 1:08d}.safetensors" for i in top.iterations)]
+        )
+        for i in top.iterations:
+            saved = fl.load(folder / f"top-{i + 1:08d}.safetensors", like=init(0, 1.0, 0.0))
+            alone = fl.run(init(SEEDS[m], LRS[m], WDS[m], i + 1), step(False), stream(), [])
+            assert saved.population is None and furthest(saved, alone) == 0
