@@ -104,8 +104,12 @@ def _mode(args: Sequence[str]) -> str:
 def _booleans(cls: type, prefix: str = "") -> set[str]:
     """The dotted names of ``cls``'s bool fields, nested records' included."""
     found: set[str] = set()
-    for field in attrs.fields(attrs.resolve_types(cls)):
-        if field.type is bool:
+    try:
+        attrs.resolve_types(cls)
+    except NameError:  # a type named by a string that is not in the module: as written
+        pass
+    for field in attrs.fields(cls):
+        if field.type is bool or field.type == "bool":
             found.add(prefix + field.name)
         elif isinstance(field.type, type) and attrs.has(field.type):
             found |= _booleans(field.type, f"{prefix}{field.name}.")
