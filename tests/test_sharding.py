@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -361,14 +362,18 @@ def resumed(two: Path, stopped: tuple[Path, dict], tmp_path_factory: pytest.Temp
     jobs = []
     for name in [*("kill-" + k.replace(":", "-") for k in KILLS), "preempted"]:
         background = ["--background"] if name == "preempted" else []
-        jobs.append([tmp / name, *CHECKPOINTED, "--checkpoint", stopped[0] / name / "ckpt", *background])
+        # A copy of what the stop left, every file of it: the launch reads and writes under tmp alone,
+        # so that it can run again from the same files after a native crash.
+        ckpt = tmp / f"ckpt-{name}"
+        shutil.copytree(stopped[0] / name / "ckpt", ckpt)
+        jobs.append([tmp / name, *CHECKPOINTED, "--checkpoint", ckpt, *background])
     for i, damaged in enumerate(DAMAGED):
         ckpt = _copy(two / "ckpt", tmp / f"ckpt-damaged-{i}")
         _flipped(ckpt, damaged)
         jobs.append([tmp / f"damaged-{i}", *CHECKPOINTED, "--checkpoint", ckpt])
     on = _copy(two / "ckpt", tmp / "ckpt-on", "ckpt-00000030*")
     jobs.append([tmp / "on", "--shard", "full", "--max-iter", "40", "--checkpoint", on])
-    ok(launch(2, *jobs))
+    launched(tmp, 2, *jobs)
     return tmp
 
 
