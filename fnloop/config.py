@@ -26,6 +26,7 @@ changed since the run was saved.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import sys
@@ -104,10 +105,8 @@ def _mode(args: Sequence[str]) -> str:
 def _booleans(cls: type, prefix: str = "") -> set[str]:
     """The dotted names of ``cls``'s bool fields, nested records' included."""
     found: set[str] = set()
-    try:
+    with contextlib.suppress(NameError):  # a type named by a string the module lacks: as written
         attrs.resolve_types(cls)
-    except NameError:  # a type named by a string that is not in the module: as written
-        pass
     for field in attrs.fields(cls):
         if field.type is bool or field.type == "bool":
             found.add(prefix + field.name)
