@@ -10,6 +10,7 @@ import torch
 
 from fnloop._core.phase import Phase
 from fnloop._core.state import TrainState, request
+from fnloop.writers._console import _visible
 from fnloop.writers._line import LOGGER
 
 __all__ = ["ModelSummary", "model_summary", "summary"]
@@ -93,10 +94,7 @@ class _Print:
 
     def __call__(self, state: TrainState) -> None:
         logger = logging.getLogger(LOGGER)
-        if not logger.handlers and not logging.getLogger().handlers:  # as the console writer does
-            from fnloop.writers._console import _visible
-
-            _visible(logger)
+        _visible(logger)  # seen where nobody configured logging, as the console writer's lines
         logger.info("model:\n%s", self.text)
 
 
