@@ -45,6 +45,7 @@ import argparse
 import contextlib
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -195,7 +196,15 @@ def _autocast(s: Settings) -> contextlib.AbstractContextManager[Any]:
     return torch.autocast(s.device.type, dtype=s.dtype)
 
 
-def fnloop_loop(w: Workload, s: Settings, *, compile: bool = True, k: int = 1) -> Train:
+def fnloop_loop(w: Workload, s: Settings, *, compile: bool = True, k: int = 1, donate: bool = False) -> Train:
+    """``fl.run`` over ``train_step``; each ``train(n)`` is a run of its own, from the last one's state.
+
+    ``donate``: each run is given its state to write into from its first step
+    (``fl.run(..., donate_input=True)``). The speed rows do so: a round is a run
+    of its own only because the loops take turns, and one long run makes its
+    first step's copy once. The fresh processes do not: they measure the
+    default, where the first step copies the state it is given.
+    """
     model = _model(w, s)
     data = w.batches(s.device)
     opt = fl.optim.adamw(1e-3, weight_decay=0.01)
@@ -218,7 +227,7 @@ def fnloop_loop(w: Workload, s: Settings, *, compile: bool = True, k: int = 1) -
         # say) holds one more copy of the parameters and optimizer state.
         given = [fl.TrainState(**{**state.__dict__, "max_iter": start + n})]
         state = None
-        state = fl.run(given.pop(), step, batches(start))
+        state = fl.run(given.pop(), step, batches(start), donate_input=donate)
 
     return train
 
@@ -264,12 +273,17 @@ def interleave(loops: dict[str, Train], s: Settings, steps: int, repeats: int) -
         train(2)  # compile and warm up
     _sync(s)
     times: dict[str, list[float]] = {name: [] for name in loops}
+    faults: dict[str, list[float]] = {name: [] for name in loops}
     for _ in range(repeats):
         for name, train in loops.items():
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             start = time.perf_counter()
             train(steps)
             _sync(s)
             times[name].append((time.perf_counter() - start) / steps * 1e3)
+            faults[name].append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / steps)
+    if os.environ.get("BENCH_FAULTS"):
+        print({name: round(statistics.median(f)) for name, f in faults.items()}, file=sys.stderr)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -363,13 +377,13 @@ def measure(w: Workload, args: argparse.Namespace, s: Settings) -> list[str]:
     }
     layout, compiled = fastest(compiled_candidates, s, steps)
     loops = {
-        "fnloop": fnloop_loop(w, s),
-        "fnloop eager": fnloop_loop(w, s, compile=False),
+        "fnloop": fnloop_loop(w, s, donate=True),
+        "fnloop eager": fnloop_loop(w, s, compile=False, donate=True),
         "eager": torch_loop(w, s, kind=kind),
         "torch.compile": compiled,
     }
     if w.name == "gpt2":
-        loops["fnloop k=4"] = fnloop_loop(w, s, k=4)
+        loops["fnloop k=4"] = fnloop_loop(w, s, k=4, donate=True)
     med = interleave(loops, s, steps, repeats)
     best_ref = min(med["eager"], med["torch.compile"])
     lines = [

@@ -212,7 +212,9 @@ def run(
         driver = attrs.evolve(driver, stop=obeys, donate_input=donate_input)
         try:
             # Drained in C, keeping only the last state: the fold's final one.
-            final: TrainState = collections.deque(fold(state, batches, driver), maxlen=1)[0]
+            folded = fold(state, batches, driver)
+            del state  # the fold's to keep or drop (see fold)
+            final: TrainState = collections.deque(folded, maxlen=1)[0]
         except TimeUp as up:
             final = up.state  # type: ignore[attr-defined]
     return final

@@ -28,6 +28,7 @@ import attrs
 from fnloop._core.background import BackgroundFailed, Job, Writer
 from fnloop._core.combinators import Hook, returned, state_names
 from fnloop._core.failure import Last, StepFailed, ended_by
+from fnloop._core.memory import hand_back_freed
 from fnloop._core.messages import a_type
 from fnloop._core.phase import Phase
 from fnloop._core.plan import Plan, call
@@ -89,8 +90,13 @@ class Driver:
 
 def fold(state: TrainState, batches: Iterable[Any], driver: Driver) -> Iterator[TrainState]:
     """Yield the state after each unit of iterations, then the final one, after ``AFTER_TRAIN``."""
+    folded = _fold(state, batches, driver)
+    # The fold keeps only the states it threads: the one it was given lives on after the first
+    # step only where its caller keeps it (fl.run(fl.init(...), ...) keeps none, so its
+    # parameters and optimizer state are freed then, not held beside their copy to the end).
+    del state
     try:
-        yield from _fold(state, batches, driver)
+        yield from folded
     finally:
         # What the step kept of this run's states goes with the run: a step is often held in a
         # reference cycle, and what it keeps would otherwise live until the interpreter's teardown.
@@ -118,6 +124,8 @@ def _fold(state: TrainState, batches: Iterable[Any], driver: Driver) -> Iterator
             n = k if k > 1 and i % k == 0 and i + k <= state.max_iter else 1
             state = last.state = _unit(driver, due, state, source, n, owned, last)
             last.torn = False
+            if not owned and driver.donate:  # the given state, copied, is its caller's or gone
+                hand_back_freed()
             owned = driver.donate  # from here on the fold threads states nobody else holds
             yield state
             if stop is not None:

@@ -38,6 +38,7 @@ from torch.utils import _pytree as pytree
 from fnloop._step.errors import _NUMBER_METRIC, GraphBreakError, _number
 from fnloop._step.remat import gradients, reentrant_refused
 from fnloop.optim import Optimizer, learning_rates
+from fnloop.optim._fused import fused_update_
 
 if TYPE_CHECKING:
     from fnloop._step.blocks import Units
@@ -204,11 +205,16 @@ class Kernel:
     def update_(self, grads: dict, opt_state: Any, params: dict, iteration: torch.Tensor) -> dict:
         """The update stage in place: ``params`` and ``opt_state`` written, as ``torch.optim`` writes them.
 
+        ``adam`` and ``adamw`` update with torch's fused kernel where they can
+        (``fnloop/optim/_fused.py``): the numbers of ``torch.optim.AdamW(fused=True)``.
+
         Returns the learning rates, as ``rates`` gives them (and a loss scale's metrics).
         """
         before = self.optimizer.snapshot(opt_state)
         with _matching(self.fixed):
-            self.optimizer.update_(grads, opt_state, self.trained(params), iteration)
+            trained = self.trained(params)
+            if not fused_update_(self.optimizer, grads, opt_state, trained, iteration):
+                self.optimizer.update_(grads, opt_state, trained, iteration)
         return {**self.rates(iteration, opt_state), **self.optimizer.metrics(before, opt_state)}
 
     @property

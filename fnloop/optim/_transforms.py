@@ -327,6 +327,8 @@ class _ScaleByAdam:
     b1: float
     b2: float
     eps: float
+    fused: bool = True
+    """Whether an update in place may run ``adam``'s or ``adamw``'s chain with torch's fused kernel (``_fused.py``)."""
 
     def init(self, params: Params, /) -> ScaleByAdamState:
         mu = {k: torch.zeros_like(p) for k, p in params.items()}
@@ -393,15 +395,22 @@ class _ScaleByAdam:
         return updates
 
     def __repr__(self) -> str:
-        return f"scale_by_adam(betas=({self.b1!r}, {self.b2!r}), eps={self.eps!r})"
+        fused = "" if self.fused else ", fused=False"
+        return f"scale_by_adam(betas=({self.b1!r}, {self.b2!r}), eps={self.eps!r}{fused})"
 
 
-def scale_by_adam(betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> GradientTransformation:
+def scale_by_adam(
+    betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, *, fused: bool = True
+) -> GradientTransformation:
     """Rescale updates by Adam's bias-corrected moments: ``m_hat / (sqrt(v_hat) + eps)``.
 
     Args:
         betas: decay rates of the first and second moments, each in ``[0, 1)``.
         eps: added to the denominator; non-negative.
+        fused: in ``adam``'s and ``adamw``'s chains, let the eager step
+            (``train_step(..., compile=False)``) update with torch's fused
+            kernel, the numbers of ``torch.optim.AdamW(fused=True)``; ``False``:
+            with this formula, op by op (see ``adamw``).
 
     Returns:
         A transformation whose state is a ``ScaleByAdamState``.
@@ -422,4 +431,4 @@ def scale_by_adam(betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) 
         )
     b1 = _number("betas[0]", betas[0], below=1.0)
     b2 = _number("betas[1]", betas[1], below=1.0)
-    return _ScaleByAdam(b1, b2, _number("eps", eps))
+    return _ScaleByAdam(b1, b2, _number("eps", eps), bool(fused))
