@@ -1,6 +1,6 @@
 """The field's models under fnloop against the loops a user writes with stock PyTorch.
 
-    python benchmarks/bench_models.py                      # the three workloads, every row (~25 min)
+    python benchmarks/bench_models.py                      # the three workloads, every row (~45 min)
     python benchmarks/bench_models.py --only gpt2          # one workload (repeatable)
     python benchmarks/bench_models.py --skip-processes     # speed only: no memory, no cold/warm compile
     python benchmarks/bench_models.py --quick              # tiny sizes, few steps: a smoke run
@@ -18,9 +18,11 @@ Workloads, randomly initialised, at the library's defaults unless said:
 
 Every loop uses AdamW (lr 1e-3, weight decay 0.01). The speed rows run in one process, the loops
 taking turns (interleaved), one thread; each round times ``--steps`` steps of each loop; the table
-gives the median over ``--repeats`` rounds in ms per step. The loops:
+gives the median over ``--repeats`` rounds in ms per step, and each ratio as the median, lowest and
+highest of the rounds' own ratios (each round compares loops that ran side by side). The loops:
 
-- ``fnloop``: ``fl.run`` over ``train_step(...)`` (the whole step compiled, donated);
+- ``fnloop``: ``fl.run`` over ``train_step(...)`` (the whole step compiled, donated); each round is a
+  run of its own, given its state (``donate_input=True``), as one long run threads it;
 - ``fnloop eager``: the same with ``compile=False``;
 - ``eager``: ``zero_grad(set_to_none=True)`` / ``backward`` / ``step``, with the faster of
   ``torch.optim.AdamW(foreach=True)`` and ``AdamW(fused=True)`` (measured, named in the table);
@@ -34,9 +36,11 @@ step's page on glibc's malloc); pin it for steady numbers:
 
     MALLOC_MMAP_THRESHOLD_=268435456 MALLOC_TRIM_THRESHOLD_=1073741824 python benchmarks/bench_models.py
 
-Memory and compile times run each loop in fresh processes: peak RSS over the timed steps (the
-high-water mark reset after the warm-up), the first step with empty inductor and fnloop caches
-(cold) and with the caches that run left (warm, from the start of the process).
+Memory and compile times run each loop in fresh processes, ``--process-repeats`` rounds (3), the
+loops taking turns: peak RSS over the timed steps (the high-water mark reset after the warm-up), the
+first step with empty inductor and fnloop caches (cold) and with the caches that run left (warm,
+from the start of the process). There fnloop runs as a script does by default: each run's first
+step copies the state it is given.
 """
 
 from __future__ import annotations
@@ -267,8 +271,8 @@ def _sync(s: Settings) -> None:
         torch.cuda.synchronize(s.device)
 
 
-def interleave(loops: dict[str, Train], s: Settings, steps: int, repeats: int) -> dict[str, float]:
-    """Median ms per step of each loop, the loops taking turns, ``steps`` steps a turn."""
+def rounds(loops: dict[str, Train], s: Settings, steps: int, repeats: int) -> dict[str, list[float]]:
+    """Each round's ms per step of each loop, the loops taking turns, ``steps`` steps a turn."""
     for train in loops.values():
         train(2)  # compile and warm up
     _sync(s)
@@ -282,9 +286,23 @@ def interleave(loops: dict[str, Train], s: Settings, steps: int, repeats: int) -
             _sync(s)
             times[name].append((time.perf_counter() - start) / steps * 1e3)
             faults[name].append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / steps)
-    if os.environ.get("BENCH_FAULTS"):
-        print({name: round(statistics.median(f)) for name, f in faults.items()}, file=sys.stderr)
-    return {name: statistics.median(t) for name, t in times.items()}
+    FAULTS.update({name: statistics.median(f) for name, f in faults.items()})
+    return times
+
+
+FAULTS: dict[str, float] = {}
+"""Minor page faults per step of each loop in the last ``rounds``, median over the rounds."""
+
+
+def interleave(loops: dict[str, Train], s: Settings, steps: int, repeats: int) -> dict[str, float]:
+    """Median ms per step of each loop, the loops taking turns, ``steps`` steps a turn."""
+    return {name: statistics.median(t) for name, t in rounds(loops, s, steps, repeats).items()}
+
+
+def spread(values: list[float], digits: int = 2, unit: str = X) -> str:
+    """``median (min-max)`` of ``values``."""
+    lo, mid, hi = min(values), statistics.median(values), max(values)
+    return f"{mid:.{digits}f}{unit} ({lo:.{digits}f}-{hi:.{digits}f})"
 
 
 def fastest(candidates: dict[str, Train], s: Settings, steps: int) -> tuple[str, Train]:
@@ -315,11 +333,14 @@ def probe(w: Workload, s: Settings, loop: str, steps: int) -> dict[str, float]:
     _sync(s)
     timed: list[float] = []
 
+    faults: list[int] = []
+
     def mark(i: int) -> None:
         # After two steps of the run: the peak covers the steady state, not the run's first step.
         if i == 2:
             _sync(s)
             reset_peak_rss()
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
             timed.append(time.perf_counter())
 
     train(steps + 2, mark)
@@ -329,6 +350,7 @@ def probe(w: Workload, s: Settings, loop: str, steps: int) -> dict[str, float]:
         "first_step_s": first,
         "process_s": since_start,
         "ms_per_step": (time.perf_counter() - start) / steps * 1e3,
+        "faults_per_step": (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults[0]) / steps,
         "peak_rss_mb": peak_rss_mb(),
     }
 
@@ -384,22 +406,30 @@ def measure(w: Workload, args: argparse.Namespace, s: Settings) -> list[str]:
     }
     if w.name == "gpt2":
         loops["fnloop k=4"] = fnloop_loop(w, s, k=4, donate=True)
-    med = interleave(loops, s, steps, repeats)
-    best_ref = min(med["eager"], med["torch.compile"])
+    times = rounds(loops, s, steps, repeats)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    ref = min(("eager", "torch.compile"), key=med.__getitem__)
     lines = [
         f"#### {w.label}",
         "",
         f"Eager and `torch.compile` use `AdamW({kind}=True)`"
         + (f", inductor's layout optimization {layout} (the faster)" if len(layouts) > 1 else "")
-        + ".",
+        + f". {repeats} rounds of {steps} steps, the loops taking turns; each ratio is that of each round, "
+        "as median (lowest-highest) over the rounds.",
         "",
-        "| loop | ms per step | speed against the faster of eager and `torch.compile` | against eager |",
-        "|---|---|---|---|",
+        f"| loop | ms per step | speed against the faster of eager and `torch.compile` ({ref}) | against eager "
+        "| minor page faults per step |",
+        "|---|---|---|---|---|",
     ]
-    for name, ms in med.items():
-        lines.append(f"| {name} | {ms:.1f} | {best_ref / ms:.2f}{X} | {med['eager'] / ms:.2f}{X} |")
+    for name, t in times.items():
+        against_ref = [r / m for r, m in zip(times[ref], t)]
+        against_eager = [e / m for e, m in zip(times["eager"], t)]
+        lines.append(
+            f"| {name} | {med[name]:.1f} | {spread(against_ref)} | {spread(against_eager)} | {FAULTS[name]:.0f} |"
+        )
     if "fnloop k=4" in med:
-        lines += ["", f"`steps_per_call=4` against single steps: {med['fnloop'] / med['fnloop k=4']:.2f}{X}."]
+        per_call = [a / b for a, b in zip(times["fnloop"], times["fnloop k=4"])]
+        lines += ["", f"`steps_per_call=4` against single steps: {spread(per_call)}."]
     if not args.skip_processes:
         lines += ["", *processes(w, args, kind, layout)]
     return lines
@@ -412,37 +442,53 @@ def processes(w: Workload, args: argparse.Namespace, kind: str, layout: str) -> 
         "eager": f"eager-{kind}",
         "torch.compile": f"compile-{kind}-{layout}",
     }
-    rows = []
-    results: dict[str, tuple[dict[str, float], dict[str, float]]] = {}
-    for label, loop in loops.items():
-        with tempfile.TemporaryDirectory() as caches:
-            cold = run_probe(w.name, loop, args, caches)
-            warm = run_probe(w.name, loop, args, caches)
-        results[label] = (cold, warm)
+    n = args.process_repeats
+    results: dict[str, list[tuple[dict[str, float], dict[str, float]]]] = {label: [] for label in loops}
+    for _ in range(n):  # the loops take turns here too: a slow spell of the machine hits them all
+        for label, loop in loops.items():
+            with tempfile.TemporaryDirectory() as caches:
+                cold = run_probe(w.name, loop, args, caches)
+                warm = run_probe(w.name, loop, args, caches)
+            results[label].append((cold, warm))
     loop_compile = []
     if w.convolutional:  # the loop graph of several steps per call, against the single step's
         with tempfile.TemporaryDirectory() as caches:
             cold = run_probe(w.name, "fnloop-k4", args, caches)
-        single = results["fnloop"][0]["first_step_s"]
+        single = statistics.median(c["first_step_s"] for c, _ in results["fnloop"])
         loop_compile = [
             "",
             f"The loop graph of `steps_per_call=4`, cold: {cold['first_step_s']:.1f} s for its first call, "
             f"{cold['first_step_s'] / single:.2f}{X} the single step's {single:.1f} s.",
         ]
-    eager_rss = results["eager"][1]["peak_rss_mb"]
-    for label, (cold, warm) in results.items():
+
+    def each(label: str, which: int, key: str) -> list[float]:
+        return [runs[which][key] for runs in results[label]]
+
+    rows = []
+    for label in loops:
+        cold_s, rss = each(label, 0, "first_step_s"), each(label, 1, "peak_rss_mb")
+        against_compile = [c / t for c, t in zip(cold_s, each("torch.compile", 0, "first_step_s"))]
+        compiles = label in ("fnloop", "torch.compile")
+        against_eager = [r / e for r, e in zip(rss, each("eager", 1, "peak_rss_mb"))]
         rows.append(
-            f"| {label} | {cold['first_step_s']:.1f} | {warm['first_step_s']:.1f} | {warm['process_s']:.1f} | "
-            f"{warm['ms_per_step']:.1f} | {warm['peak_rss_mb']:.0f} | {warm['peak_rss_mb'] / eager_rss:.2f}{X} |"
+            f"| {label} | {spread(cold_s, 1, ' s')} | {spread(against_compile) if compiles else '-'} "
+            f"| {statistics.median(each(label, 1, 'first_step_s')):.1f} "
+            f"| {statistics.median(each(label, 1, 'process_s')):.1f} "
+            f"| {statistics.median(each(label, 1, 'ms_per_step')):.1f} "
+            f"| {statistics.median(each(label, 1, 'faults_per_step')):.0f} "
+            f"| {spread(rss, 0, ' MiB')} | {spread(against_eager)} |"
         )
     return [
-        "Fresh processes: the first step (its own call) with empty inductor and fnloop caches and with "
-        "the caches that run left; the process from its start to the end of that warm first step "
-        "(Python, imports, the model, the data); then, alone in its process, ms per step and peak RSS "
-        "over the timed steps:",
+        f"Fresh processes, rounds: {n}, the loops taking turns: the first step (its own call) with empty "
+        "inductor and fnloop caches (cold) and with the caches that run left (warm); the process from "
+        "its start to the end of that warm first step (Python, imports, the model, the data); then, "
+        "alone in its process, ms per step, minor page faults per step and peak RSS over the timed "
+        "steps. Ratios are per round, median (lowest-highest); the rest are medians:",
         "",
-        "| loop | first step, cold (s) | first step, warm (s) | process to first step, warm (s) | ms per step, alone | peak RSS (MiB) | against eager |",
-        "|---|---|---|---|---|---|---|",
+        "| loop | first step, cold | cold against `torch.compile`'s | first step, warm (s) "
+        "| process to first step, warm (s) | ms per step, alone | page faults per step, alone "
+        "| peak RSS | RSS against eager |",
+        "|---|---|---|---|---|---|---|---|---|",
         *rows,
         *loop_compile,
     ]
@@ -455,12 +501,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=None, help="rounds (default 7, quick 2)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--skip-processes", action="store_true", help="no memory or compile-time rows")
+    parser.add_argument(
+        "--process-repeats", type=int, default=None, help="rounds of fresh processes (default 3, quick 1)"
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--probe", nargs=2, metavar=("WORKLOAD", "LOOP"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.steps = args.steps or (3 if args.quick else 10)
     args.repeats = args.repeats or (2 if args.quick else 7)
+    args.process_repeats = args.process_repeats or (1 if args.quick else 3)
     torch.set_num_threads(1)
     sys.path.insert(0, HERE)
     # Each round of a loop is a new fl.run over its next batches, on purpose.

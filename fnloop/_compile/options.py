@@ -13,6 +13,9 @@ __all__ = ["SMALL_LOOP", "default_options", "inductor_options"]
 SMALL_LOOP = 400
 """The most ops a graph with a loop may have for fnloop to build it with the C++ wrapper."""
 
+SMALL_GRAPH = 1_000
+"""The most ops a graph may have for fnloop to build it with the C++ wrapper."""
+
 
 def default_options(
     leaves: Sequence[torch.Tensor], loops: bool, ops: int, recomputes: bool = False, shards: bool = False
@@ -21,8 +24,13 @@ def default_options(
 
     - ``cpp_wrapper``: a C++ wrapper calls the kernels, not Python. On the
       tiny benchmark it takes about 8 us off each step (44 -> 36 us) for
-      about 6 s more at the first compile. For a graph with a loop (several
-      steps per call) only when it is small (``SMALL_LOOP`` ops): the wrapper
+      about 6 s more at the first compile. Only for a graph of at most
+      ``SMALL_GRAPH`` ops: the wrapper's build grows with the graph (a
+      ResNet-18's step of 3,000 ops, 332 kernels, took 12 s longer to compile
+      with it: 49.7 s against 37.8) while what it saves stays microseconds a
+      step, against the tens of milliseconds of such a step. For a graph with
+      a loop (several steps per call) only when it is smaller still
+      (``SMALL_LOOP`` ops): the wrapper
       then runs the loop in C++ (the tiny MLP's 128 steps a call: 20.0 us a
       step against 38.1 with Python's), but it writes the loop's body into its
       own source, whose build grows faster than the body: a 2-layer GPT-2's
@@ -45,10 +53,12 @@ def default_options(
       memory was 357 MiB with it and 159 without (418 without checkpointing).
 
     Examples:
+        >>> default_options([torch.zeros(2)], loops=False, ops=500)
+        {'cpp_wrapper': True, 'layout_optimization': False}
         >>> default_options([torch.zeros(2)], loops=True, ops=1_000)
         {'cpp_wrapper': False, 'layout_optimization': False}
     """
-    defaults: dict[str, Any] = {"cpp_wrapper": not shards and (not loops or ops <= SMALL_LOOP)}
+    defaults: dict[str, Any] = {"cpp_wrapper": not shards and ops <= (SMALL_LOOP if loops else SMALL_GRAPH)}
     if all(leaf.device.type == "cpu" for leaf in leaves):
         defaults["layout_optimization"] = False
     if recomputes:
