@@ -44,12 +44,14 @@ def _fnloop(opt: Optimizer, model: torch.nn.Module | None = None, steps: int = S
     return fl.run(fl.init(model, opt, seed=0, max_iter=steps), step, fl.data.resumable(DATA[:steps]))
 
 
-def _torch(make: type[torch.optim.Optimizer], groups, schedule=None, model=None, **settings) -> dict:
-    model = _model() if model is None else model
+def _torch(make: type[torch.optim.Optimizer], groups, schedule=None, clip=None, **settings) -> dict:
+    model = _model()
     opt = make(groups(model), **settings)
     scheduler = None if schedule is None else schedule(opt)
     for batch in DATA:
         loss_fn(model, batch).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if scheduler is not None:
@@ -91,6 +93,12 @@ CASES = {
             weight_decay=0.1,
             fused=True,
         ),
+    ),
+    "clipped, then adamw": (
+        lambda fused: fl.optim.chain(
+            fl.optim.clip_by_global_norm(0.5), fl.optim.adamw(1e-2, weight_decay=0.1, fused=fused)
+        ),
+        lambda: _torch(torch.optim.AdamW, _all, clip=0.5, lr=1e-2, weight_decay=0.1, fused=True),
     ),
     "adam with L2 decay": (
         lambda fused: fl.optim.adam(1e-2, weight_decay=0.1, eps=1e-6, fused=fused),

@@ -20,12 +20,14 @@ import torch
 from fnloop.optim._base import Optimizer, Params
 from fnloop.optim._combining import _Chain
 from fnloop.optim._learning_rate import _ScaleByLearningRate, _scheduled
-from fnloop.optim._transforms import _AddDecayedWeights, _mask_value, _ScaleByAdam
+from fnloop.optim._transforms import _AddDecayedWeights, _ClipByGlobalNorm, _mask_value, _ScaleByAdam
 
 __all__ = ["fused_update_"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _DEVICES = ("cpu", "cuda")
+_CLIPS = 1
+"""How many ``clip_by_global_norm`` stages may come first: they run in place, then the kernel."""
 
 
 def fused_update_(
@@ -34,20 +36,26 @@ def fused_update_(
     """``optimizer.update_`` by torch's fused kernel, where ``optimizer`` is ``adam`` or ``adamw``; else ``False``.
 
     Returns whether it updated: the optimizer is ``adam(...)`` or
-    ``adamw(...)`` as the library builds it (``fused=True``, the default), with
+    ``adamw(...)`` as the library builds it (``fused=True``, the default),
+    after at most one ``clip_by_global_norm`` (which runs first, in place), with
     numbers for settings, and every parameter a floating tensor on a CPU or
     CUDA device, its gradient and moments of its own dtype. Nothing is
     written otherwise: the caller then runs ``update_``.
     """
     if type(optimizer) is not Optimizer or not isinstance(optimizer.transform, _Chain):
         return False
-    plan = _plan(optimizer.transform.transforms)
-    if plan is None or not params:
+    stages = optimizer.transform.transforms
+    plan = _plan(stages)
+    if plan is None or not params or type(state) is not tuple or len(state) != len(stages):
         return False
     adam_at, adam, decay, lr_stage, decoupled = plan
     moments = state[adam_at]
     if not _fits(params, grads, moments.mu, moments.nu) or moments.step.dtype != torch.int64:
         return False
+    for clip, clipped in zip(stages[:_CLIPS], state):  # chain(clip_by_global_norm(c), adamw(...))
+        if not isinstance(clip, _ClipByGlobalNorm):
+            break
+        grads = clip.update_(grads, clipped, params, iteration)
     lr = _scheduled(lr_stage.lr, iteration) if callable(lr_stage.lr) else lr_stage.lr
     if isinstance(lr, torch.Tensor):
         lr = lr.item()  # a schedule's, computed on the first parameter's device: one sync per step on a GPU
@@ -83,14 +91,20 @@ def fused_update_(
 def _plan(
     stages: tuple[Any, ...],
 ) -> tuple[int, _ScaleByAdam, _AddDecayedWeights | None, _ScaleByLearningRate, bool] | None:
-    """``adam``'s or ``adamw``'s stages in ``stages``: (Adam's index, Adam's, the decay, the lr's, decoupled)."""
+    """``adam``'s or ``adamw``'s stages at the end of ``stages``, after at most one clip: (Adam's index, Adam's, the decay, the lr's, decoupled)."""
     kinds = [type(s) for s in stages]
+    clips = 0
+    while clips < len(kinds) and kinds[clips] is _ClipByGlobalNorm:
+        clips += 1
+    if clips > _CLIPS or any(s.summed is not None for s in stages[:clips]):  # a sharded step's
+        return None
+    kinds = kinds[clips:]
     if kinds == [_ScaleByAdam, _ScaleByLearningRate]:
-        adam_at, decay, decoupled = 0, None, True
+        adam_at, decay, decoupled = clips, None, True
     elif kinds == [_AddDecayedWeights, _ScaleByAdam, _ScaleByLearningRate]:
-        adam_at, decay, decoupled = 1, stages[0], False
+        adam_at, decay, decoupled = clips + 1, stages[clips], False
     elif kinds == [_ScaleByAdam, _AddDecayedWeights, _ScaleByLearningRate]:
-        adam_at, decay, decoupled = 0, stages[1], True
+        adam_at, decay, decoupled = clips, stages[clips + 1], True
     else:
         return None
     adam, lr_stage = stages[adam_at], stages[-1]
