@@ -274,7 +274,7 @@ def _sync(s: Settings) -> None:
 def rounds(loops: dict[str, Train], s: Settings, steps: int, repeats: int) -> dict[str, list[float]]:
     """Each round's ms per step of each loop, the loops taking turns, ``steps`` steps a turn."""
     for train in loops.values():
-        train(2)  # compile and warm up
+        train(steps)  # compile and warm up: a turn's own calls (steps_per_call=4's loop graph too)
     _sync(s)
     times: dict[str, list[float]] = {name: [] for name in loops}
     faults: dict[str, list[float]] = {name: [] for name in loops}
