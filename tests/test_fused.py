@@ -168,3 +168,30 @@ def test_what_the_kernels_cannot_take_runs_the_chain_in_place() -> None:
         assert not fused_update_(opt, grads, state, params, torch.tensor(0)), repr(opt)
         for a, b in zip(kept, torch.utils._pytree.tree_leaves(state)):
             assert torch.equal(a, b)
+
+
+def test_statistics_record_the_fused_steps_numbers_and_change_no_bit() -> None:
+    # The step that records statistics runs the pure layout, fused as the step in place is.
+    opt = fl.optim.adamw(fl.optim.cosine(1e-2, max_iter=STEPS), weight_decay=0.1)
+    plain = _fnloop(opt)
+    model = _model()
+    step = fl.train_step(model, loss_fn, opt, compile=False, stats="model")
+    watched = fl.run(fl.init(model, opt, seed=0, max_iter=STEPS), step, fl.data.resumable(DATA))
+    assert "grad_norm" in " ".join(watched.metrics.names)
+    for name, value in plain.params.items():
+        assert torch.equal(watched.params[name], value), name
+
+
+def test_a_state_sharded_at_one_rank_updates_with_the_fused_kernel_as_the_whole_one() -> None:
+    # At one rank the chunks are the whole tensors. Across ranks a sharded step runs the chain's
+    # formula (the kernel rounds its vectorized body and its scalar tail differently, so chunks cut
+    # elsewhere would part the bits); tests/test_sharding.py compares those runs.
+    model = _model()
+    opt = fl.optim.adamw(1e-2, weight_decay=0.1)
+    step = fl.train_step(model, loss_fn, opt, compile=False)
+    sharded = fl.run(fl.init(model, opt, seed=0, max_iter=STEPS, shard="full"), step, fl.data.resumable(DATA))
+    whole = _fnloop(opt).params
+    formula = _fnloop(fl.optim.adamw(1e-2, weight_decay=0.1, fused=False)).params
+    for name, value in fl.unshard(sharded).params.items():
+        assert torch.equal(whole[name], value), name
+    assert any(not torch.equal(formula[k], v) for k, v in fl.unshard(sharded).params.items())

@@ -38,7 +38,7 @@ from torch.utils import _pytree as pytree
 from fnloop._step.errors import _NUMBER_METRIC, GraphBreakError, _number
 from fnloop._step.remat import gradients, reentrant_refused
 from fnloop.optim import Optimizer, learning_rates
-from fnloop.optim._fused import fused_update_
+from fnloop.optim._fused import fused_update, fused_update_
 
 if TYPE_CHECKING:
     from fnloop._step.blocks import Units
@@ -195,7 +195,15 @@ class Kernel:
         """
         optimizer = self.optimizer if total is None else self.optimizer.over_shards(total)
         with _matching(self.fixed):
-            trained, new_state = optimizer.update(grads, opt_state, self.trained(params), iteration)
+            # Eager, a whole state's adam and adamw update with torch's fused kernel, as update_ does
+            # (_fused.py). Not a sharded state's chunks, nor slices: the kernel's vectorized body and
+            # its scalar tail round differently, so chunks cut elsewhere would part the bits.
+            whole = self.eager and total is None and self.slices is None
+            trained = self.trained(params)
+            fused = fused_update(optimizer, grads, opt_state, trained, iteration) if whole else None
+            trained, new_state = (
+                optimizer.update(grads, opt_state, trained, iteration) if fused is None else fused
+            )
         return Updated(
             trained,
             new_state,

@@ -16,13 +16,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from fnloop.optim._base import Optimizer, Params
 from fnloop.optim._combining import _Chain
 from fnloop.optim._learning_rate import _ScaleByLearningRate, _scheduled
 from fnloop.optim._transforms import _AddDecayedWeights, _ClipByGlobalNorm, _mask_value, _ScaleByAdam
 
-__all__ = ["fused_update_"]
+__all__ = ["fused_update", "fused_update_"]
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _DEVICES = ("cpu", "cuda")
@@ -57,8 +58,6 @@ def fused_update_(
             break
         grads = clip.update_(grads, clipped, params, iteration)
     lr = _scheduled(lr_stage.lr, iteration) if callable(lr_stage.lr) else lr_stage.lr
-    if isinstance(lr, torch.Tensor):
-        lr = lr.item()  # a schedule's, computed on the first parameter's device: one sync per step on a GPU
     moments.step.add_(1)
     groups: dict[tuple[torch.device, torch.dtype, float], list[str]] = {}
     for k, p in params.items():
@@ -70,6 +69,8 @@ def fused_update_(
     for (device, _, wd), keys in groups.items():
         # As torch.optim's: the step a float32 tensor per parameter, counted before the kernel reads it.
         step = moments.step.to(device=device, dtype=torch.float32)
+        # A schedule's rate stays a tensor, as torch.optim passes one: the host never waits for it.
+        rate = lr.to(device) if isinstance(lr, torch.Tensor) else lr
         kernel(
             [params[k] for k in keys],
             [grads[k] for k in keys],
@@ -77,7 +78,7 @@ def fused_update_(
             [moments.nu[k] for k in keys],
             [],
             [step] * len(keys),
-            lr=float(lr),
+            lr=rate,
             beta1=adam.b1,
             beta2=adam.b2,
             weight_decay=wd,
@@ -88,6 +89,31 @@ def fused_update_(
     return True
 
 
+def fused_update(
+    optimizer: Optimizer, grads: Params, state: Any, params: Params, iteration: torch.Tensor
+) -> tuple[Params, Any] | None:
+    """``optimizer.update`` by torch's fused kernel, on copies: ``(new_params, new_state)``, or ``None``.
+
+    For the eager step's pure layouts of a whole state (statistics, transforms
+    of the update stage), so that they update with the numbers of the step in
+    place (``fused_update_``). ``None`` where that does not apply, and under
+    ``vmap`` (a population's members), which the kernels cannot take. Never
+    for a sharded state's chunks or world-size-invariant slices: the kernel's
+    vectorized body and its scalar tail round differently, so the same
+    elements cut into other chunks would come out in other bits.
+    """
+    if torch._C._are_functorch_transforms_active() or type(optimizer) is not Optimizer:
+        return None
+    if not isinstance(optimizer.transform, _Chain) or _plan(optimizer.transform.transforms) is None:
+        return None
+    new_params = {k: p.clone() for k, p in params.items()}
+    new_state = pytree.tree_map(torch.clone, state)
+    grads = {k: g.clone() for k, g in grads.items()}  # a clip scales them in place
+    if not fused_update_(optimizer, grads, new_state, new_params, iteration):
+        return None
+    return new_params, new_state
+
+
 def _plan(
     stages: tuple[Any, ...],
 ) -> tuple[int, _ScaleByAdam, _AddDecayedWeights | None, _ScaleByLearningRate, bool] | None:
@@ -96,7 +122,7 @@ def _plan(
     clips = 0
     while clips < len(kinds) and kinds[clips] is _ClipByGlobalNorm:
         clips += 1
-    if clips > _CLIPS or any(s.summed is not None for s in stages[:clips]):  # a sharded step's
+    if clips > _CLIPS:
         return None
     kinds = kinds[clips:]
     if kinds == [_ScaleByAdam, _ScaleByLearningRate]:
