@@ -38,8 +38,8 @@ DATA = [
 ]
 
 
-def _fnloop(opt: Optimizer, model: torch.nn.Module | None = None, steps: int = STEPS) -> fl.TrainState:
-    model = _model() if model is None else model
+def _fnloop(opt: Optimizer, steps: int = STEPS) -> fl.TrainState:
+    model = _model()
     step = fl.train_step(model, loss_fn, opt, compile=False)
     return fl.run(fl.init(model, opt, seed=0, max_iter=steps), step, fl.data.resumable(DATA[:steps]))
 

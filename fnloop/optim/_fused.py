@@ -13,7 +13,7 @@ which inductor fuses itself.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils import _pytree as pytree
@@ -43,13 +43,10 @@ def fused_update_(
     CUDA device, its gradient and moments of its own dtype. Nothing is
     written otherwise: the caller then runs ``update_``.
     """
-    if type(optimizer) is not Optimizer or not isinstance(optimizer.transform, _Chain):
+    plan = _fusable(optimizer)
+    if plan is None or not params or type(state) is not tuple or len(state) != len(plan.stages):
         return False
-    stages = optimizer.transform.transforms
-    plan = _plan(stages)
-    if plan is None or not params or type(state) is not tuple or len(state) != len(stages):
-        return False
-    adam_at, adam, decay, lr_stage, decoupled = plan
+    stages, adam_at, adam, decay, lr_stage, decoupled = plan
     moments = state[adam_at]
     if not _fits(params, grads, moments.mu, moments.nu) or moments.step.dtype != torch.int64:
         return False
@@ -102,9 +99,7 @@ def fused_update(
     vectorized body and its scalar tail round differently, so the same
     elements cut into other chunks would come out in other bits.
     """
-    if torch._C._are_functorch_transforms_active() or type(optimizer) is not Optimizer:
-        return None
-    if not isinstance(optimizer.transform, _Chain) or _plan(optimizer.transform.transforms) is None:
+    if torch._C._are_functorch_transforms_active() or _fusable(optimizer) is None:
         return None
     new_params = {k: p.clone() for k, p in params.items()}
     new_state = pytree.tree_map(torch.clone, state)
@@ -114,9 +109,25 @@ def fused_update(
     return new_params, new_state
 
 
-def _plan(
-    stages: tuple[Any, ...],
-) -> tuple[int, _ScaleByAdam, _AddDecayedWeights | None, _ScaleByLearningRate, bool] | None:
+class _Plan(NamedTuple):
+    """Where ``adam``'s or ``adamw``'s stages sit in a chain, and how the kernel applies them."""
+
+    stages: tuple[Any, ...]
+    adam_at: int
+    adam: _ScaleByAdam
+    decay: _AddDecayedWeights | None
+    lr_stage: _ScaleByLearningRate
+    decoupled: bool
+
+
+def _fusable(optimizer: Optimizer) -> _Plan | None:
+    """The plan of ``optimizer``'s chain, if it is ``adam``'s or ``adamw``'s (after at most one clip)."""
+    if type(optimizer) is not Optimizer or not isinstance(optimizer.transform, _Chain):
+        return None
+    return _plan(optimizer.transform.transforms)
+
+
+def _plan(stages: tuple[Any, ...]) -> _Plan | None:
     """``adam``'s or ``adamw``'s stages at the end of ``stages``, after at most one clip: (Adam's index, Adam's, the decay, the lr's, decoupled)."""
     kinds = [type(s) for s in stages]
     clips = 0
@@ -139,7 +150,7 @@ def _plan(
         return None
     if not callable(lr_stage.lr) and type(lr_stage.lr) is not float:
         return None
-    return adam_at, adam, decay, lr_stage, decoupled
+    return _Plan(stages, adam_at, adam, decay, lr_stage, decoupled)
 
 
 def _fits(params: Params, grads: Params, mu: Params, nu: Params) -> bool:
