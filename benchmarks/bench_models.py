@@ -271,8 +271,11 @@ def _sync(s: Settings) -> None:
         torch.cuda.synchronize(s.device)
 
 
-def rounds(loops: dict[str, Train], s: Settings, steps: int, repeats: int) -> dict[str, list[float]]:
-    """Each round's ms per step of each loop, the loops taking turns, ``steps`` steps a turn."""
+def rounds(
+    loops: dict[str, Train], s: Settings, steps: int, repeats: int
+) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Each round's ms per step of each loop, the loops taking turns, ``steps`` steps a turn;
+    and each loop's minor page faults per step, the median over the rounds."""
     for train in loops.values():
         train(steps)  # compile and warm up: a turn's own calls (steps_per_call=4's loop graph too)
     _sync(s)
@@ -286,17 +289,12 @@ def rounds(loops: dict[str, Train], s: Settings, steps: int, repeats: int) -> di
             _sync(s)
             times[name].append((time.perf_counter() - start) / steps * 1e3)
             faults[name].append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / steps)
-    FAULTS.update({name: statistics.median(f) for name, f in faults.items()})
-    return times
-
-
-FAULTS: dict[str, float] = {}
-"""Minor page faults per step of each loop in the last ``rounds``, median over the rounds."""
+    return times, {name: statistics.median(f) for name, f in faults.items()}
 
 
 def interleave(loops: dict[str, Train], s: Settings, steps: int, repeats: int) -> dict[str, float]:
     """Median ms per step of each loop, the loops taking turns, ``steps`` steps a turn."""
-    return {name: statistics.median(t) for name, t in rounds(loops, s, steps, repeats).items()}
+    return {name: statistics.median(t) for name, t in rounds(loops, s, steps, repeats)[0].items()}
 
 
 def spread(values: list[float], digits: int = 2, unit: str = X) -> str:
@@ -406,7 +404,7 @@ def measure(w: Workload, args: argparse.Namespace, s: Settings) -> list[str]:
     }
     if w.name == "gpt2":
         loops["fnloop k=4"] = fnloop_loop(w, s, k=4, donate=True)
-    times = rounds(loops, s, steps, repeats)
+    times, faults = rounds(loops, s, steps, repeats)
     med = {name: statistics.median(t) for name, t in times.items()}
     ref = min(("eager", "torch.compile"), key=med.__getitem__)
     lines = [
@@ -425,7 +423,7 @@ def measure(w: Workload, args: argparse.Namespace, s: Settings) -> list[str]:
         against_ref = [r / m for r, m in zip(times[ref], t)]
         against_eager = [e / m for e, m in zip(times["eager"], t)]
         lines.append(
-            f"| {name} | {med[name]:.1f} | {spread(against_ref)} | {spread(against_eager)} | {FAULTS[name]:.0f} |"
+            f"| {name} | {med[name]:.1f} | {spread(against_ref)} | {spread(against_eager)} | {faults[name]:.0f} |"
         )
     if "fnloop k=4" in med:
         per_call = [a / b for a, b in zip(times["fnloop"], times["fnloop k=4"])]
