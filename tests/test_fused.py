@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import fnloop as fl
+from fnloop import testing
 from fnloop.optim import Optimizer
 from fnloop.optim._fused import fused_update_
 
@@ -195,3 +196,45 @@ def test_a_state_sharded_at_one_rank_updates_with_the_fused_kernel_as_the_whole_
     for name, value in fl.unshard(sharded).params.items():
         assert torch.equal(whole[name], value), name
     assert any(not torch.equal(formula[k], v) for k, v in fl.unshard(sharded).params.items())
+
+
+class _Downsampling(torch.nn.Module):
+    """A 2x2, stride-2 convolution on channels-last activations, as ConvNeXt downsamples after its LayerNorm."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(8, 16, kernel_size=2, stride=2)
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)  # NCHW, laid out channels-last
+        return self.head(self.conv(x).mean((2, 3)))
+
+
+def test_a_gradient_in_another_memory_layout_than_its_parameter_updates_the_right_elements() -> None:
+    # The fused kernels pair elements by memory offset. torch.autograd.grad returns this convolution's
+    # weight gradient channels-last beside a contiguous weight, and the kernel updated each weight with
+    # another element's gradient: the eager step moved against the gradient (found by fl.check_step).
+    gen = torch.Generator().manual_seed(3)
+    data = [
+        (torch.randn(4, 8, 8, 8, generator=gen), torch.randint(0, 3, (4,), generator=gen)) for _ in range(3)
+    ]
+    probe = _Downsampling()
+    (grad,) = torch.autograd.grad(loss_fn(probe, data[0]), [probe.conv.weight])
+    assert grad.stride() != probe.conv.weight.stride(), (
+        "the premise: the gradient comes back in another layout"
+    )
+
+    opt = fl.optim.adamw(1e-2)
+    torch.manual_seed(0)
+    model = _Downsampling()
+    step = fl.train_step(model, loss_fn, opt, compile=False)
+    ours = fl.run(fl.init(model, opt, seed=0, max_iter=3), step, fl.data.resumable(data))
+    torch.manual_seed(0)
+    theirs = _Downsampling()
+    reference = torch.optim.AdamW(theirs.parameters(), lr=1e-2, fused=True)
+    for batch in data:
+        loss_fn(theirs, batch).backward()
+        reference.step()
+        reference.zero_grad(set_to_none=True)
+    testing.assert_identical(ours.params, {k: v.detach() for k, v in theirs.named_parameters()})

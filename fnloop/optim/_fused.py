@@ -50,6 +50,7 @@ def fused_update_(
     moments = state[adam_at]
     if not _fits(params, grads, moments.mu, moments.nu) or moments.step.dtype != torch.int64:
         return False
+    grads = {k: _laid_out(g, params[k]) for k, g in grads.items()}
     for clip, clipped in zip(stages[:_CLIPS], state):  # chain(clip_by_global_norm(c), adamw(...))
         if not isinstance(clip, _ClipByGlobalNorm):
             break
@@ -153,8 +154,32 @@ def _plan(stages: tuple[Any, ...]) -> _Plan | None:
     return _Plan(stages, adam_at, adam, decay, lr_stage, decoupled)
 
 
+def _laid_out(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``grad`` in ``param``'s memory layout: the fused kernels pair their tensors' elements by memory offset.
+
+    ``torch.autograd.grad`` hands a gradient back in whatever layout its
+    backward made: a convolution's weight gradient came back channels-last
+    (strides ``(32, 1, 16, 8)`` for a weight of strides ``(32, 4, 2, 1)``), and
+    the kernel then updated each weight with another element's gradient.
+    ``param.grad`` never shows this: autograd's accumulation copies a gradient
+    into its parameter's layout, which is what this does.
+    """
+    if grad.shape != param.shape or _same_layout(grad, param):
+        return grad
+    return torch.empty_like(param).copy_(grad)
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` and ``b`` (of one shape) hold their elements at the same offsets (a size-1 dimension's stride aside)."""
+    return all(n == 1 or x == y for n, x, y in zip(a.shape, a.stride(), b.stride()))
+
+
 def _fits(params: Params, grads: Params, mu: Params, nu: Params) -> bool:
-    """Whether the kernel takes these tensors: floating, dense, on a CPU or GPU, each group of one dtype."""
+    """Whether the kernel takes these tensors: floating, dense, on a CPU or GPU, each group of one dtype.
+
+    The moments must share their parameter's memory layout (a gradient is put
+    in it, ``_laid_out``): the kernel pairs elements by memory offset.
+    """
     if not (params.keys() == grads.keys() == mu.keys() == nu.keys()):
         return False
     for k, p in params.items():
@@ -163,4 +188,6 @@ def _fits(params: Params, grads: Params, mu: Params, nu: Params) -> bool:
         for t in (grads[k], mu[k], nu[k]):
             if t.dtype != p.dtype or t.device != p.device or t.layout != torch.strided:
                 return False
+        if not (_same_layout(mu[k], p) and _same_layout(nu[k], p)):
+            return False
     return True
