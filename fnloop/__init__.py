@@ -40,6 +40,7 @@ from fnloop._step.build import (
     init,
     train_step,
 )
+from fnloop._step.check import ParameterCheck, StepCheck, check_step
 from fnloop._step.eval import EvalStep, eval_step
 from fnloop._version import __version__ as __version__
 from fnloop.checkpoint import load, save
@@ -54,6 +55,7 @@ __all__ = [
     "Hook",
     "Metrics",
     "NonFiniteLoss",
+    "ParameterCheck",
     "PerMember",
     "Phase",
     "Population",
@@ -62,12 +64,14 @@ __all__ = [
     "RecompileError",
     "Shards",
     "Step",
+    "StepCheck",
     "TrainState",
     "TrainStep",
     "Unclaimed",
     "UnclaimedHookState",
     "chain",
     "checkpoint",
+    "check_step",
     "checked",
     "config",
     "data",

@@ -36,6 +36,7 @@ __all__ = [
     "InjectedFailure",
     "Tag",
     "assert_identical",
+    "assert_step_matches_eager",
     "without_clock",
     "bounds",
     "check_hook",
@@ -272,3 +273,23 @@ def check_hook(hook: Hook, state: TrainState, phases: tuple[Phase, ...] = tuple(
                 f"{hook!r} declares acts_in={sorted(p.name for p in acts_in)} but changed the state "
                 f"in {phase!r}; the fold would not call it there. Add the phase to acts_in."
             )
+
+
+def assert_step_matches_eager(step: Any, state: TrainState, batch: Any, **tolerances: float) -> None:
+    """Assert that a compiled step's gradients and update equal its eager run's, parameter by parameter.
+
+    ``fnloop.check_step`` as an assertion for your test suite: the message is
+    its table (the parameters off, whose the difference is, and the fix).
+    ``tolerances``: ``rtol`` and ``update_rtol``, as ``check_step`` takes them.
+
+    Examples:
+        >>> import fnloop as fl
+        >>> model = torch.nn.Linear(3, 1)
+        >>> step = fl.train_step(model, lambda f, b: f(b).square().mean(), fl.optim.sgd(0.1), backend="graph")
+        >>> assert_step_matches_eager(step, fl.init(model, fl.optim.sgd(0.1), seed=0, max_iter=1), torch.ones(2, 3))
+    """
+    from fnloop._step.check import check_step
+
+    check = check_step(step, state, batch, **tolerances)  # type: ignore[arg-type]
+    if not check.ok:
+        raise AssertionError(str(check))

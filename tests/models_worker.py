@@ -119,14 +119,14 @@ def qwen2_moe() -> torch.nn.Module:
 
 
 def mixtral() -> torch.nn.Module:
-    """Mixtral: four experts, two per token, at transformers' default experts kernel, its router's auxiliary loss on."""
+    """Mixtral: two layers of four experts, two per token, at transformers' default experts kernel, its router's auxiliary loss on."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
     config = MixtralConfig(
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=1,
+        num_hidden_layers=2,  # the load-balancing loss over two layers' choices (fnloop/_compile/known.py)
         num_attention_heads=2,
         num_key_value_heads=1,
         num_local_experts=4,
@@ -138,19 +138,20 @@ def mixtral() -> torch.nn.Module:
 
 
 def olmoe() -> torch.nn.Module:
-    """OLMoE: four experts, two per token, at transformers' default experts kernel."""
+    """OLMoE: two layers of four experts, two per token, at transformers' default experts kernel, its router's loss on."""
     from transformers import OlmoeConfig, OlmoeForCausalLM
 
     config = OlmoeConfig(
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=1,
+        num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,
         num_experts=4,
         num_experts_per_tok=2,
         max_position_embeddings=CONTEXT,
+        output_router_logits=True,
         pad_token_id=0,
         eos_token_id=1,
         bos_token_id=None,
@@ -158,10 +159,37 @@ def olmoe() -> torch.nn.Module:
     return OlmoeForCausalLM(config)
 
 
-def bert() -> torch.nn.Module:
+def granitemoe() -> torch.nn.Module:
+    """GraniteMoE: two layers of four experts routed on the router's logits, its router's auxiliary loss on.
+
+    On torch 2.13 inductor got its routers' gradients 100% wrong at the defaults
+    (``fnloop/_compile/known.py``), while the loss agreed to 1e-5.
+    """
+    from transformers import GraniteMoeConfig, GraniteMoeForCausalLM
+
+    config = GraniteMoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=CONTEXT,
+        output_router_logits=True,
+    )
+    return GraniteMoeForCausalLM(config)
+
+
+def bert(dropout: float | None = None) -> torch.nn.Module:
     from transformers import BertConfig, BertForMaskedLM
 
+    rates = (
+        {} if dropout is None else {"hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout}
+    )
     config = BertConfig(
+        **rates,
         vocab_size=VOCAB,
         hidden_size=32,
         num_hidden_layers=1,
@@ -196,11 +224,16 @@ def resnet() -> torch.nn.Module:
     return ResNetForImageClassification(config)
 
 
-def convnext() -> torch.nn.Module:
+def convnext(drop_path: float = 0.1) -> torch.nn.Module:
     from transformers import ConvNextConfig, ConvNextForImageClassification
 
     config = ConvNextConfig(
-        hidden_sizes=[8, 16], depths=[1, 1], num_stages=2, drop_path_rate=0.1, num_labels=3, image_size=16
+        hidden_sizes=[8, 16],
+        depths=[1, 1],
+        num_stages=2,
+        drop_path_rate=drop_path,
+        num_labels=3,
+        image_size=16,
     )
     return ConvNextForImageClassification(config)
 
@@ -208,10 +241,10 @@ def convnext() -> torch.nn.Module:
 class Encoder(torch.nn.Module):
     """``torch.nn.TransformerEncoder`` at its defaults (dropout 0.1), between an embedding and a head."""
 
-    def __init__(self) -> None:
+    def __init__(self, dropout: float = 0.1) -> None:
         super().__init__()
         self.embed = torch.nn.Embedding(VOCAB, 32)
-        layer = torch.nn.TransformerEncoderLayer(32, 2, 64, batch_first=True)
+        layer = torch.nn.TransformerEncoderLayer(32, 2, 64, dropout=dropout, batch_first=True)
         self.encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
         self.head = torch.nn.Linear(32, VOCAB)
 
@@ -222,10 +255,10 @@ class Encoder(torch.nn.Module):
 class Recurrent(torch.nn.Module):
     """A two-layer ``torch.nn.LSTM`` with dropout between its layers."""
 
-    def __init__(self) -> None:
+    def __init__(self, dropout: float = 0.1) -> None:
         super().__init__()
         self.embed = torch.nn.Embedding(VOCAB, 32)
-        self.lstm = torch.nn.LSTM(32, 32, num_layers=2, batch_first=True, dropout=0.1)
+        self.lstm = torch.nn.LSTM(32, 32, num_layers=2, batch_first=True, dropout=dropout)
         self.head = torch.nn.Linear(32, VOCAB)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -241,6 +274,7 @@ CASES: dict[str, Case] = {
     "qwen2-moe": (qwen2_moe, lm_loss, tokens),
     "mixtral": (mixtral, lm_loss, tokens),
     "olmoe": (olmoe, lm_loss, tokens),
+    "granitemoe": (granitemoe, lm_loss, tokens),
     "bert": (bert, mlm_loss, tokens),
     "vit": (vit, image_loss, images),
     "resnet": (resnet, image_loss, images),
@@ -249,6 +283,17 @@ CASES: dict[str, Case] = {
     "lstm": (Recurrent, token_loss, short_pairs),
 }
 """Each architecture: a builder at the library's defaults, its loss, its batches."""
+
+QUIET: dict[str, Callable[[], torch.nn.Module]] = {
+    "gpt2": lambda: gpt2(dropout=0.0),
+    "gpt2-eager-attention": lambda: gpt2(dropout=0.0, attention="eager"),
+    "bert": lambda: bert(dropout=0.0),
+    "convnext-drop-path": lambda: convnext(drop_path=0.0),
+    "transformer-encoder": lambda: Encoder(dropout=0.0),
+    "lstm": lambda: Recurrent(dropout=0.0),
+}
+"""The architectures that draw random numbers at their defaults, built with none (dropout, drop path 0):
+their trace can be compared with their eager step, which draws its numbers otherwise."""
 
 
 def built(name: str) -> torch.nn.Module:

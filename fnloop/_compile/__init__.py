@@ -12,7 +12,8 @@ Modules: ``jit.py`` (``Jit``, ``Entry``: one graph per signature, a budget),
 inductor error came from), ``seeding.py`` (random ops drawn from a seed
 input: ``Draws``), ``loop.py`` (``scan`` over a traced body), ``cache.py``
 (compiled graphs on disk), ``probes.py`` (inductor's CPU probes remembered),
-``options.py`` (fnloop's inductor settings), ``batching.py`` (a batch as
+``options.py`` (fnloop's inductor settings, the backends), ``known.py``
+(inductor's known miscompiles, and the route around each), ``batching.py`` (a batch as
 tensors and a static structure), ``regather.py`` (a sharded step's block
 gathered anew for its backward: a pass over the traced graph),
 ``patches.py`` (every process-wide change, behind one lock), ``errors.py``.
@@ -24,6 +25,7 @@ Private torch APIs used here, each where it is used:
   ``torch._subclasses.fake_tensor`` and ``torch.fx.experimental.symbolic_shapes``
   exceptions (``trace.py``, ``loop.py``);
 - ``torch._inductor.standalone_compile``, ``torch._inductor.config``,
+  ``torch.use_deterministic_algorithms`` while a graph is lowered (``known.py``),
   ``torch._inductor.decomposition.select_decomp_table`` (``jit.py``,
   ``trace.py``, ``options.py``); ``torch._inductor.CompiledArtifact`` and
   ``torch._functorch.config`` (``cache.py``);
@@ -42,11 +44,13 @@ Outside the room, the step uses ``torch.nn.utils.stateless._reparametrize_module
 ``torch.distributed._functional_collectives`` (``fnloop/_step/sharding.py``,
 ``blocks.py``, ``replicas.py``).
 
-Tested on torch 2.13 (CI, ``constraints.txt``); older torch back to 2.4 takes
-the fallbacks marked in the code (no ``standalone_compile``: dynamo over the
-traced graph; no ``scan``: every step written out). Switches:
-``$FNLOOP_CACHE_DIR`` (``off`` turns the graph cache off) and
-``train_step(..., options=...)`` (inductor's settings over ``default_options``).
+Supported: torch 2.13 to 2.15 (``pyproject.toml``'s floor; CI runs the suite on
+2.13.0, ``constraints.txt``, and a tier of it on 2.15.0). Inductor's known
+miscompiles on those, and the route around each, are in ``known.py``. Switches:
+``$FNLOOP_CACHE_DIR`` (``off`` turns the graph cache off), ``$FNLOOP_BACKEND``
+(the backend of a step built without one), ``train_step(..., options=...)``
+(inductor's settings over ``default_options``) and ``backend=...`` (``"graph"``:
+the traced graph run op by op, nothing compiled).
 
 Before changing anything here, run the models suite (``tests/test_models.py``),
 ``tests/test_remat.py``, ``tests/test_compile_cache.py``,
@@ -60,11 +64,12 @@ from fnloop._compile.cache import CompileCache, default_cache
 from fnloop._compile.errors import CompileFailed, OverBudget, RandomInGraph, TraceError, TraceFailed
 from fnloop._compile.jit import Entry, Jit
 from fnloop._compile.loop import HAS_SCAN, scan
-from fnloop._compile.options import default_options, inductor_options
+from fnloop._compile.options import BACKENDS, default_backend, default_options, inductor_options
 from fnloop._compile.seeding import DrawOutsideMembers, Draws
 from fnloop._compile.trace import Flat, Traceable, Traced, accumulating, trace
 
 __all__ = [
+    "BACKENDS",
     "HAS_SCAN",
     "CompileCache",
     "CompileFailed",
@@ -80,6 +85,7 @@ __all__ = [
     "accumulating",
     "Traceable",
     "Traced",
+    "default_backend",
     "default_cache",
     "default_options",
     "flatten_batch",

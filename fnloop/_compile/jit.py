@@ -27,7 +27,8 @@ import torch
 
 from fnloop._compile.cache import CompileCache, default_cache, graph_key
 from fnloop._compile.errors import CompileFailed, OverBudget, RandomInGraph
-from fnloop._compile.options import default_options, inductor_options
+from fnloop._compile.known import routed, scatter_fallbacks
+from fnloop._compile.options import checked_backend, default_options, inductor_options
 from fnloop._compile.probes import remembered_probes
 from fnloop._compile.regather import regathered
 from fnloop._compile.trace import Flat, Traceable, accumulating, located, trace
@@ -45,8 +46,9 @@ def _compile(
     options: Mapping[str, Any],
     cache: CompileCache | None = None,
     no_random: str | None = None,
-) -> tuple[Flat, bool, Any, tuple[str, ...]]:
-    """``function`` traced on ``leaves`` and compiled: the graph, whether it draws from torch's generator, its context, its accumulating ops.
+    backend: str = "inductor",
+) -> tuple[Flat, bool, Any, tuple[str, ...], bool]:
+    """``function`` traced on ``leaves`` and compiled: the graph, whether it draws from torch's generator, its context, its accumulating ops, whether it draws at all.
 
     Random ops the trace knows (dropout's, ``rand``, ``randn``, ...) draw
     from the seed the function names; any other random op draws from
@@ -55,14 +57,18 @@ def _compile(
     and what inductor builds is kept there. ``no_random``: the message of
     the ``RandomInGraph`` raised, before anything is compiled, when the graph
     draws from the generator (the name of each such op is added to it).
+    ``backend="graph"``: the traced graph itself, run op by op (see ``Jit``).
     """
     drawn = not options.get("fallback_random", False)
-    traced = trace(function, leaves, drawn=drawn)
+    traced = trace(function, leaves, drawn=drawn, portable=backend == "graph")
     if traced.draws and no_random is not None:
         raise RandomInGraph(
             f"{no_random} The ops that draw from torch's generator: {sorted(set(traced.draws))}."
         )
     nodes = traced.nodes
+    random = bool(traced.draws) or traced.seeded > 0
+    if backend == "graph":
+        return traced.graph, bool(traced.draws), traced.context, accumulating(nodes), random
     if _shards(nodes) and regathered(traced.graph):  # a block's gather made anew for its backward
         nodes = [
             n for m in traced.graph.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes
@@ -77,7 +83,7 @@ def _compile(
         return located(function, leaves, drawn, exc)
 
     compiled = _built(traced.graph, leaves, options, cache, nodes, failed)
-    return compiled, bool(traced.draws), traced.context, accumulating(nodes)
+    return compiled, bool(traced.draws), traced.context, accumulating(nodes), random
 
 
 def _built(
@@ -89,12 +95,11 @@ def _built(
     failed: Callable[[BaseException], CompileFailed],
 ) -> Flat:
     """What inductor builds from ``graph``, or finds in ``cache``; ``failed`` makes inductor's errors ours."""
-    import torch._inductor
+    from torch._inductor import standalone_compile as standalone
 
-    standalone = getattr(torch._inductor, "standalone_compile", None)
-    if standalone is None:  # torch before 2.8: dynamo over the traced graph (flat inputs, cheap guards)
-        return torch.compile(graph, fullgraph=True, dynamic=False, options=dict(options))
-    with remembered_probes(None if cache is None else cache.directory):
+    # Around torch 2.13's scatter miscompile (known.py): the scatters left to torch's kernels.
+    route = scatter_fallbacks() if routed(nodes) else contextlib.nullcontext()
+    with remembered_probes(None if cache is None else cache.directory), route:
         # A graph with tensor constants (a tensor a closure captured) is not
         # reloadable on torch 2.13: the loaded graph expects them as inputs
         # (and crashes under the C++ wrapper); inductor's own cache still serves it.
@@ -111,7 +116,7 @@ def _built(
         )
         try:
             with torch._inductor.config.patch(dict(options)), quiet:
-                compiled = standalone(graph, leaves, dynamic_shapes="from_example_inputs")
+                compiled = standalone(graph, list[Any](leaves), dynamic_shapes="from_example_inputs")
         except Exception as exc:
             raise failed(exc) from exc
         if cache is not None and key is not None:
@@ -172,6 +177,11 @@ class Jit:
     between processes (by default where ``$FNLOOP_CACHE_DIR`` says; ``None``
     turns it off): a graph found there is loaded instead of compiled, and
     still counts in ``compiles``.
+
+    ``backend="graph"`` runs each traced graph as it is, op by op, without
+    inductor (``torch.compile(backend="aot_eager")`` does the same for
+    dynamo's graphs): the trace's results in seconds, with nothing compiled
+    or cached. A difference from ``"inductor"``'s results is the compiler's.
     """
 
     def __init__(
@@ -181,8 +191,11 @@ class Jit:
         options: Mapping[str, Any] | None = None,
         cache: CompileCache | _Default | None = DEFAULT,
         no_random: str | None = None,
+        backend: str = "inductor",
     ) -> None:
         self._make = make
+        self.backend = checked_backend(backend)
+        """``"inductor"`` compiles each graph; ``"graph"`` runs the traced graph op by op, nothing compiled."""
         self.no_random = no_random
         """Refuse graphs that draw from torch's generator, with this message (``RandomInGraph``)."""
         self.cache = default_cache() if isinstance(cache, _Default) else cache
@@ -210,12 +223,19 @@ class Jit:
                 raise OverBudget(self._change(structure, signature))
             function = self._make(structure)
             found = Entry(
-                structure, signature, *_compile(function, leaves, self.options, self.cache, self.no_random)
+                structure,
+                signature,
+                *_compile(function, leaves, self.options, self.cache, self.no_random, self.backend),
             )
             self._cache[(structure, tuple(signature))] = found
             self.compiles += 1
         self._last, self._last_structure = found, structure
         return found
+
+    @property
+    def last(self) -> Entry | None:
+        """The graph of the last call, ``None`` before the first."""
+        return self._last
 
     def __call__(self, structure: Hashable, leaves: list[torch.Tensor]) -> tuple[Sequence[torch.Tensor], Any]:
         """The outputs of the graph for this call, and its context."""
@@ -240,6 +260,7 @@ class Entry:
     op the trace does not draw from its seed input): a caller seeds the
     generator only for those. ``accumulates``: the graph's ops that add into
     a tensor at indices known only when it runs (``trace.accumulating``).
+    ``random``: whether the graph draws random numbers at all (dropout).
     """
 
     structure: Hashable
@@ -248,6 +269,7 @@ class Entry:
     draws: bool
     context: Any
     accumulates: tuple[str, ...] = ()
+    random: bool = False
 
 
 def _describe(meta: tuple[Any, ...]) -> str:

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["SMALL_LOOP", "default_options", "inductor_options"]
+__all__ = [
+    "BACKENDS",
+    "SMALL_LOOP",
+    "checked_backend",
+    "default_backend",
+    "default_options",
+    "inductor_options",
+]
+
+BACKENDS = ("inductor", "graph")
+"""What runs a traced step: inductor's compiled code, or the traced graph itself, op by op."""
 
 
 SMALL_LOOP = 400
@@ -79,3 +90,25 @@ def inductor_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
                 "torch.compile(options=...) takes, for example {'cpp_wrapper': False}."
             )
     return given
+
+
+def checked_backend(backend: object) -> str:
+    """``backend`` if it names one of ``BACKENDS``; else a ``ValueError`` that says what each does."""
+    if backend not in BACKENDS:
+        raise ValueError(
+            f"backend must be 'inductor' (compile the traced step, the default) or 'graph' (run the "
+            f"traced graph op by op, without inductor: seconds to build, to tell a problem of the "
+            f"trace from one of the compiler) (got {backend!r})."
+        )
+    return str(backend)
+
+
+BACKEND_ENV = "FNLOOP_BACKEND"
+"""The environment variable naming the backend of steps built without one (a test suite's, say)."""
+
+
+def default_backend(given: object = None) -> str:
+    """``given``, checked; or, when ``None``, ``$FNLOOP_BACKEND`` if set, else ``"inductor"``."""
+    if given is None:
+        given = os.environ.get(BACKEND_ENV) or "inductor"
+    return checked_backend(given)

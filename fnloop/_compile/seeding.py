@@ -51,9 +51,14 @@ class Draws:
     _tracing: ClassVar[list[Draws]] = []
     """The instances whose ``from_`` is open, innermost last (one trace at a time: the compiler's lock)."""
 
-    def __init__(self) -> None:
+    def __init__(self, portable: bool = False) -> None:
         self._active: list[_Drawing] = []
         self.restored = 0
+        self.drawn = 0
+        """How many random ops drew from a seed input."""
+        self.portable = portable
+        """Draw through ``fnloop::drawn`` on every device, so the graph draws the same run op by op
+        (``backend="graph"``); otherwise a GPU's draws are inductor's own, which only inductor seeds."""
 
     @classmethod
     def current(cls) -> Draws | None:
@@ -111,7 +116,8 @@ class Draws:
     def _draw(self, shape: Sequence[int], device: torch.device, mode: str) -> torch.Tensor | None:
         if not self._active:
             return None
-        return _drawn(self._active[-1].next_seed().to(device), shape, device, mode)
+        self.drawn += 1
+        return _drawn(self._active[-1].next_seed().to(device), shape, device, mode, self.portable)
 
 
 @torch.library.custom_op("fnloop::drawn", mutates_args=())
@@ -137,14 +143,16 @@ class DrawOutsideMembers(ValueError):
     """A random op of a population's traced step draws outside the vmap over its members (one member's shape)."""
 
 
-def _drawn(seed: torch.Tensor, shape: Sequence[int], device: torch.device, mode: str) -> torch.Tensor:
+def _drawn(
+    seed: torch.Tensor, shape: Sequence[int], device: torch.device, mode: str, portable: bool = False
+) -> torch.Tensor:
     if seed.ndim == 1 and (not shape or shape[0] != seed.shape[0]):
         raise DrawOutsideMembers(
             f"a random op of a population's step draws a tensor of shape {tuple(shape)}, whose first "
             f"dimension is not the {seed.shape[0]} members; only the model's own random ops (run "
             "under the step's vmap, one draw per member) can draw in a population's step"
         )
-    if device.type == "cpu":
+    if device.type == "cpu" or portable:
         return torch.ops.fnloop.drawn(seed, list(shape), mode)
     from torch._inductor import inductor_prims
 

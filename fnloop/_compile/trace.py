@@ -49,6 +49,7 @@ class Traced:
         recomputes: whether the trace ran part of the forward again in the
             backward (activation checkpointing).
         context: what the traced function returned beside its outputs.
+        seeded: how many random ops draw from the seed input.
     """
 
     graph: torch.fx.GraphModule
@@ -56,6 +57,7 @@ class Traced:
     draws: list[str]
     recomputes: bool
     context: Any
+    seeded: int = 0
 
 
 _TO_NUMBER = (
@@ -67,17 +69,24 @@ _TO_NUMBER = (
 
 
 def trace(
-    function: Traceable, leaves: Sequence[torch.Tensor], *, drawn: bool = True, stack_traces: bool = False
+    function: Traceable,
+    leaves: Sequence[torch.Tensor],
+    *,
+    drawn: bool = True,
+    stack_traces: bool = False,
+    portable: bool = False,
 ) -> Traced:
     """``function`` traced on fake copies of ``leaves``; nothing real runs.
 
     ``drawn``: random ops draw from the seed the function names (off when
     inductor is told ``fallback_random``, which then runs torch's own).
+    ``portable``: they draw the same on every device when the graph runs op
+    by op (``Draws``), not through inductor's GPU generator.
     Raises ``TraceError`` where the function needs a tensor's value in Python.
     """
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    draws = Draws()
+    draws = Draws(portable)
     context: list[Any] = [None]
 
     def flat(*tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -113,7 +122,7 @@ def trace(
         if isinstance(module, torch.fx.GraphModule)
         for node in module.graph.nodes
     ]
-    return Traced(graph, nodes, generator_draws(nodes), draws.restored > 0, context[0])
+    return Traced(graph, nodes, generator_draws(nodes), draws.restored > 0, context[0], draws.drawn)
 
 
 def decompositions(draws: Draws | None) -> dict[Any, Callable[..., Any]]:

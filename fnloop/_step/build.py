@@ -11,6 +11,7 @@ from typing import Any
 import attrs
 import torch
 
+from fnloop._compile import default_backend
 from fnloop._core.config import plain
 from fnloop._core.messages import got
 from fnloop._core.shards import MODES, Shards
@@ -265,6 +266,7 @@ def train_step(
     blocks: Blocks = None,
     stats: str | None = None,
     invariant: int | None = None,
+    backend: str | None = None,
 ) -> Step:
     """The pure step ``(state, batch) -> state`` for ``model``, ``loss_fn`` and ``optimizer``.
 
@@ -352,6 +354,13 @@ def train_step(
             batches from ``fnloop.data.batches``. ``None`` (the default): each
             rank's batch at once, averaged by an all-reduce. See
             ``docs/distributed.md#the-same-run-at-any-world-size``.
+        backend: what runs the traced step: ``"inductor"`` compiles it (the
+            default); ``"graph"`` runs the traced graph as it is, op by op,
+            without inductor (as ``torch.compile(backend="aot_eager")``): built
+            in seconds, slower to run. A result that differs between the two
+            is the compiler's; one that differs from ``compile=False`` too is
+            the trace's. ``None``: ``$FNLOOP_BACKEND`` if set, else
+            ``"inductor"``. See ``docs/step.md#backends``.
 
     Returns:
         The step. With ``donate=False`` it has no ``donating`` variant.
@@ -387,6 +396,7 @@ def train_step(
         raise TypeError(f"'deterministic' must be a bool ({got(deterministic)}).")
     if invariant is not None:
         invariant = _check_invariant(invariant, accumulate)
+    backend = default_backend(backend)
     if autocast is torch.float16 and not optimizer.scales_loss:
         warnings.warn(
             "train_step(autocast=torch.float16) without loss scaling: float16 gradients below "
@@ -415,6 +425,7 @@ def train_step(
         skip_nonfinite=skip_nonfinite,
         steps_per_call=steps_per_call,
         deterministic=deterministic,
+        backend=backend,
     )
 
 
@@ -428,6 +439,7 @@ def step_of(
     skip_nonfinite: bool = False,
     steps_per_call: int = 1,
     deterministic: bool = False,
+    backend: str = "inductor",
 ) -> Step:
     """The step of ``kernel``, on the terms of ``train_step`` (whose arguments are checked there).
 
@@ -437,9 +449,9 @@ def step_of(
     group = _group()
     jit = multi = members = None
     if compile:  # one step per call, several, and a population's (traced when such a state first comes)
-        jit, members = (compile_step(kernel, group, 1 + recompiles, options) for _ in range(2))
+        jit, members = (compile_step(kernel, group, 1 + recompiles, options, 1, backend) for _ in range(2))
         if steps_per_call > 1:
-            multi = compile_step(kernel, group, 1 + recompiles, options, steps_per_call)
+            multi = compile_step(kernel, group, 1 + recompiles, options, steps_per_call, backend)
     step = TrainStep(
         kernel.model,
         kernel.loss_fn,

@@ -82,7 +82,12 @@ def leaf_name(form: Form, index: int) -> str:
 
 
 def compile_step(
-    kernel: Kernel, group: Any, budget: int, options: Mapping[str, Any] | None, steps: int = 1
+    kernel: Kernel,
+    group: Any,
+    budget: int,
+    options: Mapping[str, Any] | None,
+    steps: int = 1,
+    backend: str = "inductor",
 ) -> Jit:
     """The step of ``kernel`` compiled, for any ``Form`` (the call's structure); ``steps``: per call.
 
@@ -100,7 +105,7 @@ def compile_step(
         return (one if layout.steps == 1 else several)(update, form)
 
     no_random = _RANDOM_STEPS.format(n=steps) if steps > 1 else None
-    return Jit(make, budget, options, no_random=no_random)
+    return Jit(make, budget, options, no_random=no_random, backend=backend)
 
 
 def _guarded(

@@ -17,6 +17,7 @@ from fnloop._compile import (
     Traceable,
     TraceError,
     TraceFailed,
+    default_backend,
     flatten_batch,
     unflatten_batch,
 )
@@ -57,12 +58,12 @@ class EvalStep:
     jit: Jit | None = None
     """The evaluation traced and compiled, when compiled."""
     built: tuple[Any, ...] = ()
-    """What ``eval_step`` was given, ``(fn, compile, options)``: a pickle rebuilds the step from it."""
+    """What ``eval_step`` was given, ``(fn, compile, options, backend)``: a pickle rebuilds the step from it."""
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Compiled graphs do not pickle; the arguments do, and the copy compiles on its first call.
-        fn, compile, options = self.built
-        return _rebuild, (self.model, fn, compile, options)
+        fn, compile, options, backend = self.built
+        return _rebuild, (self.model, fn, compile, options, backend)
 
     def __call__(self, state: TrainState, batch: Any, /) -> dict[str, torch.Tensor]:
         was_training = self.model.training
@@ -103,6 +104,7 @@ def eval_step(
     *,
     compile: bool = True,
     options: Mapping[str, Any] | None = None,
+    backend: str | None = None,
 ) -> EvalStep:
     """``(state, batch) -> dict of metric tensors``: ``fn(forward, batch)`` in eval mode, without grad.
 
@@ -112,6 +114,7 @@ def eval_step(
     as there); a batch of another shape compiles again, with no budget, since
     a last smaller batch is common in evaluation. A module wrapped by
     ``torch.compile`` is unwrapped: fnloop compiles the evaluation itself.
+    ``backend``: ``"inductor"`` or ``"graph"``, as ``train_step``'s.
 
     Examples:
         >>> import fnloop as fl
@@ -142,11 +145,16 @@ def eval_step(
 
         return flat
 
-    jit = Jit(make, options=options) if compile else None
-    return EvalStep(model, kernel, jit, (fn, compile, None if options is None else dict(options)))
+    backend = default_backend(backend)
+    jit = Jit(make, options=options, backend=backend) if compile else None
+    return EvalStep(model, kernel, jit, (fn, compile, None if options is None else dict(options), backend))
 
 
 def _rebuild(
-    model: torch.nn.Module, fn: Callable[..., Any], compile: bool, options: Mapping[str, Any] | None
+    model: torch.nn.Module,
+    fn: Callable[..., Any],
+    compile: bool,
+    options: Mapping[str, Any] | None,
+    backend: str | None = None,
 ) -> EvalStep:
-    return eval_step(model, fn, compile=compile, options=options)
+    return eval_step(model, fn, compile=compile, options=options, backend=backend)
