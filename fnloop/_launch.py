@@ -25,6 +25,7 @@ import datetime
 import functools
 import io
 import json
+import math
 import multiprocessing.connection
 import os
 import pickle
@@ -76,10 +77,16 @@ CUDA_FORKED = (
 )
 
 LEFT_NO_REPORT = (
-    "It failed before or outside fn, or was ended from outside; what it printed says why. With "
+    "It failed as it started, or was ended from outside; what it printed says why. With "
     "start_method='spawn' a rank that cannot import fn or unpickle its arguments ends so: fn must "
     "be importable (a module's top level, not a local function), and a script must start its work "
     'under `if __name__ == "__main__":`.'
+)
+
+ENDED_INSIDE = (
+    "A signal from outside ended it (a kill, the machine's out-of-memory killer, a scheduler "
+    "reclaiming the machine), or a native crash inside torch or a library did; what it printed "
+    "says which. A fnloop run that checkpoints resumes from its last checkpoint when launched again."
 )
 
 AT_EXIT = (
@@ -243,6 +250,10 @@ def _store(fd: int, port: int) -> Any:
         raise
 
 
+MOST_RANKS = 1_024
+"""The most ranks ``launch`` starts on one machine."""
+
+
 def _checked(fn: object, nprocs: object, start_method: object, grace_period: object) -> str:
     """The start method ``launch`` uses, once its arguments are found sound and the launch possible."""
     import torch.distributed as dist
@@ -255,9 +266,19 @@ def _checked(fn: object, nprocs: object, start_method: object, grace_period: obj
         raise ValueError(
             f"'nprocs' must be a positive int (got {nprocs!r:.80} that is a {type(nprocs).__name__})."
         )
-    if not isinstance(grace_period, (int, float)) or isinstance(grace_period, bool) or grace_period < 0:
+    if nprocs > MOST_RANKS:
         raise ValueError(
-            f"'grace_period' must be a number of seconds, 0 or more (got {grace_period!r:.80} "
+            f"'nprocs' is {nprocs:,}, more ranks than one machine runs: each is a process importing torch "
+            f"(hundreds of MB) on this machine's {os.cpu_count()} cores. launch starts at most "
+            f"{MOST_RANKS:,}; for more, start several machines' ranks with torchrun."
+        )
+    if (
+        not isinstance(grace_period, (int, float))
+        or isinstance(grace_period, bool)
+        or not 0 <= grace_period < math.inf
+    ):
+        raise ValueError(
+            f"'grace_period' must be a number of seconds, 0 or more and finite (got {grace_period!r:.80} "
             f"that is a {type(grace_period).__name__})."
         )
     if start_method is not None and start_method not in START_METHODS:
@@ -374,6 +395,7 @@ def _rank_main(
     os.environ.update(env)  # a forkserver's children start with the server's environment
     if "OMP_NUM_THREADS" in env:  # a fork's torch runs with the caller's threads
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    (Path(folder) / f"started{rank}").touch()  # past the imports and unpickling: fn begins
     try:
         value = fn(*args, **kwargs)
         if rank == 0:
@@ -484,9 +506,13 @@ def _failure(
         return RankFailed(
             f"{where} {_how(exitcode)} after fn returned, as its process ended. " + AT_EXIT
         ), None
+    if not report.exists() and (folder / f"started{rank}").exists():
+        return RankFailed(
+            f"{where} {_how(exitcode)} while fn ran, without raising an exception. " + ENDED_INSIDE
+        ), None
     if not report.exists():
         return RankFailed(
-            f"{where} {_how(exitcode)}, without raising an exception in fn. " + LEFT_NO_REPORT
+            f"{where} {_how(exitcode)} before fn began, without raising an exception. " + LEFT_NO_REPORT
         ), None
     facts = json.loads(report.read_text())
     cause = RankTraceback(facts["traceback"])

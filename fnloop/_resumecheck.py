@@ -37,6 +37,7 @@ from typing import Any
 
 import attrs
 
+from fnloop._core.messages import got
 from fnloop._core.phase import Phase
 from fnloop._core.state import TrainState, request
 from fnloop._measured import CLOCK_METRICS
@@ -138,10 +139,8 @@ def check_resume(
         ResumeCheckError: the job failed run straight through, takes no
             directory, or an ``at`` is outside the run.
     """
+    at, how, timeout = _arguments(at, how, timeout)  # refused before the straight run is paid for
     entry = _entry(job)
-    for h in how:
-        if h not in HOW:
-            raise ValueError(f"check_resume(how=...) takes {', '.join(map(repr, HOW))}; got {h!r}")
     root = Path(directory)
     straight = root / "straight"
     _launch(entry, straight, timeout=timeout, expect=(0,), what="the job run straight through")
@@ -161,6 +160,46 @@ def check_resume(
             )
     found = [_interrupted(entry, root, straight, h, k, timeout) for k in stops for h in how]
     return ResumeReport(steps, tuple(found))
+
+
+def _arguments(
+    at: object, how: object, timeout: object
+) -> tuple[tuple[int, ...] | None, tuple[str, ...], float]:
+    """``check_resume``'s ``at``, ``how`` and ``timeout``, checked: an empty list would check nothing."""
+    if isinstance(how, str) or not isinstance(how, Sequence):
+        raise ValueError(
+            f"check_resume(how=...) takes a list of interruptions from {list(HOW)} ({got(how)}); "
+            f"for one, pass how=[{how!r}]."
+        )
+    if not how:
+        raise ValueError(
+            "check_resume(how=[]) would interrupt nothing and then report that the job resumes exactly: "
+            f"pass at least one of {list(HOW)}, or leave how out for both."
+        )
+    for h in how:
+        if h not in HOW:
+            raise ValueError(f"check_resume(how=...) takes {', '.join(map(repr, HOW))} ({got(h)}).")
+    if at is not None:
+        if isinstance(at, (str, bytes)) or not isinstance(at, Sequence):
+            raise ValueError(
+                f"check_resume(at=...) takes a list of step counts ({got(at)}); for one, pass at=[{at!r}]."
+            )
+        if not at:
+            raise ValueError(
+                "check_resume(at=[]) would interrupt nothing and then report that the job resumes exactly: "
+                "pass the numbers of steps done when an interruption comes, or leave at out for a default."
+            )
+        for k in at:
+            if type(k) is not int or k < 1:
+                raise ValueError(
+                    f"check_resume(at=...) takes whole numbers of steps done, 1 or more ({got(k)})."
+                )
+    if type(timeout) not in (int, float) or not 0 < timeout < float("inf"):  # type: ignore[operator]
+        raise ValueError(
+            f"check_resume(timeout=...) takes the seconds each process may take, a positive finite "
+            f"number ({got(timeout)})."
+        )
+    return (None if at is None else tuple(at)), tuple(how), float(timeout)  # type: ignore[arg-type]
 
 
 def _entry(job: str | Callable[[Path], Any]) -> str:
@@ -311,7 +350,7 @@ def _step_hint(step: int, began: int) -> str:
         return (
             "before the interruption: the job is not the same run twice, resumed or not (something "
             "outside the seed and the state: the wall clock, an unseeded generator; or kernels that "
-            "are not deterministic: fl.init(..., deterministic=True))"
+            "are not deterministic: fl.train_step(..., deterministic=True))"
         )
     return (
         "after the first resumed steps matched: something outside the state (a hook's memory kept "

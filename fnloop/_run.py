@@ -22,11 +22,11 @@ from fnloop._core.combinators import Hook, chain
 from fnloop._core.fold import BatchesExhausted, Driver, UnclaimedHookState, fold
 from fnloop._core.messages import got
 from fnloop._core.plan import off_boundaries
-from fnloop._core.signals import Preempted, TimeUp, _Deadline, _signals
+from fnloop._core.signals import Preempted, SlowStart, TimeUp, _Deadline, _signals
 from fnloop._core.state import Performs, TrainState
 from fnloop._core.steps import Step, adapt
 
-__all__ = ["BatchesExhausted", "Preempted", "Step", "UnclaimedHookState", "run", "scan"]
+__all__ = ["BatchesExhausted", "Preempted", "SlowStart", "Step", "UnclaimedHookState", "run", "scan"]
 
 
 def _driver(
@@ -179,7 +179,9 @@ def run(
       ``run`` returns that state, its ``iteration`` short of ``max_iter``.
       Run the same script again to go on: it resumes there, for another
       ``max_time``. Under ``torchrun`` rank 0's clock decides, and every rank
-      stops at the boundary it announces;
+      stops at the boundary it announces. The limit counts the run's start
+      and its first step, a compile included: where those take a quarter of
+      it or more, the run warns once (``SlowStart``) after that step;
     * ``donate_input``: the caller gives ``state`` up, as JAX's
       ``donate_argnums`` does: its tensors may be overwritten from the first
       step on, which saves one copy of params and optimizer state. Without it

@@ -42,7 +42,7 @@ __all__ = ["as_dict", "changes", "parse", "parser"]
 
 T = TypeVar("T")
 
-MISSING = 'fnloop.config needs jsonargparse, the parser behind LightningCLI. Install it with: pip install "fnloop[config]"'
+MISSING = 'fnloop.config needs jsonargparse, the parser behind LightningCLI. Install it with: pip install "jsonargparse[signatures,toml]" (from a checkout of fnloop: pip install -e ".[config]")'
 
 _TOML = (".toml",)
 
@@ -73,7 +73,7 @@ def parser(cls: type, *, prog: str | None = None, description: str | None = None
 
     Raises:
         TypeError: ``cls`` is not an attrs class.
-        ImportError: jsonargparse is not installed (``pip install "fnloop[config]"``).
+        ImportError: jsonargparse is not installed (``pip install "jsonargparse[signatures,toml]"``).
     """
     _record_class(cls, "fnloop.config.parser()")
     jsonargparse = _jsonargparse()
@@ -166,7 +166,7 @@ def parse(
     Raises:
         TypeError: ``cls`` is not an attrs class.
         ValueError: TOML and YAML files are mixed.
-        ImportError: jsonargparse is not installed (``pip install "fnloop[config]"``).
+        ImportError: jsonargparse is not installed (``pip install "jsonargparse[signatures,toml]"``).
 
     Examples:
         >>> @attrs.frozen
@@ -177,6 +177,11 @@ def parse(
         Settings(steps=500, lr=0.3)
     """
     _record_class(cls, "fnloop.config.parse()")
+    if args is not None and (isinstance(args, (str, bytes)) or not all(isinstance(a, str) for a in args)):
+        raise TypeError(
+            f"fnloop.config.parse(cls, args): args is a list of the command line's words, as "
+            f"sys.argv[1:] ({got(args)}); pass [{args!r}] for one, or args.split() for a line."
+        )
     argv = _as_typed(cls, list(sys.argv[1:] if args is None else args))
     if prog is None and args is None:
         prog = os.path.basename(sys.argv[0]) or None

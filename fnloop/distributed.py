@@ -292,7 +292,8 @@ class SharedRun:
         self.end: int | None = None
         self.ended_at: float | None = None
         """When (``time.monotonic``) this rank's run ended by a failure; ``None`` while it goes on."""
-        self._seen: dict[int, tuple[bytes, float]] = {}
+        self._seen: dict[int, tuple[bytes, float, float | None]] = {}
+        """Each rank's last count of beats, when it was first seen so, and when one was last seen to come."""
         self._done = threading.Event()
         self._beats = threading.Thread(target=self._beat, name="fnloop-alive", daemon=True)
         self._beats.start()
@@ -322,8 +323,10 @@ class SharedRun:
         for r in ranks:
             alive = self.store.get(f"{self.prefix}/alive/{r}") if self._has(f"alive/{r}") else b""
             seen = self._seen.get(r)
-            if seen is None or seen[0] != alive:
-                self._seen[r] = (alive, now)
+            if seen is None:
+                self._seen[r] = (alive, now, None)
+            elif seen[0] != alive:  # a beat since the last look: it lives
+                self._seen[r] = (alive, now, now)
             elif now - seen[1] > LIFE:
                 return f"rank {r} has shown no sign of life for {LIFE:.0f} s (it died, or its machine did)"
             if self.ended_at is None or self.end != iteration:
@@ -332,10 +335,14 @@ class SharedRun:
                 theirs = self.store.get(f"{self.prefix}/ended/{r}").decode()
                 if theirs != str(iteration):
                     return f"rank {r}'s run ended at iteration {theirs}, this rank's at {iteration}"
-            elif now - self.ended_at > LIFE:
+                continue
+            # Still inside the run: seen beating since this rank's run ended, and silent about an end.
+            # Not seen beating yet (a first look): wait, it may be dead, which its silence then says.
+            beat = self._seen[r][2]
+            if beat is not None and beat > self.ended_at and now - self.ended_at > LIFE:
                 return (
                     f"this rank's run failed at iteration {iteration}, and rank {r} is still inside "
-                    f"the run {LIFE:.0f} s later (a step's collective waiting for this rank)"
+                    f"the run {LIFE:.0f} s later (alive, a step's collective waiting for this rank)"
                 )
         return None
 

@@ -1,6 +1,6 @@
 """Hypothesis strategies and checks for testing hooks, fnloop's own and yours.
 
-Needs ``hypothesis`` (``pip install fnloop[dev]``). Typical use::
+Needs ``hypothesis`` (``pip install -e ".[dev]"`` from a checkout, or ``pip install hypothesis``). Typical use::
 
     from hypothesis import given
     from fnloop import testing

@@ -280,3 +280,41 @@ def test_a_changed_max_iter_and_configuration_are_one_warning(tmp_path):
     assert "max_iter=8; it continues to the template's max_iter=9" in message
     assert "It also started with another configuration" in message and "steps: 4 -> 9" in message
     assert (resumed.max_iter, resumed.config["steps"]) == (9, 9)
+
+
+def test_a_dotted_key_and_a_nested_one_are_two_settings_and_each_change_is_named():
+    from fnloop._core.config import changes
+
+    saved = {"a.b": 1, "a": {"b": 2}}
+    assert changes(saved, {"a.b": 1, "a": {"b": 3}}) == ["a.b: 2 -> 3"]
+    assert changes(saved, {"a.b": 5, "a": {"b": 2}}) == ['["a.b"]: 1 -> 5']
+    assert changes(saved, {"a": {"b": 2}}) == ['["a.b"]: 1 -> (absent)']
+
+
+@pytest.mark.parametrize(("saved", "now"), [(5, 6), ({"lr": 1}, [1]), ("lr", None)])
+def test_changes_of_what_is_not_a_configuration_is_refused(saved, now):
+    from fnloop._core.config import changes
+
+    with pytest.raises(TypeError, match=r"changes\(\) compares two configurations, each a mapping"):
+        changes(saved, now)
+
+
+def test_parse_of_a_str_instead_of_the_words_of_a_command_line_is_refused():
+    with pytest.raises(
+        TypeError, match=r"args is a list of the command line's words, as sys.argv\[1:\] \(got '--lr=0.3'"
+    ):
+        fl.config.parse(Settings, "--lr=0.3")
+
+
+def test_a_configuration_nested_too_deep_is_refused_naming_where():
+    deep: dict = {}
+    node = deep
+    for _ in range(2_000):
+        node["x"] = {}
+        node = node["x"]
+    with pytest.raises(TypeError, match=r"nests records, mappings or lists more than 100 deep"):
+        fl.init(torch.nn.Linear(2, 1), fl.optim.sgd(0.1), seed=0, max_iter=1, config=deep)
+    cycle: list = []
+    cycle.append(cycle)
+    with pytest.raises(TypeError, match=r"or one holds itself"):
+        fl.init(torch.nn.Linear(2, 1), fl.optim.sgd(0.1), seed=0, max_iter=1, config={"c": cycle})

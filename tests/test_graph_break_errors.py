@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -126,15 +128,32 @@ def test_a_compiled_evaluation_that_branches_on_a_value_is_a_graph_break_naming_
     assert "torch.where for branches" in str(caught.value) and "compile=False" in str(caught.value)
 
 
+@torch.library.custom_op("fnloop_test::grouped", mutates_args=())
+def _grouped_op(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x[:4] @ w[0], x[4:] @ w[1]])
+
+
+@_grouped_op.register_fake
+def _grouped_rule(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    # A shape rule stricter than the op's eager kernel, checked as torch's own rules check (torch._check):
+    # torch 2.13's aten._grouped_mm took bfloat16 only when traced and float32 eagerly, which is how a
+    # mixture of experts met it. An op of the test's own, so that no torch release changes the premise.
+    torch._check(x.dtype == torch.bfloat16, lambda: "Expected inputs of BF16 type")
+    return x.new_empty(x.shape[0], w.shape[2])
+
+
+_grouped_op.register_autograd(lambda ctx, grad: (None, None), setup_context=lambda ctx, inputs, output: None)
+
+
 class _Grouped(torch.nn.Module):
-    """Two groups of rows, each times its own matrix: ``torch._grouped_mm``, whose shape rule takes bfloat16 only."""
+    """Two groups of rows, each times its own matrix, through an op whose shape rule takes bfloat16 only."""
 
     def __init__(self):
         super().__init__()
         self.w = torch.nn.Parameter(torch.randn(2, 4, 4))
 
     def forward(self, x):
-        return torch._grouped_mm(x, self.w, offs=torch.tensor([4, 8], dtype=torch.int32))
+        return torch.ops.fnloop_test.grouped(x, self.w)
 
 
 def test_an_op_whose_shape_rule_refuses_the_trace_is_a_compile_error_naming_the_op_and_line():
@@ -150,10 +169,58 @@ def test_an_op_whose_shape_rule_refuses_the_trace_is_a_compile_error_naming_the_
     with pytest.raises(fl.CompileError) as caught:
         fl.run(fl.init(model, optimizer, seed=0, max_iter=1), compiled, [x])
     message = str(caught.value)
-    assert "in the op aten._grouped_mm.default" in message
-    assert "test_graph_break_errors.py:" in message and "return torch._grouped_mm(x, self.w" in message
+    assert "in the op fnloop_test.grouped.default" in message, message
+    # The rule is the test's own code here, so its line is where the refusal came from.
+    lines, start = inspect.getsourcelines(_grouped_rule)
+    line = start + next(i for i, text in enumerate(lines) if "torch._check(x.dtype" in text)
+    assert f"test_graph_break_errors.py:{line}" in message
     assert "Expected inputs of BF16 type" in message and "compile=False" in message
     assert isinstance(caught.value.__cause__, RuntimeError)  # torch's, chained
+
+
+class _TorchGrouped(torch.nn.Module):
+    """The same through ``torch._grouped_mm``, whose shape rule took bfloat16 only on torch 2.13 (not on 2.15)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(2, 4, 4))
+
+    def forward(self, x):
+        return torch._grouped_mm(x, self.w, offs=torch.tensor([4, 8], dtype=torch.int32))
+
+
+def _refused_when_traced() -> bool:
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    try:
+        make_fx(lambda x, w, offs: torch._grouped_mm(x, w, offs=offs), tracing_mode="fake")(
+            torch.randn(8, 4), torch.randn(2, 4, 4), torch.tensor([4, 8], dtype=torch.int32)
+        )
+    except RuntimeError:
+        return True
+    return False
+
+
+def test_torchs_own_op_whose_rule_refuses_the_trace_names_the_models_line_and_where_it_does_not_it_trains():
+    model, x = _TorchGrouped(), torch.randn(8, 4)
+    optimizer = fl.optim.sgd(0.1)
+
+    def loss_fn(forward, batch):
+        return forward(batch).square().mean()
+
+    state = fl.init(model, optimizer, seed=0, max_iter=1)
+    compiled = fl.train_step(model, loss_fn, optimizer)
+    if _refused_when_traced():  # torch 2.13: float32 refused by the rule, run eagerly
+        with pytest.raises(fl.CompileError) as caught:
+            fl.run(state, compiled, [x])
+        message = str(caught.value)
+        assert "in the op aten._grouped_mm.default" in message
+        assert "return torch._grouped_mm(x, self.w" in message and "Expected inputs of BF16 type" in message
+    else:  # a torch whose rule takes float32 (2.15): it compiles and trains as eagerly
+        eager = fl.train_step(model, loss_fn, optimizer, compile=False)
+        torch.testing.assert_close(
+            fl.run(state, compiled, [x]).params["w"], fl.run(state, eager, [x]).params["w"]
+        )
 
 
 def test_an_error_the_users_own_code_raises_while_traced_is_raised_as_it_is():
@@ -162,3 +229,35 @@ def test_an_error_the_users_own_code_raises_while_traced_is_raised_as_it_is():
 
     with pytest.raises(KeyError, match="labels"):
         step_once(loss_fn, compile=True)
+
+
+class _Reading(torch.nn.Module):
+    """A model that reads a tensor's value in its forward, as some libraries' mixtures of experts do."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.layer = torch.nn.Linear(2, 1)
+
+    def forward(self, x):
+        h = self.layer(x)
+        if self.how == "item":
+            scale = h.abs().max().item()  # an .item() read
+            return h * scale
+        counts = h.sum(0).long().tolist()  # a .tolist() read
+        return h * len(counts)
+
+
+@pytest.mark.parametrize("how", ["item", "tolist"])
+def test_a_host_read_in_the_models_forward_names_the_models_line(how):
+    # JetMoe at its defaults reads .tolist() in its forward (modeling_jetmoe.py:195); the error named no line.
+    model = _Reading(how)
+    optimizer = fl.optim.sgd(0.1)
+    step = fl.train_step(model, mse, optimizer)
+    with pytest.raises(fl.GraphBreakError, match="a tensor converted to a Python number, at") as caught:
+        fl.run(fl.init(model, optimizer, seed=0, max_iter=1), step, [BATCH])
+    lines, start = inspect.getsourcelines(_Reading.forward)
+    line = start + next(
+        i for i, text in enumerate(lines) if f"an .{how}() read" in text or f"a .{how}() read" in text
+    )
+    assert f"test_graph_break_errors.py:{line} in forward" in str(caught.value)

@@ -46,7 +46,9 @@ def val_loss(forward, batch):
 torch.manual_seed(1)
 DATA = [(torch.randn(6, 3), torch.randn(6, 2)) for _ in range(4)]
 MODEL = model()
-OPT = fl.optim.adamw(fl.optim.cosine(0.05, 12))
+OPT = fl.optim.skip_spikes(
+    fl.optim.adamw(fl.optim.cosine(0.05, 12)), window=4, warmup=2
+)  # stop_on_spikes reads it
 STEP = fl.train_step(MODEL, mse, OPT, compile=False)
 EVAL = fl.eval_step(MODEL, val_loss, compile=False)
 

@@ -87,8 +87,10 @@ def test_a_killed_run_resumed_keeps_the_same_k_best_as_the_straight_run(tmp_path
         assert a.iteration == b.iteration and torch.equal(a.params["w"], b.params["w"]), name
 
 
-def test_k_is_checked_and_shown():
-    with pytest.raises(ValueError, match="k must be a positive int"):
-        fl.hooks.best_checkpoint("somewhere", "val", k=0)
+@pytest.mark.parametrize("k", [0, -1, 1.5, True, 10**6])
+def test_k_is_checked_and_shown(k):
+    # 10**6 was accepted, and its memory of the best put 42 MB into every checkpoint of a tiny model.
+    with pytest.raises(ValueError, match=r"k must be an int from 1 to 1,000"):
+        fl.hooks.best_checkpoint("somewhere", "val", k=k)
     hook = fl.hooks.best_checkpoint("somewhere", "val", k=2)
     assert "k=2" in repr(hook)

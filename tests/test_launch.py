@@ -137,7 +137,11 @@ def test_a_failing_rank_raises_its_exception_in_the_caller_naming_the_rank(rank:
 @FORKS
 def test_a_rank_killed_by_a_signal_is_named_with_the_signal() -> None:
     start = time.monotonic()
-    with pytest.raises(RankFailed, match=r"^rank 1 of 2 was killed by SIGKILL, without raising an exception"):
+    # Killed inside fn: said so, with the likely causes (it said "failed before or outside fn").
+    with pytest.raises(
+        RankFailed,
+        match=r"^rank 1 of 2 was killed by SIGKILL while fn ran, without raising an exception. A signal",
+    ):
         fl.distributed.launch(jobs.killed, 1, nprocs=2, start_method="fork")
     assert time.monotonic() - start < PROMPT and multiprocessing.active_children() == []
 
@@ -279,9 +283,21 @@ def _cell() -> None:
             ValueError,
             "'grace_period' must be a number of seconds",
         ),
+        (
+            jobs.returns,
+            {"nprocs": 2, "grace_period": float("nan")},
+            ValueError,
+            "'grace_period' must be a number of seconds, 0 or more and finite",
+        ),
+        (
+            jobs.returns,
+            {"nprocs": 10**6},
+            ValueError,
+            "'nprocs' is 1,000,000, more ranks than one machine runs",
+        ),
         (3, {"nprocs": 2}, TypeError, "'fn' must be callable"),
     ],
-    ids=["nprocs-0", "nprocs-bool", "start-method", "grace-period", "fn"],
+    ids=["nprocs-0", "nprocs-bool", "start-method", "grace-period", "grace-period-nan", "nprocs-huge", "fn"],
 )
 def test_arguments_out_of_range_are_refused(
     fn: Any, options: dict[str, Any], error: type[Exception], match: str

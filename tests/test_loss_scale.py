@@ -161,7 +161,10 @@ def test_float16_without_loss_scaling_warns_with_the_fix():
 def test_a_state_without_the_scale_is_refused_with_the_fix():
     step = fl.train_step(model(), loss_fn, optimizer(), autocast=torch.float16, compile=False)
     state = fl.init(model(), fl.optim.adamw(1e-3), seed=0, max_iter=1)
-    with pytest.raises(TypeError, match=r"expected its own state, a LossScaleState.*dynamic_loss_scale"):
+    with pytest.raises(
+        TypeError,
+        match=r"\(a tuple\) was not made by this step's optimizer, dynamic_loss_scale.*a LossScaleState",
+    ):
         fl.run(state, step, batches()[:1])
 
 
@@ -218,3 +221,24 @@ def test_each_member_of_a_population_scales_its_own_loss_as_its_solo_run(compile
             testing.assert_identical(mine.params, alone[-1].params)
             testing.assert_identical(mine.opt_state, alone[-1].opt_state)
     assert series(together, "overflow/0") != series(together, "overflow/1")  # each its own scale
+
+
+def test_a_state_of_one_optimizer_stepped_by_another_is_refused_naming_both():
+    # init with the loss-scaled optimizer, train_step with the plain one: refused at the first step,
+    # not "chain expected its state as a tuple" from inside the update.
+    model = torch.nn.Linear(3, 1)
+    plain = fl.optim.adamw(1e-3)
+    state = fl.init(model, fl.optim.dynamic_loss_scale(plain), seed=0, max_iter=2)
+    step = fl.train_step(model, lambda f, b: f(b).square().mean(), plain, compile=False)
+    with pytest.raises(
+        TypeError, match=r"opt_state \(a LossScaleState\) was not made by this step's optimizer"
+    ):
+        step(state, torch.ones(2, 3))
+
+
+@pytest.mark.parametrize("scale", [1e300, float(2**65)])
+def test_a_first_scale_no_step_could_use_is_refused(scale):
+    with pytest.raises(
+        ValueError, match=r"init_scale=...\) must be a finite number above 0.0 and at most 2\*\*64"
+    ):
+        fl.optim.dynamic_loss_scale(fl.optim.sgd(0.1), init_scale=scale)

@@ -122,3 +122,40 @@ def test_what_the_check_cannot_run_is_refused_with_the_fix(tmp_path: Path, capsy
     # Run again in the same directory, the straight run resumes from the first one's end.
     assert cli(["check-resume", f"{JOBS}:good", str(tmp_path)]) == 2
     assert "began at iteration 12, not 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"at": []}, r"at=\[\]\) would interrupt nothing"),
+        ({"how": []}, r"how=\[\]\) would interrupt nothing"),
+        ({"how": "kill"}, r"takes a list of interruptions .* for one, pass how=\['kill'\]"),
+        ({"how": ["stop"]}, r"takes 'kill', 'preempt' \(got 'stop'"),
+        ({"at": 3}, r"takes a list of step counts .* at=\[3\]"),
+        ({"at": [2.5]}, r"whole numbers of steps done, 1 or more \(got 2.5"),
+        ({"at": [True]}, r"whole numbers of steps done, 1 or more \(got True"),
+        ({"at": [0]}, r"whole numbers of steps done, 1 or more \(got 0"),
+        ({"timeout": -1}, r"timeout=...\) takes the seconds .* \(got -1"),
+        ({"timeout": float("nan")}, r"timeout=...\) takes the seconds .* \(got nan"),
+        ({"timeout": True}, r"timeout=...\) takes the seconds .* \(got True"),
+    ],
+)
+def test_an_argument_that_would_check_nothing_or_fail_late_is_refused_before_any_run(
+    tmp_path: Path, options, match
+) -> None:
+    # Before anything runs: the job here cannot even be imported, and the directory stays empty.
+    with pytest.raises(ValueError, match=match):
+        check_resume("no_such_module:job", tmp_path, **options)
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_hint_for_kernels_that_vary_names_a_switch_that_exists() -> None:
+    import inspect
+    import re
+
+    from fnloop._resumecheck import _step_hint
+
+    hint = _step_hint(1, 5)  # a difference before the interruption
+    name = re.search(r"fl\.(\w+)\(\.\.\., deterministic=True\)", hint)
+    assert name is not None, hint
+    assert "deterministic" in inspect.signature(getattr(fl, name.group(1))).parameters, hint

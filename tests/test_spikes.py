@@ -133,7 +133,12 @@ def test_with_loss_scaling_the_two_wrap_each_other():
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"window": 1}, "window"), ({"threshold": 0}, "threshold"), ({"warmup": 1}, "warmup")],
+    [
+        ({"window": 1}, "window"),
+        ({"window": 10**9}, r"window=...\) must be an int from 2 to 100,000 \(got 1000000000"),
+        ({"threshold": 0}, "threshold"),
+        ({"warmup": 1}, "warmup"),
+    ],
 )
 def test_settings_are_checked(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -155,3 +160,13 @@ def test_each_member_of_a_population_judges_its_own_spikes_as_its_solo_run(how, 
         assert int(mine.opt_state.skipped) == int(alone[-1].opt_state.skipped) >= 1
         if how == "eager":
             testing.assert_identical(mine.opt_state, alone[-1].opt_state)
+
+
+def test_stop_on_spikes_in_a_run_whose_optimizer_skips_none_is_refused_as_it_starts():
+    opt = fl.optim.adam(1e-2)  # no skip_spikes: spikes_in_a_row is never recorded
+    step = fl.train_step(model(), loss_fn, opt, compile=False)
+    with pytest.raises(ValueError, match=r"stop_on_spikes\(2\) in a run whose optimizer skips no spikes"):
+        fl.run(fl.init(model(), opt, seed=0, max_iter=2), step, data(steps=2), [fl.hooks.stop_on_spikes(2)])
+    scaled = fl.optim.dynamic_loss_scale(optimizer())  # wrapped in loss scaling: found inside
+    state = fl.init(model(), scaled, seed=0, max_iter=2)
+    assert fl.hooks.stop_on_spikes(2)(state, fl.Phase.BEFORE_TRAIN) is state

@@ -96,11 +96,53 @@ def test_peaks_come_from_the_table_or_are_measured():
         ({"samples": 0}, "samples=...\\) must be a positive int"),
         ({"flops_per_token": 1e6}, "needs tokens"),
         ({"tokens": 5, "flops_per_sample": 1e6}, "give flops_per_token instead"),
+        (
+            {"samples": 4, "flops_per_sample": 1e6, "peak": -1.0},
+            r"peak=...\) must be .* positive finite .* \(got -1.0",
+        ),
+        ({"samples": 4, "flops_per_sample": 1e6, "peak": 0}, r"peak=...\) must be .* \(got 0 "),
+        ({"samples": 4, "flops_per_sample": 1e6, "peak": float("nan")}, r"peak=...\) must be .* \(got nan"),
+        ({"samples": 4, "flops_per_sample": 1e6, "peak": True}, r"peak=...\) must be .* \(got True"),
+        ({"samples": 4, "peak": -5.0}, r"peak=...\) must be .* \(got -5.0"),
+        ({"samples": 4, "flops_per_sample": 1e6, "peak": "V100"}, "no peak known for 'V100'"),
+        ({"samples": 4, "flops_per_sample": float("nan")}, r"positive finite number \(got nan"),
+        ({"samples": 4, "flops_per_sample": float("inf")}, r"positive finite number \(got inf"),
+        ({"samples": 4, "dtype": "int8"}, r"dtype=...\) must be 'bf16', 'fp16' or 'fp32'"),
     ],
 )
 def test_bad_settings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         fl.hooks.throughput(**kwargs)
+
+
+@pytest.mark.parametrize("seq_len", [0, -8, 1.5, float("nan"), True, "8"])
+def test_flops_per_token_refuses_a_sequence_length_that_is_not_a_positive_int(seq_len):
+    transformers = pytest.importorskip("transformers")
+    model = transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=20)
+    )
+    with pytest.raises(ValueError, match=r"seq_len must be the sequence length, a positive int"):
+        fl.hooks.flops_per_token(model, seq_len)
+
+
+def test_flops_per_token_refuses_what_is_not_a_model():
+    with pytest.raises(TypeError, match=r"expected the model, a torch.nn.Module \(got 'gpt2'"):
+        fl.hooks.flops_per_token("gpt2", 8)
+
+
+def test_a_runs_first_call_counts_a_metric_of_that_iteration_alone():
+    # The first call measures its iteration alone (its step_time): its count must be that iteration's,
+    # not the mean of every step before it.
+    batches = [100 + 10 * i for i in range(STEPS)]
+    seen = run(fl.hooks.throughput(tokens="tokens"), batches=batches)
+    i, _, step_time, values = seen[0]
+    assert values["tokens_per_s"] == (i, pytest.approx(batches[i] / step_time))
+
+
+def test_a_count_named_by_a_metric_never_recorded_warns_at_the_end():
+    with pytest.warns(fl.hooks.MetricNeverRecorded, match=r"the metric 'samples' was never recorded"):
+        seen = run(fl.hooks.throughput(samples="samples"))
+    assert all("samples_per_s" not in values for *_, values in seen)
 
 
 def test_two_runs_on_two_clocks_compare_equal_without_the_rates(tmp_path):

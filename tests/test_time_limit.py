@@ -14,6 +14,10 @@ from fnloop.checkpoint import latest, resume
 
 MAX_ITER = 30
 
+# The clocks here tick once a read, so a run's start takes a good share of its limit and warns so
+# (SlowStart: a compile counts against max_time); its own test is below.
+pytestmark = pytest.mark.filterwarnings("ignore::fnloop.SlowStart")
+
 
 def step(state: fl.TrainState, batch: tuple[torch.Tensor]) -> fl.TrainState:
     w = state.params["w"] * 0.9 + batch[0].mean()
@@ -127,3 +131,20 @@ def test_a_run_whose_time_is_up_as_it_ends_ends_as_any_other(tmp_path):
     final = fl.run(start(), last_step_takes_long, batches(), [ended], clock=clock, max_time=10)
     assert final.iteration == MAX_ITER
     assert "ended" in final.metrics.series  # AFTER_TRAIN's changes are in what run returns
+
+
+@pytest.mark.filterwarnings("error::fnloop.SlowStart")
+def test_a_start_that_takes_a_large_share_of_the_limit_warns_once_after_the_first_step(tmp_path):
+    # A compile counts against the limit: a first step taking most of it stops the run after that step,
+    # before any later hook's turn (an evaluation every 5 steps, say), and the user is told why.
+    reads = iter([0.0, 0.0, 0.0, 50.0, *range(51, 400)])  # the first step (a compile) takes 50 s
+    with pytest.warns(fl.SlowStart, match=r"max_time=60\): .* took 50.0 s, 83% of its time limit") as caught:
+        final = fl.run(
+            start(), step, batches(), hooks(tmp_path), clock=lambda: float(next(reads)), max_time=60
+        )
+    assert len(caught) == 1 and 0 < final.iteration < MAX_ITER
+    reads = iter([0.0, 0.0, 0.0, 70.0, *range(71, 400)])
+    with pytest.warns(fl.SlowStart, match=r"the run stops after its first step"):
+        stopped = fl.run(start(), step, batches(), clock=lambda: float(next(reads)), max_time=60)
+    assert stopped.iteration == 1
+    fl.run(start(), step, batches(), clock=ticks(), max_time=10**6)  # a quick start warns nothing

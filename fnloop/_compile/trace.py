@@ -113,9 +113,17 @@ def trace(
             raise  # the user's code, or fnloop's, raised it: as it would eagerly
         raise TraceFailed(op_of(exc.__traceback__), outside(exc.__traceback__), str(exc)) from exc
     # A number read out of a tensor whose value nothing in the graph uses (print(loss.item()))
-    # traces without complaint; inductor then fails on it with an internal assertion.
-    if any(node.target is torch.ops.aten._local_scalar_dense.default for node in graph.graph.nodes):
-        raise TraceError(_TO_NUMBER, None, "a tensor converted to a Python number")
+    # traces without complaint; inductor then fails on it with an internal assertion. Where it was
+    # read: the trace again, with stack traces (paid only on this error).
+    read = [n for n in graph.graph.nodes if n.target is torch.ops.aten._local_scalar_dense.default]
+    if read:
+        if not stack_traces:
+            again = trace(function, leaves, drawn=drawn, stack_traces=True, portable=portable)
+            read = [
+                n for n in again.graph.graph.nodes if n.target is torch.ops.aten._local_scalar_dense.default
+            ]
+        where = next((w for w in (user_frames(n.meta.get("stack_trace")) for n in read) if w), None)
+        raise TraceError(_TO_NUMBER, where, "a tensor converted to a Python number")
     nodes = [
         node
         for module in graph.modules()

@@ -5,9 +5,10 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 
-__all__ = ["Preempted"]
+__all__ = ["Preempted", "SlowStart"]
 
 
 class Preempted(SystemExit):
@@ -87,18 +88,54 @@ class TimeUp(Exception):
     """The run's ``max_time`` passed: ``run`` catches it and returns ``exc.state``, saved by then."""
 
 
+FIRST_CALL = 0.25
+"""The share of a run's ``max_time`` past which its first call (a compile, mostly) is worth a warning."""
+
+_SLOW_START = (
+    "run(max_time={limit:g}): the run's start and its first step took {took:.1f} s, {share:.0%} of its time "
+    "limit (a compiled step compiles then: 5-120 s cold, about 1-5 s from a warm cache). The limit counts "
+    "that time, so {left} Raise max_time to leave the steps their time; a second run of the same "
+    "script starts from the compile cache."
+)
+
+
 class _Deadline(_Stop):
-    """A stop at the first boundary once ``seconds`` of ``clock`` have passed, or by the signal ``local`` got."""
+    """A stop at the first boundary once ``seconds`` of ``clock`` have passed, or by the signal ``local`` got.
+
+    At the first boundary it warns once if the start and the first call took
+    ``FIRST_CALL`` of the time or more: the compile counts against the limit.
+    """
 
     def __init__(self, local: _Stop | None, clock: Callable[[], float], seconds: float) -> None:
-        self.local, self.clock, self.end = local, clock, clock() + seconds
+        self.local, self.clock, self.seconds = local, clock, seconds
+        self.start = clock()
+        self.end = self.start + seconds
+        self.first = True
 
     @property
     def signum(self) -> int | None:  # type: ignore[override]
         """A signal's number if one came, ``_TIME_UP`` once the time is up, else ``None``."""
         if self.local is not None and self.local.signum is not None:
             return self.local.signum
-        return _TIME_UP if self.clock() >= self.end else None
+        now = self.clock()
+        if self.first:
+            self.first = False
+            took = now - self.start
+            if took >= FIRST_CALL * self.seconds:
+                left = (
+                    "the run stops after its first step, before any later hook's turn comes."
+                    if now >= self.end
+                    else f"{self.end - now:.1f} s are left for the others."
+                )
+                message = _SLOW_START.format(
+                    limit=self.seconds, took=took, share=took / self.seconds, left=left
+                )
+                warnings.warn(message, SlowStart, stacklevel=2)
+        return _TIME_UP if now >= self.end else None
+
+
+class SlowStart(UserWarning):
+    """A run under ``max_time`` took a large share of its limit to start and take its first step (a compile)."""
 
 
 def _interruption(signum: int) -> BaseException:

@@ -55,6 +55,9 @@ class Memo:
         self.names: dict[tuple[str, int], str] = {}
         self.pool = ScalarPool()
         self.looked = False  # whether the step looked once at its graph's order of additions
+        self.structures: set[pytree.TreeSpec] = (
+            set()
+        )  # the optimizer states' structures found the optimizer's
 
     def tensor(self, key: Any, make: Callable[[], torch.Tensor]) -> torch.Tensor:
         found = self.inputs.get(key)
@@ -178,6 +181,9 @@ class TrainStep(Applied):
         if not mine:
             state = _copied(state)
             leaves, ospec = pytree.tree_flatten(state.opt_state)
+        if ospec not in self._memo.structures:
+            _check_opt_state(self.optimizer, self.kernel, state, ospec)
+            self._memo.structures.add(ospec)
         scan = self.multi is not None and len(batches) > 1
         call = call_of(state)
         layout = call.layout(
@@ -322,6 +328,26 @@ class TrainStep(Applied):
 
     def __repr__(self) -> str:
         return f"train_step({type(self.model).__name__}, {getattr(self.loss_fn, '__name__', self.loss_fn)!r}, {self.optimizer!r})"
+
+
+def _check_opt_state(optimizer: Optimizer, kernel: Kernel, state: TrainState, spec: pytree.TreeSpec) -> None:
+    """Refuse an optimizer state of another structure than the step's optimizer makes, naming both.
+
+    A state built with one optimizer (``dynamic_loss_scale(adamw(...))`` in
+    ``init``) and stepped with another (``adamw(...)`` in ``train_step``) would
+    otherwise fail deep inside the update. The structure is the optimizer's
+    ``init`` on meta tensors: nothing is allocated.
+    """
+    meta = {k: torch.empty_like(v, device="meta") for k, v in state.params.items() if k not in kernel.fixed}
+    expected = pytree.tree_structure(optimizer.init(meta))
+    if expected == spec:
+        return
+    raise TypeError(
+        f"the state's opt_state (a {type(state.opt_state).__name__}) was not made by this step's optimizer, "
+        f"{optimizer!r}, whose state is a {type(optimizer.init(meta)).__name__} of another structure. Build "
+        "the state with the same optimizer as the step: fnloop.init(model, opt, ...) and "
+        "fnloop.train_step(model, loss_fn, opt), a wrapper (dynamic_loss_scale, skip_spikes, inject) in both."
+    )
 
 
 def _zero(device: torch.device) -> torch.Tensor:

@@ -64,7 +64,7 @@ class Settings:
 @functools.cache
 def digits() -> tuple[Split, Split, Split]:
     """The digits as ``(train, validation, test)`` pairs ``(x, y)``: 1,300, 200 and 297 images, pixels in [0, 1]."""
-    # Imported here, so importing this module needs no scikit-learn (pip install fnloop[examples]).
+    # Imported here, so importing this module needs no scikit-learn (pip install -e ".[examples]").
     from sklearn.datasets import load_digits
 
     images, labels = load_digits(return_X_y=True)  # bundled with scikit-learn: no download

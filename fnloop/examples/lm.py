@@ -1,6 +1,6 @@
 """Train a small GPT-2 on Python's own standard library, byte by byte: fnloop on a Hugging Face model.
 
-Run it with ``python -m fnloop.examples.lm`` (``pip install fnloop[examples]``:
+Run it with ``python -m fnloop.examples.lm`` (``pip install -e ".[examples]"``:
 it needs ``transformers``); ``--help`` lists its settings, which ``--config
 FILE`` (TOML or YAML) and ``--key=value`` flags set. The model is ``transformers``' GPT-2 built from a
 config (2 layers, 128 wide, 4 heads, 128 positions), randomly initialised, at
@@ -92,7 +92,7 @@ def corpus(limit: int = CORPUS_BYTES) -> tuple[torch.Tensor, torch.Tensor]:
 
 def gpt2() -> Any:
     """A GPT-2 over bytes, from a config: ``transformers``' defaults except its size."""
-    from transformers import GPT2Config, GPT2LMHeadModel  # pip install fnloop[examples]
+    from transformers import GPT2Config, GPT2LMHeadModel  # pip install -e ".[examples]"
 
     config = GPT2Config(
         vocab_size=256, n_positions=CONTEXT, n_embd=128, n_layer=2, n_head=4, bos_token_id=10, eos_token_id=10

@@ -1,7 +1,7 @@
 """Check a job's resume: a ``transformers`` GPT-2 that resumes exactly, and the same job with a leak.
 
-Run it with ``python -m fnloop.examples.resume_check [DIR]`` (``pip install
-fnloop[examples]``: it needs ``transformers``). It runs
+Run it with ``python -m fnloop.examples.resume_check [DIR]`` (``pip install -e
+".[examples]"`` from a checkout: it needs ``transformers``). It runs
 ``fnloop.replay.check_resume`` on two jobs and prints both reports:
 
 * ``job``: GPT-2 from a tiny config at the library's defaults (dropout 0.1),
@@ -33,7 +33,7 @@ EVERY = 4
 
 def gpt2() -> Any:
     """A GPT-2 of 2 layers, 64 wide, over 256 tokens: ``transformers``' defaults except its size."""
-    from transformers import GPT2Config, GPT2LMHeadModel  # pip install fnloop[examples]
+    from transformers import GPT2Config, GPT2LMHeadModel  # pip install -e ".[examples]"
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)

@@ -7,7 +7,7 @@ together in one compiled step; every member is evaluated on the validation split
 in one call, each keeps its own best checkpoint, and the eight training curves
 and validation accuracies are drawn into ``runs/sweep/sweep.png``, coloured
 along viridis in the order of the learning rates, the best member marked
-(matplotlib, ``pip install "fnloop[plot]"``). Walkthrough: ``docs/population.md``.
+(matplotlib, ``pip install -e ".[plot]"`` from a checkout). Walkthrough: ``docs/population.md``.
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> fl.TrainState:
         plot(final, Path(args.out) / "sweep.png")
         print(f"curves: {Path(args.out) / 'sweep.png'}")
     except ImportError:
-        print('no plot: matplotlib is not installed (pip install "fnloop[plot]")', file=sys.stderr)
+        print("no plot: matplotlib is not installed (pip install matplotlib)", file=sys.stderr)
     return final
 
 

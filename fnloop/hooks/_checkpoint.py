@@ -20,6 +20,7 @@ import attrs
 from fnloop._atomic import DirectoryInUse, claim, holding, release
 from fnloop._core.background import BackgroundFailed
 from fnloop._core.combinators import Hook
+from fnloop._core.messages import got
 from fnloop._core.phase import Phase
 from fnloop._core.population import member_metric
 from fnloop._core.state import TrainState, request
@@ -80,6 +81,10 @@ def _top_name(iteration: int) -> str:
     return f"top-{iteration + 1:08d}.safetensors"
 
 
+_MOST = 1_000
+"""The most best states kept: their values and iterations are held in the state, in every checkpoint."""
+
+
 def best_checkpoint(
     directory: str | os.PathLike[str],
     metric: str,
@@ -120,7 +125,7 @@ def best_checkpoint(
         directory: where ``best.safetensors`` goes.
         metric: the name of a recorded metric.
         mode: ``"min"`` or ``"max"``.
-        k: how many of the best states to keep (1: ``best.safetensors`` alone).
+        k: how many of the best states to keep, 1 to 1,000 (1: ``best.safetensors`` alone).
         name: the hook state's name (default ``"best:<metric>"``).
 
     Raises:
@@ -139,8 +144,12 @@ def best_checkpoint(
     """
     if mode not in ("min", "max"):
         raise ValueError(f"best_checkpoint() mode must be 'min' or 'max' (got {mode!r}).")
-    if type(k) is not int or k < 1:
-        raise ValueError(f"best_checkpoint() k must be a positive int: how many best states to keep ({k!r}).")
+    if type(k) is not int or not 1 <= k <= _MOST:
+        raise ValueError(
+            f"best_checkpoint() k must be an int from 1 to {_MOST:,}: how many best states to keep "
+            f"({got(k)}). The memory of the k best is in the state, in every checkpoint; to keep every "
+            "state, use fnloop.hooks.checkpoint(directory, keep=None)."
+        )
     folder = _directory("best_checkpoint()", directory)
     update = _BestUpdate(os.fspath(folder), metric, mode, os.fspath(directory), k)
     worst = math.inf if mode == "min" else -math.inf

@@ -23,7 +23,7 @@ _BARS: dict[tuple[int, str], Any] = {}
 
 TQDM_MISSING = (
     "fnloop.hooks.progress() needs the tqdm package, which is not installed. "
-    'Install it with: pip install "fnloop[progress]"'
+    'Install it with: pip install tqdm (from a checkout of fnloop: pip install -e ".[progress]")'
 )
 
 
@@ -157,7 +157,7 @@ def progress(*, name: str = "progress", mininterval: float = 0.1) -> Progress:
         The hook.
 
     Raises:
-        ImportError: tqdm is not installed (``pip install "fnloop[progress]"``).
+        ImportError: tqdm is not installed (``pip install tqdm``).
         ValueError: ``name`` is empty, or ``mininterval`` is negative.
 
     Examples:

@@ -24,12 +24,15 @@ class SpikesInARow(RuntimeError):
 class StopOnSpikes:
     """Raise ``SpikesInARow`` after ``n`` skipped steps in a row; build it with ``stop_on_spikes``."""
 
-    acts_in: ClassVar[frozenset[Phase]] = frozenset({Phase.AFTER_STEP})
+    acts_in: ClassVar[frozenset[Phase]] = frozenset({Phase.BEFORE_TRAIN, Phase.AFTER_STEP})
     """Where it looks: it reads the metrics, never changes the state, and raises."""
 
     n: int
 
     def __call__(self, state: TrainState, phase: Phase, /) -> TrainState:
+        if phase is Phase.BEFORE_TRAIN:
+            _check_skips(state, self)
+            return state
         if phase is not Phase.AFTER_STEP:
             return state
         series = state.metrics.series
@@ -51,12 +54,32 @@ class StopOnSpikes:
         return f"stop_on_spikes({self.n})"
 
 
+def _check_skips(state: TrainState, hook: StopOnSpikes) -> None:
+    """Refuse a run whose optimizer skips no spikes: the hook would watch a count that never moves."""
+    from torch.utils import _pytree as pytree
+
+    from fnloop.optim._spikes import SpikeState
+
+    if not state.params:  # a state without a model (a simulation, a hook's test): nothing to watch yet
+        return
+    found = pytree.tree_leaves(state.opt_state, is_leaf=lambda x: isinstance(x, SpikeState))
+    if not any(isinstance(x, SpikeState) for x in found):
+        raise ValueError(
+            f"{hook!r} in a run whose optimizer skips no spikes: it reads the count that "
+            "fnloop.optim.skip_spikes records, so it could never stop this run. Wrap the optimizer, "
+            "in both fnloop.init and train_step: fl.optim.skip_spikes(fl.optim.adamw(...)) "
+            "(see docs/watching.md); or leave the hook out."
+        )
+
+
 def stop_on_spikes(n: int) -> StopOnSpikes:
     """A hook ending the run with ``SpikesInARow`` once ``n`` steps in a row were skipped as spikes.
 
     It reads the newest value of the metric ``spikes_in_a_row`` that
     ``fnloop.optim.skip_spikes`` records (one host read per call), so run it
-    every step (a streak that ends between two of its calls is not seen).
+    every step (a streak that ends between two of its calls is not seen). A
+    run whose optimizer is not wrapped in ``skip_spikes`` is refused as it
+    starts: the hook could never fire there.
 
     Args:
         n: how many skipped steps in a row end the run; positive.

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import time
+import warnings
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -12,8 +14,9 @@ import torch
 from fnloop._core.messages import got, non_empty_str
 from fnloop._core.metrics import to_floats
 from fnloop._core.phase import Phase
-from fnloop._core.state import TrainState, unchecked
+from fnloop._core.state import TrainState, request, unchecked
 from fnloop._core.stateful import recall, remember
+from fnloop.hooks._unrecorded import MetricNeverRecorded, never_recorded
 
 __all__ = [
     "PEAK_FLOPS",
@@ -44,11 +47,22 @@ class ThroughputState:
     time: float = attrs.field(eq=False)
 
 
+@attrs.frozen
+class _Warn:
+    """The effect warning that a count's metric was never recorded; a value, so states compare equal."""
+
+    hook: str
+    metric: str
+
+    def __call__(self, state: TrainState) -> None:
+        warnings.warn(never_recorded(self.hook, self.metric, state), MetricNeverRecorded, stacklevel=2)
+
+
 @attrs.frozen(repr=False)
 class Throughput:
     """Record throughput and MFU at ``AFTER_STEP``; build it with ``throughput``."""
 
-    acts_in: ClassVar[frozenset[Phase]] = frozenset({Phase.BEFORE_TRAIN, Phase.AFTER_STEP})
+    acts_in: ClassVar[frozenset[Phase]] = frozenset({Phase.BEFORE_TRAIN, Phase.AFTER_STEP, Phase.AFTER_TRAIN})
 
     samples: int | str | None
     tokens: int | str | None
@@ -61,18 +75,21 @@ class Throughput:
     def __call__(self, state: TrainState, phase: Phase, /) -> TrainState:
         if phase is Phase.BEFORE_TRAIN:  # a resumed run measures from its own start
             return remember(state, self.name, ThroughputState(state.iteration - 1, -1.0))
+        if phase is Phase.AFTER_TRAIN:
+            return self._unrecorded(state)
         if phase is not Phase.AFTER_STEP:
             return state
         before = recall(state, self.name, ThroughputState(state.iteration - 1, -1.0))
         steps = state.iteration - before.iteration
         # The whole iterations since the previous call, hooks and all; in a run's first call,
-        # this iteration up to its AFTER_STEP.
+        # this iteration up to its AFTER_STEP, and its counts alone.
         since = before.time >= 0 and steps > 0
         per_step = (state.time - before.time) / steps if since else state.step_time
+        counted = before.iteration if since else state.iteration - 1
         values: dict[str, float] = {}
         if per_step > 0:
-            samples = self._count(state, self.samples, before.iteration)
-            tokens = self._count(state, self.tokens, before.iteration)
+            samples = self._count(state, self.samples, counted)
+            tokens = self._count(state, self.tokens, counted)
             if samples is not None:
                 values["samples_per_s"] = samples * self.world / per_step
             if tokens is not None:
@@ -86,6 +103,13 @@ class Throughput:
         metrics = state.metrics.record(state.iteration, values) if values else state.metrics
         moved = unchecked(state, metrics=metrics)
         return remember(moved, self.name, ThroughputState(state.iteration, state.time))
+
+    def _unrecorded(self, state: TrainState) -> TrainState:
+        """``state``, with a warning requested for each count named by a metric the run never recorded."""
+        for count in (self.samples, self.tokens):
+            if isinstance(count, str) and count not in state.metrics.series and state.iteration > 0:
+                state = request(state, _Warn(repr(self), count), f"warn: {count} never recorded")
+        return state
 
     def _count(self, state: TrainState, count: int | str | None, since: int) -> float | None:
         """One rank's samples (tokens) per iteration, over the iterations after ``since``."""
@@ -142,15 +166,16 @@ def throughput(
     Args:
         samples: each rank's samples per step (the batch size), or the name of
             a metric ``loss_fn`` records with that count (for example
-            ``{"samples": x.new_tensor(len(x))}``).
+            ``{"samples": x.new_tensor(len(x))}``); a metric the run never
+            records warns ``MetricNeverRecorded`` at its end.
         tokens: each rank's tokens per step (batch x sequence length), or a
             metric's name (``attention_mask.sum()``, for batches of varying length).
         flops_per_token: training FLOPs per token (``fnloop.hooks.flops_per_token``
             counts ``6N + 12 L d T``); with ``tokens``, MFU.
         flops_per_sample: training FLOPs per sample, for models without tokens.
-        peak: the device's peak FLOP/s: a number, a name of ``PEAK_FLOPS``
-            (``"H100"``), or ``None``: the CUDA device's by its name, or this
-            CPU's, measured (``peak_flops``).
+        peak: the device's peak FLOP/s: a positive number, a name of
+            ``PEAK_FLOPS`` (``"H100"``), ``"cpu"`` (measured), or ``None``: the
+            CUDA device's by its name, or this CPU's, measured (``peak_flops``).
         dtype: which column of ``PEAK_FLOPS`` a name reads (``"bf16"``, ``"fp16"``, ``"fp32"``).
         name: where the hook keeps its ``ThroughputState``.
 
@@ -167,8 +192,21 @@ def throughput(
     if flops_per_token is not None and tokens is None:
         raise ValueError("throughput(flops_per_token=...) needs tokens=...: MFU counts the tokens trained.")
     flops = flops_per_token if flops_per_token is not None else flops_per_sample
-    if flops is not None and (type(flops) not in (int, float) or flops <= 0):
-        raise ValueError(f"throughput(): the FLOPs must be a positive number ({got(flops)}).")
+    if flops is not None and not _positive(flops):
+        raise ValueError(f"throughput(): the FLOPs must be a positive finite number ({got(flops)}).")
+    if isinstance(peak, str):
+        if peak != "cpu" and peak not in PEAK_FLOPS:
+            raise ValueError(
+                f"throughput(peak=...): no peak known for {peak!r}; known: {sorted(PEAK_FLOPS)}, or 'cpu' "
+                "(measured). Pass the device's peak FLOP/s as a number instead."
+            )
+    elif peak is not None and not _positive(peak):
+        raise ValueError(
+            "throughput(peak=...) must be the device's peak FLOP/s, a positive finite number (for an "
+            f"H100's bf16, 989e12), a name of PEAK_FLOPS, or None ({got(peak)})."
+        )
+    if dtype not in ("bf16", "fp16", "fp32"):
+        raise ValueError(f"throughput(dtype=...) must be 'bf16', 'fp16' or 'fp32' ({got(dtype)}).")
     if flops_per_sample is not None and tokens is not None:
         raise ValueError("throughput(flops_per_sample=...) with tokens=...: give flops_per_token instead.")
     if flops_per_sample is not None and samples is None:
@@ -177,6 +215,11 @@ def throughput(
     if flops is not None:
         top = peak_flops(peak, dtype) if not isinstance(peak, (int, float)) else float(peak)
     return Throughput(samples, tokens, None if flops is None else float(flops), top, world_size(), name)
+
+
+def _positive(value: object) -> bool:
+    """A positive finite int or float, not a bool."""
+    return type(value) in (int, float) and 0 < value < math.inf  # type: ignore[operator]
 
 
 def peak_flops(device: str | None = None, dtype: str = "bf16") -> float:
@@ -240,6 +283,13 @@ def flops_per_token(model: torch.nn.Module, seq_len: int | None = None) -> float
         >>> flops_per_token(torch.nn.Linear(10, 10))
         660.0
     """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"flops_per_token() expected the model, a torch.nn.Module ({got(model)}).")
+    if seq_len is not None and (type(seq_len) is not int or seq_len < 1):
+        raise ValueError(
+            f"flops_per_token(model, seq_len): seq_len must be the sequence length, a positive int, or "
+            f"None for 6N alone ({got(seq_len)})."
+        )
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     n = sum(p.numel() for p in model.parameters() if p.requires_grad and id(p) not in embeddings)
     flops = 6.0 * n

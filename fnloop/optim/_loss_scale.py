@@ -155,6 +155,10 @@ class LossScaled(Optimizer):
         return f"dynamic_loss_scale({self.inner!r}, {settings})"
 
 
+_MOST = 2.0**64
+"""The largest first scale: a float16 gradient overflows at 65504, so a scale beyond this is only backed off."""
+
+
 def dynamic_loss_scale(
     optimizer: Optimizer,
     *,
@@ -212,6 +216,13 @@ def dynamic_loss_scale(
             raise ValueError(
                 f"dynamic_loss_scale({name}=...) must be a finite number above {low} ({got(value)})."
             )
+    if init_scale > _MOST:
+        raise ValueError(
+            f"dynamic_loss_scale(init_scale=...) must be a finite number above 0.0 and at most 2**64 "
+            f"({got(init_scale)}): float16 gradients overflow far below that, so every step from there "
+            "would be skipped while the scale backs off (past float32's 3.4e38 it never could). "
+            "GradScaler's default is 2**16."
+        )
     if type(backoff_factor) not in (int, float) or not 0.0 < backoff_factor < 1.0:
         raise ValueError(
             f"dynamic_loss_scale(backoff_factor=...) must lie strictly between 0 and 1 ({got(backoff_factor)})."

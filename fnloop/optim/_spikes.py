@@ -158,6 +158,10 @@ class SkipsSpikes(Optimizer):
         )
 
 
+_WIDEST = 100_000
+"""The widest window: its losses and norms live in the state (saved with every checkpoint) and each step reads them."""
+
+
 def skip_spikes(
     optimizer: Optimizer, *, window: int = 128, threshold: float = 6.0, warmup: int = 16
 ) -> SkipsSpikes:
@@ -179,7 +183,7 @@ def skip_spikes(
 
     Args:
         optimizer: the optimizer to wrap.
-        window: how many accepted steps the mean and deviation are taken over; at least 2.
+        window: how many accepted steps the mean and deviation are taken over; 2 to 100,000.
         threshold: the z-score above which a step is skipped; positive.
         warmup: accepted steps before any step is judged; between 2 and ``window``.
 
@@ -204,8 +208,11 @@ def skip_spikes(
             f"skip_spikes() got {optimizer!r}; wrap the plain optimizer, and put dynamic_loss_scale "
             "outside: dynamic_loss_scale(skip_spikes(adamw(...)))."
         )
-    if type(window) is not int or window < 2:
-        raise ValueError(f"skip_spikes(window=...) must be an int of at least 2 ({got(window)}).")
+    if type(window) is not int or not 2 <= window <= _WIDEST:
+        raise ValueError(
+            f"skip_spikes(window=...) must be an int from 2 to {_WIDEST:,} ({got(window)}): the window's "
+            "losses and norms are kept in the state, and every step reads them all (OLMo's is 128)."
+        )
     if type(threshold) not in (int, float) or not math.isfinite(threshold) or threshold <= 0:
         raise ValueError(f"skip_spikes(threshold=...) must be a positive number ({got(threshold)}).")
     if type(warmup) is not int or not 2 <= warmup <= window:

@@ -77,7 +77,7 @@ def _client(tracking_uri: str | None) -> Any:
         from mlflow.tracking import MlflowClient
     except ImportError as exc:
         raise ImportError(
-            'fnloop.writers.mlflow needs MLflow: pip install "fnloop[mlflow]" (or mlflow itself).'
+            'fnloop.writers.mlflow needs MLflow: pip install mlflow-skinny (or mlflow; from a checkout of fnloop: pip install -e ".[mlflow]").'
         ) from exc
     return MlflowClient(tracking_uri=tracking_uri)
 
@@ -413,7 +413,7 @@ def mlflow(
     resumes or starts again from iteration 0. A process on another machine
     cannot be checked from here: its run counts as live until it ends, and
     the error says how to end it when that process is gone.
-    Needs ``pip install "fnloop[mlflow]"``.
+    Needs MLflow (``pip install -e ".[mlflow]"`` from a checkout).
 
     Raises:
         TypeError: an argument of the wrong type (``run_name`` not a str,

@@ -21,7 +21,7 @@ _LIVE: dict[tuple[int, str], Any] = {}
 
 TENSORBOARD_MISSING = (
     "fnloop.writers.tensorboard() needs the tensorboard package, which is not installed. "
-    'Install it with: pip install "fnloop[tensorboard]"'
+    'Install it with: pip install tensorboard (from a checkout of fnloop: pip install -e ".[tensorboard]")'
 )
 
 
@@ -142,7 +142,7 @@ def tensorboard(logdir: str | os.PathLike[str]) -> Tensorboard:
     member, ``logdir/member-3 <label>``, so one chart shows every member's curve.
 
     Raises:
-        ImportError: tensorboard is not installed (``pip install "fnloop[tensorboard]"``).
+        ImportError: tensorboard is not installed (``pip install tensorboard``).
         TypeError: ``logdir`` is not a path.
         ValueError: ``logdir`` is empty, holds a NUL byte, is a file, or lies
             under a file or in a directory the run cannot write.

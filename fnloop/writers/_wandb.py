@@ -51,13 +51,13 @@ class _Line(Protocol):
 
 WANDB_MISSING = (
     "fnloop.writers.wandb needs Weights & Biases' client (wandb 0.19.10 or later), which is not "
-    'installed. Install it with: pip install "fnloop[wandb]"'
+    'installed. Install it with: pip install "wandb>=0.19.10" (from a checkout of fnloop: pip install -e ".[wandb]")'
 )
 
 WANDB_TOO_OLD = (
     "fnloop.writers.wandb needs wandb 0.19.10 or later, for wandb.init(reinit='create_new') (one W&B "
     "run per writer, however many runs the process has), and this is wandb {version}. Upgrade it with: "
-    'pip install -U "fnloop[wandb]"'
+    'pip install -U "wandb>=0.19.10"'
 )
 
 IN_USE = (
@@ -335,7 +335,7 @@ def wandb(
     hook of one process on it. The lock dies with its process: the run of a
     killed attempt is taken over by the next. Writers in other directories,
     or on other machines, are not seen from here.
-    Needs ``pip install "fnloop[wandb]"`` (wandb 0.19.10 or later).
+    Needs wandb 0.19.10 or later (``pip install -e ".[wandb]"`` from a checkout).
 
     Raises:
         TypeError: an argument of the wrong type (``id`` not a str,
