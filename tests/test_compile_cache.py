@@ -289,3 +289,79 @@ def test_a_probe_answer_is_remembered_for_the_same_library_only(tmp_path: Path) 
         library.write_bytes(b"another file now")
         assert isa._probe_load(str(library)) is False  # a changed library is probed again
     assert isa._probe_load.__func__ is VecAVX2._probe_load  # type: ignore[attr-defined]
+
+
+# -- one compile per machine -------------------------------------------------------------------------
+
+_RACE = """
+import sys, time, json, torch, fnloop as fl
+from fnloop._compile.cache import CompileCache
+import torch._inductor
+calls = []
+real = torch._inductor.standalone_compile
+torch._inductor.standalone_compile = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+directory, start = sys.argv[1], float(sys.argv[2])
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(4, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+opt = fl.optim.sgd(0.1)
+step = fl.train_step(model, lambda f, b: f(b[0]).square().mean(), opt, backend="inductor")
+step.jit.cache = CompileCache(directory)
+state = fl.init(model, opt, seed=0, max_iter=1)
+while time.time() < start:
+    time.sleep(0.01)
+new = step(state, (torch.ones(6, 4), torch.zeros(6)))
+print(json.dumps({"compiles": len(calls), "hits": step.jit.cache.hits, "w": new.params["0.weight"].sum().item()}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.inductor("what inductor builds is what one process saves and the others load")
+def test_processes_that_need_one_graph_at_once_compile_it_once_and_the_others_load_it(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import time
+
+    env = {**__import__("os").environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    start = str(time.time() + 8)  # every process past its imports and trace before the first compiles
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RACE, str(tmp_path / "fnloop"), start],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for _ in range(3)
+    ]
+    results = [json.loads(p.communicate(timeout=300)[0]) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert sorted(r["compiles"] for r in results) == [0, 0, 1], results
+    assert sorted(r["hits"] for r in results) == [0, 1, 1], results
+    assert len({r["w"] for r in results}) == 1
+
+
+def test_a_process_killed_holding_a_graphs_lock_leaves_it_free(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    holder = (
+        "import sys, time\n"
+        "from fnloop._compile.cache import CompileCache\n"
+        "with CompileCache(sys.argv[1]).claimed('k' * 64):\n"
+        "    print('held', flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", holder, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+    import fcntl
+    import os
+
+    fd = os.open(tmp_path / ("k" * 64 + ".lock"), os.O_RDWR)
+    with pytest.raises(BlockingIOError):  # the holder has it: a second process would wait
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free the moment its holder died
+    os.close(fd)
+    with CompileCache(tmp_path).claimed("k" * 64):  # and the next run takes it
+        pass

@@ -28,6 +28,12 @@ Each file carries a checksum of its contents: a damaged or truncated file is
 ignored and rebuilt, never loaded. Files are written to a temporary name, then
 renamed, so a reader never sees half of one.
 
+One compile per machine: the processes that need one graph at once (the ranks
+of a job, a test suite's workers) take turns at the graph's lock file
+(``<key>.lock``, an ``flock``). The first compiles and saves; the others wait,
+then load what it saved. The kernel releases the lock when its holder dies,
+however it dies, so a rank killed while compiling never blocks the next run.
+
 Where it lives: ``$FNLOOP_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/fnloop``
 (``~/.cache/fnloop``), in a ``compile`` folder. ``FNLOOP_CACHE_DIR=off`` turns
 it off.
@@ -62,6 +68,7 @@ _FORMAT = b"fnloop-compiled-graph 1\n"
 """The first line of every cache file; a new format changes it, so old files are never read."""
 
 _SUFFIX = ".graph"
+_LOCK = ".lock"
 
 
 def default_directory() -> Path | None:
@@ -109,6 +116,34 @@ class CompileCache:
     def path(self, key: str) -> Path:
         """The file of ``key``."""
         return self.directory / f"{key}{_SUFFIX}"
+
+    @contextlib.contextmanager
+    def claimed(self, key: str) -> Iterator[None]:
+        """Hold the machine's lock of ``key`` for the block: one process at a time builds that graph.
+
+        A process that finds the lock taken waits for it; by then the graph is
+        usually saved, and it loads it. The lock is an ``flock`` on
+        ``<key>.lock``, which the kernel releases when its holder exits or is
+        killed. Where there is no ``fcntl`` (Windows) or the folder cannot be
+        written, the block runs without one.
+        """
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - not on POSIX
+            yield
+            return
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.directory / f"{key}{_LOCK}", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            yield
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
 
     def load(self, key: str) -> Any:
         """The compiled graph saved under ``key``, or ``None`` (missing, damaged, or not loadable)."""

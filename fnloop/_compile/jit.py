@@ -97,15 +97,20 @@ def _built(
     """What inductor builds from ``graph``, or finds in ``cache``; ``failed`` makes inductor's errors ours."""
     from torch._inductor import standalone_compile as standalone
 
-    # Around torch 2.13's scatter miscompile (known.py): the scatters left to torch's kernels.
+    # Around torch 2.13's scatter miscompile (known.py): the scatters left to torch's kernels (which
+    # the key records: it is taken inside).
     route = scatter_fallbacks() if routed(nodes) else contextlib.nullcontext()
-    with remembered_probes(None if cache is None else cache.directory), route:
+    with route, remembered_probes(None if cache is None else cache.directory), contextlib.ExitStack() as held:
+        key = None if cache is None else graph_key(graph, leaves, options)
+        if cache is not None and key is not None:  # one process of the machine builds it (cache.py)
+            held.enter_context(cache.claimed(key))
         # A graph with tensor constants (a tensor a closure captured) is not
         # reloadable on torch 2.13: the loaded graph expects them as inputs
-        # (and crashes under the C++ wrapper); inductor's own cache still serves it.
-        # Nor is a graph with a loop (torch 2.13's caches refuse higher-order operators).
-        uncached = cache is None or _has_constants(graph) or _has_loops(nodes)
-        key = None if uncached else graph_key(graph, leaves, options)
+        # (and crashes under the C++ wrapper); inductor's own cache still serves it,
+        # to the processes that waited. Nor is a graph with a loop (torch 2.13's
+        # caches refuse higher-order operators).
+        if cache is not None and (_has_constants(graph) or _has_loops(nodes)):
+            cache = None
         if cache is not None and key is not None:
             found = cache.load(key)
             if found is not None:
