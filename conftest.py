@@ -28,6 +28,14 @@ os.environ.setdefault("FNLOOP_CACHE_DIR", os.path.join(_CACHE, "fnloop"))
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 torch.set_num_threads(1)
 
+# A test compiles only what it tests. Its compiled steps run fnloop's traced graph op by op
+# (backend="graph": the trace, in seconds, no inductor) unless it is marked
+# @pytest.mark.inductor("<its claim>"): a claim about what inductor builds (bits of compiled runs,
+# fused kernels, the compile cache, the models suite, compiled speed) runs on inductor. The variable
+# reaches every process a test starts (torchrun's workers, the docs' pages). FNLOOP_BACKEND=inductor
+# in the environment runs every test on inductor.
+SUITE_BACKEND = os.environ.setdefault("FNLOOP_BACKEND", "graph")
+
 settings.register_profile(
     "ci",
     max_examples=40,
@@ -62,6 +70,15 @@ def pytest_collection_modifyitems(config, items):
         group = {item: mark.args[0] if mark.args else mark.kwargs.get("name") for item, mark in marks.items()}
         slow = Counter(group[item] for item in items if item.get_closest_marker("slow") is not None)
         items.sort(key=lambda item: -slow[group[item]])
+
+
+@pytest.hookimpl(tryfirst=True)  # before the test's fixtures are set up: a module's shared steps too
+def pytest_runtest_setup(item):
+    """The test's steps on inductor if it is marked ``inductor``, else on the suite's backend."""
+    marked = item.get_closest_marker("inductor")
+    if marked is not None and not (marked.args and isinstance(marked.args[0], str) and marked.args[0]):
+        raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.inductor needs its claim, as a string")
+    os.environ["FNLOOP_BACKEND"] = "inductor" if marked is not None else SUITE_BACKEND
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -29,8 +29,9 @@ from fnloop._core.state import (
 )
 from fnloop._core.stateful import stateful
 from fnloop._export import load_state_dict, state_dict, unshard
+from fnloop._lr_find import LRFinding, find_lr
 from fnloop._population import member, members, population
-from fnloop._run import BatchesExhausted, Preempted, Step, UnclaimedHookState, run, scan
+from fnloop._run import BatchesExhausted, Preempted, SlowStart, Step, UnclaimedHookState, run, scan
 from fnloop._step.build import (
     CompileError,
     GraphBreakError,
@@ -53,6 +54,7 @@ __all__ = [
     "CompileError",
     "GraphBreakError",
     "Hook",
+    "LRFinding",
     "Metrics",
     "NonFiniteLoss",
     "ParameterCheck",
@@ -63,6 +65,7 @@ __all__ = [
     "Schedule",
     "RecompileError",
     "Shards",
+    "SlowStart",
     "Step",
     "StepCheck",
     "TrainState",
@@ -78,6 +81,7 @@ __all__ = [
     "distributed",
     "eval_step",
     "every",
+    "find_lr",
     "hook_state",
     "hooks",
     "identity",

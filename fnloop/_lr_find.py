@@ -1,0 +1,242 @@
+"""``find_lr``: a learning-rate range as one population run, each member at its own rate, and a suggestion.
+
+Lightning's tuner (``Tuner.lr_find``) runs a range test: one run whose rate
+grows step by step from ``min_lr`` to ``max_lr``, its loss smoothed, the
+suggestion where that loss falls fastest; then it restores the model. Here
+the rates are the members of one population (``fnloop.population``): each
+member trains from the same start for ``steps`` steps at its own constant
+rate, injected into its optimizer's state, all of them in one compiled step.
+Nothing is restored because nothing of the caller's is changed: the members
+are copies.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from fnloop._core.messages import got
+from fnloop._core.metrics import Metrics, to_floats
+from fnloop._core.state import TrainState
+from fnloop._population import population
+from fnloop._run import run
+from fnloop._step.build import init, train_step
+from fnloop.optim import Optimizer, inject
+
+__all__ = ["LRFinding", "find_lr"]
+
+RULES = ("steepest", "lowest")
+"""How ``find_lr`` suggests a rate: where the loss falls fastest, or where it is lowest."""
+
+DIVERGED = 4.0
+"""A member whose final loss is more than this many times the lowest is taken to have diverged
+(Lightning's ``early_stop_threshold``)."""
+
+
+@attrs.frozen
+class LRFinding:
+    """What ``find_lr`` found: each rate's losses, the final loss by rate, and the suggestion.
+
+    Attributes:
+        lrs: the learning rates tried, one member each, lowest first.
+        losses: each member's loss at each step (``nan`` where a step was not finite).
+        final: each member's mean loss over the last quarter of its steps; ``nan``
+            where it diverged (not finite, or ``DIVERGED`` times the lowest).
+        suggestion: the suggested rate (``None`` if fewer than two members kept a
+            finite loss).
+        rule: how it was chosen: ``"steepest"`` (where ``final`` falls fastest
+            against ``log10(lr)``, before the first divergence) or ``"lowest"``.
+    """
+
+    lrs: tuple[float, ...]
+    losses: tuple[tuple[float, ...], ...]
+    final: tuple[float, ...]
+    suggestion: float | None
+    rule: str
+
+    def __str__(self) -> str:
+        lines = [f"{'lr':>10}  {'final loss':>10}"]
+        for lr, loss in zip(self.lrs, self.final):
+            mark = "  <- suggested" if lr == self.suggestion else ""
+            shown = "diverged" if math.isnan(loss) else f"{loss:.4g}"
+            lines.append(f"{lr:>10.3g}  {shown:>10}{mark}")
+        said = "none" if self.suggestion is None else f"{self.suggestion:.3g}"
+        lines.append(f"suggested learning rate ({self.rule}): {said}")
+        return "\n".join(lines)
+
+    def plot(self, path: str | None = None) -> Any:
+        """A matplotlib ``Figure``: each rate's loss by step, and the final loss by rate, the suggestion marked.
+
+        Needs matplotlib (``pip install -e ".[plot]"``). ``path``: also save it there.
+        """
+        import matplotlib
+
+        if path is not None:
+            matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        figure, (curves, by_rate) = plt.subplots(1, 2, figsize=(10, 4))
+        colors = matplotlib.colormaps["viridis"]
+        for m, (lr, losses) in enumerate(zip(self.lrs, self.losses)):
+            curves.plot(losses, color=colors(m / max(1, len(self.lrs) - 1)), label=f"{lr:.2g}")
+        curves.set(xlabel="step", ylabel="loss", yscale="log", title="each rate's loss")
+        finite = [(lr, loss) for lr, loss in zip(self.lrs, self.final) if not math.isnan(loss)]
+        if finite:
+            by_rate.plot(*zip(*finite), marker="o")
+        if self.suggestion is not None:
+            by_rate.axvline(
+                self.suggestion, color="red", linestyle="--", label=f"suggested {self.suggestion:.2g}"
+            )
+            by_rate.legend()
+        by_rate.set(xscale="log", xlabel="learning rate", ylabel="final loss", title=f"rule: {self.rule}")
+        figure.tight_layout()
+        if path is not None:
+            figure.savefig(path, dpi=100)
+        return figure
+
+
+def find_lr(
+    model: torch.nn.Module,
+    loss_fn: Callable[..., Any],
+    optimizer: Callable[[float], Optimizer],
+    batches: Iterable[Any],
+    *,
+    min_lr: float = 1e-6,
+    max_lr: float = 1.0,
+    num: int = 16,
+    steps: int = 100,
+    rule: str = "steepest",
+    seed: int = 0,
+    state: TrainState | None = None,
+    **step_options: Any,
+) -> LRFinding:
+    """Train ``num`` copies of ``model`` at learning rates from ``min_lr`` to ``max_lr`` as one population; suggest one.
+
+    Every member starts from the same weights (``model``'s, or ``state``'s),
+    sees the same batches and draws the same dropout (the same seed), and
+    trains ``steps`` steps at its own constant rate, log-spaced between
+    ``min_lr`` and ``max_lr``, injected into the optimizer's state
+    (``fnloop.optim.inject``): one compiled step trains them all. A member
+    whose steps are not finite skips them (``skip_nonfinite``) and counts as
+    diverged, as does one whose final loss is ``DIVERGED`` times the lowest.
+    ``model`` and ``state`` are not changed.
+
+    The suggestion (``rule``): ``"steepest"``, where the final loss falls
+    fastest against ``log10(lr)`` among the rates before the first that
+    diverged (Lightning's rule, on the loss after ``steps`` steps at each rate
+    in place of the loss of one run whose rate grows); ``"lowest"``, the rate
+    of the lowest final loss. Its memory is ``num`` copies of the state.
+
+    Args:
+        model: the module to train (its structure and, without ``state``, its weights).
+        loss_fn: as ``train_step``'s.
+        optimizer: ``optimizer(lr) -> Optimizer``, for example ``fnloop.optim.adamw``
+            or ``lambda lr: fl.optim.adamw(fl.optim.warmup(lr, 10))``.
+        batches: what ``run`` takes; ``steps`` of them are used.
+        min_lr, max_lr: the range of rates, both positive, ``min_lr < max_lr``.
+        num: how many rates (members), at least 3.
+        steps: steps per member, at least 4.
+        rule: ``"steepest"`` or ``"lowest"``.
+        seed: the members' seed (dropout draws).
+        state: a single run's state to start from (a checkpoint's, say) in
+            place of ``model``'s weights; its optimizer state is not used.
+        **step_options: passed to ``train_step`` (``compile``, ``autocast``, ``backend``...).
+
+    Returns:
+        An ``LRFinding``: ``suggestion``, the table (``str``), ``plot()``.
+
+    Examples:
+        >>> import fnloop as fl
+        >>> model = torch.nn.Linear(4, 1)
+        >>> data = [(torch.randn(16, 4), torch.randn(16, 1)) for _ in range(20)]
+        >>> def mse(forward, batch):
+        ...     return ((forward(batch[0]) - batch[1]) ** 2).mean()
+        >>> found = fl.find_lr(model, mse, fl.optim.sgd, data, steps=20, num=6, compile=False)
+        >>> len(found.lrs), found.suggestion is not None
+        (6, True)
+    """
+    lrs = _rates(min_lr, max_lr, num)
+    if type(steps) is not int or steps < 4:
+        raise ValueError(f"find_lr(steps=...) must be an int of at least 4 ({got(steps)}).")
+    if rule not in RULES:
+        raise ValueError(f"find_lr(rule=...) must be one of {RULES} ({got(rule)}).")
+    if not callable(optimizer):
+        raise TypeError(
+            f"find_lr(optimizer=...) expects a function of the learning rate, such as fnloop.optim.adamw "
+            f"or lambda lr: fl.optim.adamw(lr, weight_decay=0.1) ({got(optimizer)})."
+        )
+    if state is not None and (not isinstance(state, TrainState) or state.population is not None):
+        raise TypeError(f"find_lr(state=...) expects a single run's TrainState ({got(state)}).")
+    start = None if state is None else ({k: v.clone() for k, v in state.params.items()}, state.buffers)
+
+    def member(seed: int, lr: float) -> TrainState:
+        made = init(model, inject(optimizer, lr=lr), seed=seed, max_iter=steps)
+        if start is not None:
+            made = attrs.evolve(made, params=dict(start[0]), buffers=dict(start[1]))
+        return attrs.evolve(made, metrics=Metrics(window=steps))
+
+    members = population(member, seeds=[seed] * num, lr=list(lrs))
+    step = train_step(model, loss_fn, inject(optimizer, lr=lrs[0]), skip_nonfinite=True, **step_options)
+    final = run(members, step, batches)
+    if final.iteration < steps:
+        raise ValueError(
+            f"find_lr(): the batches ran out after {final.iteration} of {steps} steps; give at least "
+            f"{steps} batches, or fewer steps."
+        )
+    losses = tuple(_losses(final, m, steps) for m in range(num))
+    ends = _final(losses)
+    return LRFinding(lrs, losses, ends, _suggested(lrs, ends, rule), rule)
+
+
+def _rates(low: object, high: object, num: object) -> tuple[float, ...]:
+    for name, value in (("min_lr", low), ("max_lr", high)):
+        if type(value) not in (int, float) or not 0 < value < math.inf:  # type: ignore[operator]
+            raise ValueError(f"find_lr({name}=...) must be a positive finite number ({got(value)}).")
+    if not low < high:  # type: ignore[operator]
+        raise ValueError(f"find_lr(): min_lr ({low}) must be below max_lr ({high}).")
+    if type(num) is not int or num < 3:
+        raise ValueError(f"find_lr(num=...) must be an int of at least 3: the rates tried ({got(num)}).")
+    return tuple(
+        float(x) for x in torch.logspace(math.log10(low), math.log10(high), num, dtype=torch.float64)
+    )  # type: ignore[arg-type]
+
+
+def _losses(state: TrainState, m: int, steps: int) -> tuple[float, ...]:
+    """Member ``m``'s loss at each step (``nan`` where it was not finite), one host read."""
+    entries = state.metrics.history(f"loss/{m}")
+    found = dict(zip((i for i, _ in entries), to_floats(v for _, v in entries)))
+    return tuple(v if math.isfinite(v) else math.nan for v in (found.get(i, math.nan) for i in range(steps)))
+
+
+def _final(losses: Sequence[tuple[float, ...]]) -> tuple[float, ...]:
+    """Each member's mean loss over its last quarter; ``nan`` where a step there was not finite or it diverged."""
+    ends = []
+    for curve in losses:
+        tail = curve[-max(1, len(curve) // 4) :]
+        ends.append(sum(tail) / len(tail) if all(math.isfinite(v) for v in tail) else math.nan)
+    kept = [e for e in ends if not math.isnan(e)]
+    if kept:
+        lowest = min(kept)
+        bound = DIVERGED * lowest if lowest > 0 else lowest + DIVERGED * abs(lowest)
+        ends = [e if not math.isnan(e) and e <= bound else math.nan for e in ends]
+    return tuple(ends)
+
+
+def _suggested(lrs: tuple[float, ...], ends: tuple[float, ...], rule: str) -> float | None:
+    usable = []
+    for lr, end in zip(lrs, ends):  # the rates before the first that diverged
+        if math.isnan(end):
+            break
+        usable.append((lr, end))
+    if len(usable) < 2:
+        return None
+    if rule == "lowest":
+        return min(usable, key=lambda pair: pair[1])[0]
+    x = torch.tensor([math.log10(lr) for lr, _ in usable], dtype=torch.float64)
+    y = torch.tensor([end for _, end in usable], dtype=torch.float64)
+    (slope,) = torch.gradient(y, spacing=(x,))
+    return usable[int(slope.argmin())][0]
