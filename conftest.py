@@ -52,9 +52,51 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 collect_ignore_glob = ["tests/*_worker.py"]
 
 
+TIMES = Path(__file__).parent / "tests" / "suite-times.json"
+"""Each test's time in a recorded cold run, setup included, and its setup's: what ``slow`` and the
+order of the groups are derived from. ``python benchmarks/suite_table.py REPORT --write-times
+tests/suite-times.json`` writes it from a run's ``--suite-report``."""
+
+SLOW = 2.0
+"""Seconds from which a test is ``slow``: ``pytest -m "not slow"`` is the inner loop's tier."""
+
+
+def _recorded() -> dict[str, list[float]]:
+    try:
+        return json.loads(TIMES.read_text())["tests"]
+    except (OSError, ValueError, KeyError):
+        return {}
+
+
+def _shared(item: pytest.Item) -> set[str]:
+    """The module- and session-scoped fixtures ``item`` uses: what a test before it may have built."""
+    defs = item._fixtureinfo.name2fixturedefs  # type: ignore[attr-defined]
+    return {
+        name for name, found in defs.items() if found and found[-1].scope in ("module", "session", "package")
+    }
+
+
+def _slow(items: list[pytest.Item]) -> None:
+    """Mark ``slow`` each test that took ``SLOW`` seconds, and each test sharing a fixture that took as long to build.
+
+    A module's shared fixture (a compiled step, a launch) is built by its first test, whose setup the
+    record charges; any other test of the module using it may be the one to build it, so it is slow too.
+    """
+    times = _recorded()
+    costly: dict[str, set[str]] = {}  # module -> fixtures whose building took SLOW
+    for item in items:
+        total, setup = times.get(item.nodeid.split("@")[0], (0.0, 0.0))
+        if setup >= SLOW:
+            costly.setdefault(item.nodeid.split("::")[0], set()).update(_shared(item))
+    for item in items:
+        total, _ = times.get(item.nodeid.split("@")[0], (0.0, 0.0))
+        if total >= SLOW or costly.get(item.nodeid.split("::")[0], set()) & _shared(item):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups into the tests' ids
 def pytest_collection_modifyitems(config, items):
-    """Each test in its file's group unless it names one (``xdist_group``): a file's tests share its fixtures.
+    """Each test in its file's group unless it names one (``xdist_group``); ``slow`` from the record.
 
     The suite runs on every core with ``pytest-xdist --dist loadgroup``: a group's tests run in one
     worker, in order, so a module's shared compiled steps are built once. A large file splits its tests
@@ -63,13 +105,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("xdist_group") is None:
             item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+    _slow(items)
     if os.environ.get("PYTEST_XDIST_WORKER") is not None:
-        # The groups with most slow tests first: the workers hand out groups in this order, and a long
-        # group handed out last would leave one core working alone at the end.
+        # The longest groups first, by the record: the workers hand out groups in this order, and a
+        # long group handed out last would leave one core working alone at the end.
+        times = _recorded()
         marks = {item: item.get_closest_marker("xdist_group") for item in items}
         group = {item: mark.args[0] if mark.args else mark.kwargs.get("name") for item, mark in marks.items()}
-        slow = Counter(group[item] for item in items if item.get_closest_marker("slow") is not None)
-        items.sort(key=lambda item: -slow[group[item]])
+        length: Counter = Counter()
+        for item in items:
+            length[group[item]] += times.get(item.nodeid.split("@")[0], (0.0, 0.0))[0]
+        items.sort(key=lambda item: -length[group[item]])
 
 
 @pytest.hookimpl(tryfirst=True)  # before the test's fixtures are set up: a module's shared steps too
@@ -134,6 +180,7 @@ def _launched(event, args):
 
 _LAUNCHED: Counter = Counter()
 _TIMES: dict[str, float] = {}
+_SETUPS: dict[str, float] = {}
 
 
 def pytest_configure(config):
@@ -148,7 +195,10 @@ _STARTED = pytest.StashKey[float]()
 
 
 def pytest_runtest_logreport(report):
-    _TIMES[report.nodeid.split("@")[0]] = _TIMES.get(report.nodeid.split("@")[0], 0.0) + report.duration
+    nodeid = report.nodeid.split("@")[0]
+    _TIMES[nodeid] = _TIMES.get(nodeid, 0.0) + report.duration
+    if report.when == "setup":
+        _SETUPS[nodeid] = report.duration
 
 
 def pytest_sessionfinish(session):
@@ -211,5 +261,6 @@ def pytest_terminal_summary(terminalreporter, config):
             "graphs": graphs,
             "files": dict(files.most_common()),
             "tests": dict(sorted(_TIMES.items(), key=lambda kv: -kv[1])),
+            "setups": {k: _SETUPS.get(k, 0.0) for k in _TIMES},
         }
         Path(path).write_text(json.dumps(report, indent=1))

@@ -21,6 +21,7 @@ import math
 import statistics
 import time
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -49,7 +50,7 @@ def gpt2_case():
         config = GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=2)
         return GPT2LMHeadModel._from_config(config)
 
-    text = open(torch.__file__.replace("__init__.py", "nn/modules/module.py"), "rb").read()
+    text = Path(torch.__file__).with_name("nn").joinpath("modules", "module.py").read_bytes()
     ids = torch.tensor(list(text[: 64 * 8 * 200]), dtype=torch.long).reshape(-1, 64)
     batches = [ids[i : i + 8] for i in range(0, len(ids) - 8, 8)]
 
@@ -64,8 +65,14 @@ def fnloop_find(build, loss, batches, args):
     model = build()
     start = time.perf_counter()
     found = fl.find_lr(
-        model, loss, fl.optim.adamw, batches, min_lr=args.min_lr, max_lr=args.max_lr,
-        num=args.num, steps=args.member_steps,
+        model,
+        loss,
+        fl.optim.adamw,
+        batches,
+        min_lr=args.min_lr,
+        max_lr=args.max_lr,
+        num=args.num,
+        steps=args.member_steps,
     )
     return found.suggestion, time.perf_counter() - start, found
 
@@ -97,16 +104,25 @@ def lightning_find(build, loss, batches, args, seed):
     L.seed_everything(seed, verbose=False)
     loader = torch.utils.data.DataLoader(Data(), batch_size=None, shuffle=True)
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, max_epochs=1000, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1000,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     module = Module()
     start = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         finder = Tuner(trainer).lr_find(
-            module, train_dataloaders=loader, min_lr=args.min_lr, max_lr=args.max_lr,
-            num_training=args.steps, update_attr=False,
+            module,
+            train_dataloaders=loader,
+            min_lr=args.min_lr,
+            max_lr=args.max_lr,
+            num_training=args.steps,
+            update_attr=False,
         )
     return finder.suggestion(), time.perf_counter() - start
 
@@ -136,8 +152,10 @@ def main() -> None:
         inside = low <= ours <= high if ours is not None else False
         print(f"\n{name}")
         print(found)
-        print(f"| | suggestion | wall time (s) |\n|---|---:|---:|")
-        print(f"| fnloop find_lr ({args.num} rates x {args.member_steps} steps, one population) | {ours:.3g} | {took:.1f} |")
+        print("| | suggestion | wall time (s) |\n|---|---:|---:|")
+        print(
+            f"| fnloop find_lr ({args.num} rates x {args.member_steps} steps, one population) | {ours:.3g} | {took:.1f} |"
+        )
         for seed, (s, t) in enumerate(theirs):
             print(f"| Lightning lr_find, seed {seed} ({args.steps} steps) | {s:.3g} | {t:.1f} |")
         spread = math.log10(high / low) if low > 0 else math.nan

@@ -200,9 +200,8 @@ def _rates(low: object, high: object, num: object) -> tuple[float, ...]:
         raise ValueError(f"find_lr(): min_lr ({low}) must be below max_lr ({high}).")
     if type(num) is not int or num < 3:
         raise ValueError(f"find_lr(num=...) must be an int of at least 3: the rates tried ({got(num)}).")
-    return tuple(
-        float(x) for x in torch.logspace(math.log10(low), math.log10(high), num, dtype=torch.float64)
-    )  # type: ignore[arg-type]
+    ends = math.log10(low), math.log10(high)  # type: ignore[arg-type]
+    return tuple(float(x) for x in torch.logspace(*ends, num, dtype=torch.float64))
 
 
 def _losses(state: TrainState, m: int, steps: int) -> tuple[float, ...]:

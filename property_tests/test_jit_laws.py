@@ -25,9 +25,9 @@ calls = st.lists(
 PURE = {"a": lambda x, y: [x.sum() + y.sum()], "b": lambda x, y: [x.sum() - y.sum()]}
 
 
-def fake_compile(function, leaves, options, cache=None, no_random=None):
+def fake_compile(function, leaves, options, cache=None, no_random=None, backend="inductor"):
     _, context = function(None, *leaves)  # the trace
-    return function.pure, False, context
+    return function.pure, False, context, (), False
 
 
 def make(structure):

@@ -16,6 +16,7 @@ Options:
     --replicate R      init(..., replicate=R): R copies of the sharded state (HSDP)
     --max-iter N       steps in all (default 50)
     --compile          compile the step (default: eager)
+    --backend NAME     its backend, inductor or graph (default: $FNLOOP_BACKEND, as the test's)
     --steps-per-call K train_step(..., steps_per_call=K)
     --checkpoint DIR   resume from DIR, and checkpoint into it every --every steps
     --every N          (default 10)
@@ -272,6 +273,9 @@ def run(argv: list[str]) -> Path:
     parser.add_argument("--replicate", type=int, default=1)
     parser.add_argument("--max-iter", type=int, default=50)
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument(
+        "--backend", help="train_step(..., backend=...); default: $FNLOOP_BACKEND, else inductor"
+    )
     parser.add_argument("--steps-per-call", type=int, default=1)
     parser.add_argument("--checkpoint")
     parser.add_argument("--every", type=int, default=10)
@@ -322,6 +326,7 @@ def run(argv: list[str]) -> Path:
         loss_fn if args.model == "net" else lm_loss,
         opt,
         compile=args.compile,
+        backend=args.backend,
         steps_per_call=args.steps_per_call,
         blocks=blocks,
         autocast=torch.float16 if args.watch else torch.bfloat16 if args.bf16 else None,

@@ -377,7 +377,6 @@ def _mlp_run(directory: Path, *, in_background: bool, every: int) -> TrainState:
     return fl.run(state, step, fl.data.batches(data, batch_size=16, seed=2), [fl.every(every, hook)])
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("every", [1, 2])
 def test_donation_changes_no_bit_of_what_a_background_save_writes(tmp_path, writer, every):
     def slow(path: Path, write: Write) -> None:
@@ -452,7 +451,6 @@ except fl.Preempted as exc:
 """
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(signal, "SIGTERM") or os.name != "posix", reason="POSIX signals")
 def test_sigterm_with_a_save_in_flight_ends_with_the_final_checkpoint(tmp_path):
     out = tmp_path / "ckpt"

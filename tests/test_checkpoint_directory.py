@@ -84,7 +84,6 @@ WORKER = textwrap.dedent(
 )
 
 
-@pytest.mark.slow
 def test_a_second_process_is_refused_at_once_and_the_first_keeps_its_directory(tmp_path):
     run = [sys.executable, "-c", WORKER, str(tmp_path)]
     with subprocess.Popen(
@@ -226,7 +225,6 @@ LOGGING = textwrap.dedent(
 )
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     ("second_ckpt", "first"), [("same", "log"), ("same", "checkpoint"), ("other", "log")]
 )

@@ -441,7 +441,6 @@ def test_version(capsys):
     assert capsys.readouterr().out == f"fnloop {fl.__version__}\n"
 
 
-@pytest.mark.slow
 def test_python_dash_m_fnloop_runs_the_command(saved):
     _, path = saved
     done = subprocess.run(

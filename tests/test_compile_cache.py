@@ -19,6 +19,8 @@ from fnloop._compile import cache as cache_module
 from fnloop._compile.cache import CompileCache, default_cache, graph_key
 from fnloop._compile.probes import remembered_probes
 
+pytestmark = pytest.mark.inductor("the compile cache keeps and loads what inductor builds")
+
 X = torch.linspace(-1, 1, 24).reshape(6, 4)
 Y = torch.tensor([0, 1, 2, 0, 1, 2])
 BATCH = (X, Y)
@@ -99,7 +101,6 @@ def first(directory: Path, inductor: Counted) -> tuple[CompileCache, Any]:
     return cache, final
 
 
-@pytest.mark.slow
 def test_a_changed_graph_compiles_afresh_and_the_same_one_loads(
     first: tuple[CompileCache, Any], directory: Path, inductor: Counted
 ) -> None:
@@ -127,7 +128,6 @@ def test_a_changed_graph_compiles_afresh_and_the_same_one_loads(
     assert len(list(directory.glob("*.graph"))) == 4
 
 
-@pytest.mark.slow
 def test_a_graph_with_a_tensor_constant_compiles_without_the_cache(
     first: tuple[CompileCache, Any], directory: Path, inductor: Counted
 ) -> None:
@@ -142,7 +142,6 @@ def test_a_graph_with_a_tensor_constant_compiles_without_the_cache(
     assert set(directory.glob("*.graph")) == files
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncated", "flipped byte", "empty", "not ours", "checksummed garbage"])
 def test_a_damaged_file_is_rebuilt_never_loaded(
     first: tuple[CompileCache, Any], directory: Path, inductor: Counted, damage: str
@@ -271,7 +270,6 @@ def test_a_missing_file_is_a_miss(tmp_path: Path) -> None:
     assert (cache.hits, cache.misses, cache.rejected) == (0, 1, 0)
 
 
-@pytest.mark.slow
 def test_a_probe_answer_is_remembered_for_the_same_library_only(tmp_path: Path) -> None:
     from torch._inductor.cpu_vec_isa import VecAVX2
 
@@ -314,7 +312,6 @@ print(json.dumps({"compiles": len(calls), "hits": step.jit.cache.hits, "w": new.
 """
 
 
-@pytest.mark.slow
 @pytest.mark.inductor("what inductor builds is what one process saves and the others load")
 def test_processes_that_need_one_graph_at_once_compile_it_once_and_the_others_load_it(tmp_path: Path) -> None:
     import subprocess
@@ -361,6 +358,7 @@ def test_a_process_killed_holding_a_graphs_lock_leaves_it_free(tmp_path: Path) -
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
+    proc.stdout.close()
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free the moment its holder died
     os.close(fd)
     with CompileCache(tmp_path).claimed("k" * 64):  # and the next run takes it

@@ -36,7 +36,6 @@ from fnloop import checkpoint, testing
 from fnloop.checkpoint import DamagedCheckpoint
 
 pytestmark = [
-    pytest.mark.slow,
     pytest.mark.skipif(not hasattr(os, "fork"), reason="the worker server forks"),
 ]
 

@@ -37,7 +37,6 @@ def server() -> multiprocessing.context.ForkServerContext:
     return context
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("page", pages(), ids=lambda p: p.name)
 def test_every_python_block_of_the_page_runs(server, page: Path, tmp_path: Path) -> None:
     blocks = BLOCK.findall(page.read_text())

@@ -118,7 +118,6 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable
         process.communicate()
 
 
-@pytest.mark.slow
 def test_sigkill_then_rerun_equals_the_uninterrupted_run(tmp_path, uninterrupted):
     out = tmp_path / "run"
     finish(kill_after_first_checkpoint(out, signal.SIGKILL), code=-signal.SIGKILL)
@@ -132,7 +131,6 @@ def test_sigkill_then_rerun_equals_the_uninterrupted_run(tmp_path, uninterrupted
     assert_same_log(out, uninterrupted.out)
 
 
-@pytest.mark.slow
 def test_sigterm_saves_exits_143_and_rerun_equals_the_uninterrupted_run(tmp_path, uninterrupted):
     out = tmp_path / "run"
     stopped = finish(kill_after_first_checkpoint(out, signal.SIGTERM), code=128 + signal.SIGTERM)
@@ -147,7 +145,6 @@ def test_sigterm_saves_exits_143_and_rerun_equals_the_uninterrupted_run(tmp_path
     assert_same_log(out, uninterrupted.out)
 
 
-@pytest.mark.slow
 def test_the_default_run_reaches_95_percent_and_a_rerun_resumes_at_the_end(tmp_path):
     out = tmp_path / "run"
     output = finish(start(out))  # the defaults: compiled, digits.MAX_ITER steps

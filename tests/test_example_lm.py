@@ -8,10 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-pytestmark = pytest.mark.slow
-
 
 def lm(out: Path, *args: str) -> str:
     done = subprocess.run(

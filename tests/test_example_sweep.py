@@ -12,7 +12,6 @@ import fnloop as fl
 from fnloop.examples import sweep
 
 
-@pytest.mark.slow
 def test_the_sweep_trains_eight_members_keeps_each_best_and_draws_the_curves(tmp_path: Path, capsys) -> None:
     pytest.importorskip("matplotlib")
     final = sweep.main(["--out", str(tmp_path), "--max-iter", "100"])

@@ -44,7 +44,7 @@ def step_once(loss_fn, *, compile: bool) -> fl.TrainState:
 
 
 # Tracing stops before inductor compiles anything, so these cost a trace, not a compile.
-compiled = pytest.param(True, marks=pytest.mark.slow, id="compiled")
+compiled = pytest.param(True, id="compiled")
 eager = pytest.param(False, id="eager")
 
 
@@ -66,7 +66,6 @@ def test_a_python_int_metric_is_refused_in_both_modes(compile):
         step_once(int_metric, compile=compile)
 
 
-@pytest.mark.slow
 def test_printing_an_item_in_a_compiled_step_names_the_cause(capsys):
     with pytest.raises(fl.GraphBreakError, match=r"converts a tensor to a Python number.*print.*metric"):
         step_once(printing, compile=True)

@@ -238,7 +238,6 @@ def test_mean_over_with_an_eager_eval_step():
     assert means["loss"].item() == pytest.approx(want.item(), rel=1e-6)
 
 
-@pytest.mark.slow
 def test_mean_over_with_a_compiled_eval_step_matches_the_eager_one():
     model = torch.nn.Linear(1, 1)
     fn = lambda f, b: {"loss": (f(b[0]) - b[1]).pow(2).mean()}  # noqa: E731

@@ -200,7 +200,6 @@ def written(path: Path) -> int:
     return path.read_text().count("\n") if path.exists() else 0
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the worker server forks")
 def test_json_lines_after_random_kills_and_resumes_read_as_one_run(tmp_path):
     max_iter, every, period = 90, 7, 5
@@ -300,7 +299,9 @@ def test_progress_does_nothing_without_a_terminal(monkeypatch):
 
 def test_progress_without_tqdm_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "tqdm", None)
-    with pytest.raises(ImportError, match=r'pip install "fnloop\[progress\]"'):
+    with pytest.raises(
+        ImportError, match=r'pip install tqdm \(from a checkout of fnloop: pip install -e "\.\[progress\]"\)'
+    ):
         progress()
 
 

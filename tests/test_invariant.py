@@ -30,7 +30,7 @@ from tests.launches import again_after_native_crash
 WORKER = str(Path(__file__).with_name("invariant_worker.py"))
 ONE_CORE_EACH = {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("invariant")]
+pytestmark = pytest.mark.xdist_group("invariant")
 
 JOBS = {
     "eager": [],

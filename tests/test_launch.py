@@ -53,7 +53,6 @@ def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return all(torch.equal(a["params"][k], b["params"][k]) for k in b["params"]) and a["loss"] == b["loss"]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("job", ["dp", "full"])
 def test_a_launched_run_equals_one_process_on_the_same_global_batches(
     shared: dict[str, list[Any]], one_process: dict[str, dict[str, Any]], job: str
@@ -70,7 +69,6 @@ def test_a_launched_run_equals_one_process_on_the_same_global_batches(
     assert same(shared[f"{job}-invariant"][0], one_process["invariant"])
 
 
-@pytest.mark.slow
 def test_each_rank_sees_the_environment_torchrun_gives_its_workers(shared: dict[str, list[Any]]) -> None:
     seen = shared["environment"]
     port, run_id = seen[0]["MASTER_PORT"], seen[0]["TORCHELASTIC_RUN_ID"]
@@ -95,7 +93,6 @@ def test_each_rank_sees_the_environment_torchrun_gives_its_workers(shared: dict[
         }
 
 
-@pytest.mark.slow
 @FORKS
 def test_rank_zeros_value_comes_back_and_the_arguments_reach_every_rank() -> None:
     assert fl.distributed.launch(jobs.returns, 1, nprocs=2, plus=2, start_method="fork") == {
@@ -111,7 +108,6 @@ def test_rank_zeros_value_comes_back_and_the_arguments_reach_every_rank() -> Non
     assert multiprocessing.active_children() == []
 
 
-@pytest.mark.slow
 @FORKS
 @pytest.mark.parametrize("rank", [1, 0])
 def test_a_failing_rank_raises_its_exception_in_the_caller_naming_the_rank(rank: int) -> None:
@@ -133,7 +129,6 @@ def test_a_failing_rank_raises_its_exception_in_the_caller_naming_the_rank(rank:
     assert took < PROMPT and multiprocessing.active_children() == []
 
 
-@pytest.mark.slow
 @FORKS
 def test_a_rank_killed_by_a_signal_is_named_with_the_signal() -> None:
     start = time.monotonic()
@@ -146,7 +141,6 @@ def test_a_rank_killed_by_a_signal_is_named_with_the_signal() -> None:
     assert time.monotonic() - start < PROMPT and multiprocessing.active_children() == []
 
 
-@pytest.mark.slow
 @FORKS
 def test_a_rank_that_fails_after_fn_returned_is_told_apart() -> None:
     with pytest.raises(
@@ -155,7 +149,6 @@ def test_a_rank_that_fails_after_fn_returned_is_told_apart() -> None:
         fl.distributed.launch(jobs.fails_at_exit, 1, nprocs=2, start_method="fork")
 
 
-@pytest.mark.slow
 @FORKS
 def test_a_rank_that_ignores_the_end_is_killed_after_the_grace_period() -> None:
     start = time.monotonic()
@@ -220,7 +213,6 @@ def ended(pid: int) -> bool:
         return True
 
 
-@pytest.mark.slow
 def test_functions_of_a_notebook_run_forked_and_their_errors_come_back(tmp_path: Path) -> None:
     with (tmp_path / "stderr").open("w") as log:
         notebook = subprocess.Popen(

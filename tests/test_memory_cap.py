@@ -25,7 +25,9 @@ LIMIT = 1024
 """MiB a rank may charge: measured here, block by block 895 to 899 (1,770 to 1,970 with glibc's own
 mmap threshold, whose heap keeps the gathered blocks it freed)."""
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.inductor(
+    "a block-by-block step's peak memory, as inductor plans its buffers after fnloop's regathering pass"
+)
 
 
 def launch(results: Path, cache: Path, *jobs: list[str]) -> subprocess.CompletedProcess[str]:

@@ -16,7 +16,10 @@ import torch
 import fnloop as fl
 from fnloop._compile import Jit, known
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.inductor("what inductor builds from the smallest graph it got wrong, and fnloop's route"),
+    pytest.mark.newest_torch,
+]
 
 
 def _inputs() -> list[torch.Tensor]:

@@ -33,15 +33,27 @@ import torch
 import fnloop as fl
 from fnloop import testing
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.inductor(
+    "the field's models as inductor compiles them: one graph each, gradients and losses against eager"
+)
 
 # The tests of one architecture share its compiled step (``_step``): one worker's each (the others,
 # GPT-2's, are in its group), so the suite's workers build the architectures side by side.
 GPT2 = pytest.mark.xdist_group("models-gpt2")
 
 
-def _by_architecture(names: list[str]) -> list:
-    return [pytest.param(n, marks=pytest.mark.xdist_group(f"models-{n}")) for n in names]
+def _by_architecture(names: list[str], newest: tuple[str, ...] = ()) -> list:
+    """Each name a case of its architecture's group; those in ``newest`` in CI's tier on the newest torch too."""
+    return [
+        pytest.param(
+            n,
+            marks=[
+                pytest.mark.xdist_group(f"models-{n}"),
+                *([pytest.mark.newest_torch] if n in newest else []),
+            ],
+        )
+        for n in names
+    ]
 
 
 WORKER = Path(__file__).with_name("models_worker.py")
@@ -122,7 +134,7 @@ def test_losses_equal_a_torch_optim_loop_without_dropout(name):
 # -- gradients, parameter by parameter --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", _by_architecture(list(cases.CASES)))
+@pytest.mark.parametrize("name", _by_architecture(list(cases.CASES), newest=("granitemoe",)))
 def test_compiled_gradients_equal_eager_autograd_parameter_by_parameter(name):
     # A loss can agree to 1e-5 while a parameter trains on a wrong gradient (the routers of a mixture of
     # experts, on torch 2.13: fnloop/_compile/known.py). Each trained parameter's gradient and update are

@@ -35,8 +35,6 @@ NODES, PER_NODE = 2, 2
 LIMIT = 120
 """Seconds any one job may take, from its first agent's start to its last agent's exit."""
 
-pytestmark = pytest.mark.slow
-
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -148,7 +148,6 @@ def test_the_learning_rate_after_a_resume_equals_the_uninterrupted_runs(tmp_path
     testing.assert_identical(final.params, whole.params)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("compile", [False, True])
 def test_a_non_finite_gradient_under_a_finite_loss_is_caught_compiled_too(compile):
     # The clamp cuts the loss to 1, and its gradient w.r.t. the weight is 0 * inf = nan. (A guard

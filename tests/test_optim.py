@@ -670,7 +670,6 @@ def test_public_names_documented() -> None:
 # One graph, no recompiles: forward, backward, clipping and AdamW with a schedule.
 
 
-@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_compiles_to_one_graph_without_recompiles() -> None:
     opt = chain(
@@ -702,7 +701,6 @@ def test_compiles_to_one_graph_without_recompiles() -> None:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.slow
 def test_every_optimizer_compiles_to_what_it_computes_eagerly() -> None:
     """All cases in one compiled graph, against eager: catches miscompiles of the update arithmetic.
 

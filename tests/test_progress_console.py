@@ -142,7 +142,6 @@ def runs(shown: list[str]) -> list[list[str]]:
     return [shown[:at], shown[at + 1 :]]
 
 
-@pytest.mark.slow  # a child process
 def test_on_a_terminal_each_console_line_is_whole_above_the_bar_and_the_final_bar_is_shown_once():
     out = child(stderr_is_a_terminal=True)
     # Each console line starts a line of its own: the live bar is cleared first ("\r", spaces, "\r").
@@ -162,7 +161,6 @@ def test_on_a_terminal_each_console_line_is_whole_above_the_bar_and_the_final_ba
     assert "iter: 25" in second[2] and BAR.search(second[3])
 
 
-@pytest.mark.slow  # a child process
 def test_without_a_terminal_there_is_no_bar_and_no_control_character():
     out = child(stderr_is_a_terminal=False)
     assert b"\r" not in out and b"\x1b" not in out and b"%|" not in out and "█".encode() not in out

@@ -74,7 +74,6 @@ def reference(tmp_path_factory):
     return ids, warnings
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("module", "name", "obj"), list(public_names()), ids=_id)
 def test_public_name_is_in_the_api_reference(reference, module, name, obj):
     ids, _ = reference
@@ -96,7 +95,6 @@ def test_doctests_sit_in_an_examples_section(module, name, obj):
         )
 
 
-@pytest.mark.slow
 def test_api_reference_builds_without_warnings(reference):
     # A doctest outside an Examples: section renders as prose, and its output ([1, 2]) as a broken link.
     _, warnings = reference

@@ -165,6 +165,7 @@ def test_reentrant_checkpointing_of_blocks_fed_the_batch_is_refused_not_left_unt
     assert not torch.equal(after.params["stem.0.weight"], state.params["stem.0.weight"])
 
 
+@pytest.mark.inductor("fnloop's inductor options for a graph that recomputes")
 def test_a_graph_that_recomputes_is_built_without_inductors_locality_reordering(monkeypatch):
     # Forward and backward are one graph: reordered for locality, the recomputed ops moved up beside
     # the forward ops reading the same inputs, and checkpointing saved 15% of GPT-2's working

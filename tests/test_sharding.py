@@ -30,7 +30,6 @@ ONE_CORE_EACH = {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1", "
 SIGABRT after its work was the signs-of-life thread caught in a store call at the interpreter's
 finalization, fixed in ``SharedRun.close``: ``tests/test_exit.py``.)"""
 
-pytestmark = pytest.mark.slow
 
 KILLS = ["1:20:before", "1:20:after", "0:20:before", "0:20:after"]
 DAMAGED = ["ckpt-00000030.safetensors", "ckpt-00000030.part-00001-of-00002.safetensors"]
@@ -87,6 +86,10 @@ def _copy(source: Path, into: Path, pattern: str = "*") -> Path:
     return into
 
 
+INDUCTOR = ["--backend", "inductor"]
+"""A job whose claim is about what inductor builds (the graph's collectives, the regathering pass, the
+memory it plans); the others run the traced graph op by op (the suite's backend, conftest.py)."""
+
 CHECKPOINTED = ["--shard", "full", "--max-iter", "30"]
 """The run that checkpoints every 10 steps, eager, 30 steps (with ``--checkpoint DIR``)."""
 
@@ -138,8 +141,9 @@ def two(tmp_path_factory: pytest.TempPathFactory) -> Path:
         tmp,
         2,
         [tmp / "dp", "--compile"],
-        [tmp / "full", "--shard", "full", "--compile"],
-        [tmp / "full-all", "--shard", "full", "--compile", "--blocks", "none"],
+        # Its graphs' collectives and fnloop's regathering pass are what inductor compiles (INDUCTOR).
+        [tmp / "full", "--shard", "full", "--compile", *INDUCTOR],
+        [tmp / "full-all", "--shard", "full", "--compile", "--blocks", "none", *INDUCTOR],
         [tmp / "optimizer", "--shard", "optimizer", "--compile"],
         [tmp / "full-eager", "--shard", "full"],
         [tmp / "full-accumulate-eager", "--shard", "full", "--accumulate", "2"],
@@ -181,7 +185,7 @@ def four(two: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
             for mode in ("full", "optimizer")
         ),
         [tmp / "damaged", *CHECKPOINTED, "--checkpoint", tmp / "ckpt-damaged"],
-        [tmp / "hsdp", *hsdp, "--compile"],
+        [tmp / "hsdp", *hsdp, "--compile", *INDUCTOR],
         [tmp / "hsdp-eager", *hsdp],
         [tmp / "hsdp-optimizer-eager", "--shard", "optimizer", *mesh],
         [tmp / "hsdp-ckpt", *hsdp, *to_40, "--checkpoint", tmp / "ckpt-hsdp"],
@@ -195,9 +199,12 @@ def four(two: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("job", ["full-watch-eager", "full-watch"])
 def test_loss_scaling_and_statistics_of_a_sharded_step_are_the_whole_models(two: Path, job: str) -> None:
     # Each rank sees its chunks: an overflow in any one skips the step on all, and the norms are
-    # sums over the ranks' chunks, equal to data parallel's (which sees whole gradients). The
-    # reference is eager: the compiled step's float16 kernels round their own way (7e-4 here).
-    tol = 1e-4 if job.endswith("eager") else 3e-3
+    # sums over the ranks' chunks, equal to data parallel's (which sees whole gradients). Eager, to
+    # float16's precision: the two states drift apart by float32's last bits (the sums' orders differ),
+    # and once they have, a float16 product rounds one ulp apart now and then. On the development
+    # machine of 2026-12-06 that reached 3.9e-4 and 5.1e-4 at steps 30 and 43, at the base commit as
+    # after (1e-4 held on another); compiled, its float16 kernels round their own way (7e-4 here).
+    tol = 1e-3 if job.endswith("eager") else 3e-3
     data_parallel = result(two / "dp-watch")["watched"]
     assert sum(v for _, v in data_parallel["overflow"]) >= 2  # the comparison means something
     for rank in range(2):
@@ -512,11 +519,30 @@ def language(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("language")
     jobs = []
     for name in ("gpt2", "llama"):
+        # Their graphs' gathers and regathers are inductor's (INDUCTOR), and so the resumed run's bits.
         jobs.append(
-            [tmp / name, "--model", name, *LANGUAGE, "--checkpoint", tmp / f"ckpt-{name}", "--every", "3"]
+            [
+                tmp / name,
+                "--model",
+                name,
+                *LANGUAGE,
+                *INDUCTOR,
+                "--checkpoint",
+                tmp / f"ckpt-{name}",
+                "--every",
+                "3",
+            ]
         )
         jobs.append(
-            [tmp / f"{name}-resumed", "--model", name, *LANGUAGE, "--from", f"{tmp / f'ckpt-{name}'}:3"]
+            [
+                tmp / f"{name}-resumed",
+                "--model",
+                name,
+                *LANGUAGE,
+                *INDUCTOR,
+                "--from",
+                f"{tmp / f'ckpt-{name}'}:3",
+            ]
         )
     # Four transformers graphs to compile (two per model, the resumed jobs load theirs): 3 to 9
     # minutes on a busy 2-core machine.

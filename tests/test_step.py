@@ -51,7 +51,6 @@ def noisy():
     return model, optimizer, step, fl.init(model, optimizer, seed=7, max_iter=30)
 
 
-@pytest.mark.slow
 def test_one_graph_no_recompile_over_a_long_run_with_a_schedule(noisy):
     _model, _optimizer, step, state = noisy
     fl.run(attrs.evolve(state, max_iter=2), step, batches(2), clock=zero)  # compiles, once for the module
@@ -62,7 +61,6 @@ def test_one_graph_no_recompile_over_a_long_run_with_a_schedule(noisy):
     assert final.metrics.latest("loss")[0] == 1999
 
 
-@pytest.mark.slow
 def test_donation_changes_no_bit(noisy):
     model, optimizer, step, state = noisy
     undonated = fl.train_step(model, classify, optimizer, donate=False)
@@ -74,7 +72,6 @@ def test_donation_changes_no_bit(noisy):
     testing.assert_identical(donated, lazily)
 
 
-@pytest.mark.slow
 def test_the_callers_state_and_the_module_are_untouched(noisy):
     model, _optimizer, step, state = noisy
     module_before = copy.deepcopy(model.state_dict())
@@ -101,7 +98,6 @@ def test_the_callers_state_and_the_module_are_untouched(noisy):
     assert final is not None and model.training
 
 
-@pytest.mark.slow
 def test_dropout_replays_identically_and_resume_equals_no_resume(noisy):
     _model, _optimizer, step, state = noisy
     rng_before = torch.get_rng_state()
@@ -121,7 +117,6 @@ def test_dropout_replays_identically_and_resume_equals_no_resume(noisy):
     )
 
 
-@pytest.mark.slow
 def test_metrics_are_tensors_at_the_steps_index(noisy):
     _model, _optimizer, step, state = noisy
     final = fl.run(attrs.evolve(state, max_iter=3), step, batches(3), clock=zero)
@@ -145,7 +140,6 @@ def torch_loop(model, optimizer, scheduler, n):
     return model
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(
     ("ours", "theirs"),
     [
@@ -178,7 +172,6 @@ def test_the_compiled_step_matches_the_torch_loop_including_batchnorm_buffers(pl
         torch.testing.assert_close(final.buffers[name], b, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.slow
 def test_a_recompile_beyond_the_budget_is_an_error_not_a_silent_fallback():
     model = torch.nn.Linear(4, 1)
 
@@ -207,7 +200,6 @@ def test_a_recompile_beyond_the_budget_is_an_error_not_a_silent_fallback():
         fl.train_step(model, mse, fl.optim.sgd(0.1), recompiles=-1)
 
 
-@pytest.mark.slow
 def test_a_graph_break_is_a_clear_error():
     model = torch.nn.Linear(4, 1)
 
@@ -387,7 +379,6 @@ def test_eval_step_reads_the_state_and_changes_nothing():
     assert model.training
 
 
-@pytest.mark.slow
 def test_compiled_eval_step_equals_eager_and_compiles_once_per_batch_shape():
     model = mlp(0.5)
 
@@ -409,7 +400,6 @@ def test_compiled_eval_step_equals_eager_and_compiles_once_per_batch_shape():
     assert compiled.compiles == 2 and model.training
 
 
-@pytest.mark.slow
 def test_static_values_in_a_batch_are_part_of_the_signature():
     model, _, data = linear_problem()
 
@@ -431,7 +421,6 @@ def test_static_values_in_a_batch_are_part_of_the_signature():
         step(state, {"x": data[0][0], "y": data[0][1], "how": {1, 2}})
 
 
-@pytest.mark.slow
 def test_tensors_the_loss_closes_over_are_constants_of_the_graph():
     model = torch.nn.Linear(8, 3)
     weight = torch.tensor([1.0, 2.0, 0.5])  # class weights, read from the closure
@@ -448,7 +437,6 @@ def test_tensors_the_loss_closes_over_are_constants_of_the_graph():
         torch.testing.assert_close(ours.params[name], theirs.params[name])
 
 
-@pytest.mark.slow
 def test_without_standalone_compile_the_traced_graph_goes_through_torch_compile(monkeypatch):
     # torch before 2.8 has no torch._inductor.standalone_compile: the same traced graph, compiled by dynamo.
     import torch._inductor
@@ -483,7 +471,6 @@ def storage_of_weight(state, phase, seen):
     return state, seen
 
 
-@pytest.mark.slow
 def test_run_updates_in_place_once_it_owns_the_state_and_scan_never_does(noisy):
     # `noisy` has compiled a step: dynamo's frame hook is installed, which once changed reference counts.
     model, mse, data = linear_problem()
@@ -554,7 +541,6 @@ def test_a_step_that_fails_before_writing_keeps_the_last_consistent_state():
     testing.assert_identical(info.value.state.params, reference.params)
 
 
-@pytest.mark.slow
 def test_recorded_metrics_never_change_though_their_storage_is_reused(noisy):
     # `noisy` has compiled a step: dynamo's frame hook is installed, which once changed reference counts.
     model, mse, data = linear_problem()
@@ -657,7 +643,6 @@ def test_an_effect_failing_after_a_donating_step_keeps_the_state_it_was_given(tm
     assert not any("no consistent state" in note for note in getattr(info.value, "__notes__", []))
 
 
-@pytest.mark.slow
 def test_the_learning_rate_applied_is_recorded_from_the_graph(noisy):
     _model, _optimizer, step, state = noisy
     final = fl.run(attrs.evolve(state, max_iter=12), step, batches(12), clock=zero)
@@ -673,7 +658,6 @@ def poisoned(n: int, at: int) -> list:
     return [bad if i == at else BATCHES[i % len(BATCHES)] for i in range(n)]
 
 
-@pytest.mark.slow
 def test_a_non_finite_step_changes_no_bit_and_stops_the_compiled_run(noisy, tmp_path):
     _model, _optimizer, step, state = noisy
     state = attrs.evolve(state, max_iter=6)
@@ -690,7 +674,7 @@ def test_a_non_finite_step_changes_no_bit_and_stops_the_compiled_run(noisy, tmp_
     testing.assert_identical(saved.params, reference.params)
 
 
-@pytest.mark.slow
+@pytest.mark.inductor("inductor's own build failure becomes fnloop's CompileError")
 def test_a_graph_torch_cannot_compile_is_fnloops_compile_error_naming_the_fix():
     model, mse, data = linear_problem()
     opt = fl.optim.sgd(0.1)

@@ -103,7 +103,6 @@ def _sliced(directory: str, max_time: float | None) -> list[tuple[int, list[floa
     return fl.distributed.gather_object((final.iteration, final.params["0.weight"].flatten().tolist()))
 
 
-@pytest.mark.slow
 def test_under_two_ranks_every_rank_stops_where_rank_zero_says_and_the_slices_end_as_straight(tmp_path):
     straight = fl.distributed.launch(_sliced, str(tmp_path / "straight"), None, nprocs=2, start_method="fork")
     assert [it for it, _ in straight] == [24, 24]

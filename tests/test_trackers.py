@@ -92,7 +92,7 @@ def test_mlflow_missing_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "mlflow", None)
     monkeypatch.setitem(sys.modules, "mlflow.tracking", None)
     writer = fl.writers.mlflow("exp")
-    with pytest.raises(ImportError, match=r'pip install "fnloop\[mlflow\]"'):
+    with pytest.raises(ImportError, match=r'pip install mlflow-skinny .*pip install -e "\.\[mlflow\]"'):
         writer.start(0)
 
 

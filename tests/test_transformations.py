@@ -69,7 +69,7 @@ def sizes(state: fl.TrainState, name: str = "update_size") -> list[torch.Tensor]
     return [v for _, v in state.metrics.series[name]]
 
 
-@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("compile", [False, True])
 def test_the_update_size_is_the_norm_of_the_change_each_step_makes(compile: bool) -> None:
     states = list(fl.scan(init(0), step(compile), stream()))[:STEPS]  # then the final state, again
     before = [init(0), *states[:-1]]
@@ -81,7 +81,7 @@ def test_the_update_size_is_the_norm_of_the_change_each_step_makes(compile: bool
     assert all(float(s) > 0 for s in sizes(states[-1]))
 
 
-@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("compile", [False, True])
 def test_every_member_of_a_population_records_the_update_size_of_its_solo_run(compile: bool) -> None:
     seeds, lrs = [0, 1], [1e-2, 3e-2]
     final = fl.run(fl.population(init, seeds=seeds, lr=lrs), step(compile), stream())
@@ -98,7 +98,6 @@ def test_every_member_of_a_population_records_the_update_size_of_its_solo_run(co
     assert sizes(fl.member(final, 0)) != sizes(fl.member(final, 1))
 
 
-@pytest.mark.slow
 def test_two_steps_per_call_record_the_update_sizes_of_single_steps_bit_for_bit() -> None:
     single = fl.run(init(0), step(True), stream())
     several = fl.run(init(0), step(True, 2), stream())

@@ -370,7 +370,10 @@ def test_two_writers_of_one_run_in_one_log_are_refused_when_it_is_built(tmp_path
 def test_wandb_missing_names_the_extra(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "wandb", None)
     writer = fl.writers.wandb("exp", dir=tmp_path)  # built without W&B: it is needed when the run starts
-    with pytest.raises(ImportError, match=r'pip install "fnloop\[wandb\]"'):
+    with pytest.raises(
+        ImportError,
+        match=r'pip install "wandb>=0.19.10" \(from a checkout of fnloop: pip install -e "\.\[wandb\]"\)',
+    ):
         writer.start(0)
 
 

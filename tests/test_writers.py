@@ -157,7 +157,10 @@ def test_tensorboard_start_purges_the_events_of_a_crashed_run_past_the_resume(tm
 
 def test_tensorboard_missing_names_the_extra(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "tensorboard", None)
-    with pytest.raises(ImportError, match=r'pip install "fnloop\[tensorboard\]"'):
+    with pytest.raises(
+        ImportError,
+        match=r'pip install tensorboard \(from a checkout of fnloop: pip install -e "\.\[tensorboard\]"\)',
+    ):
         writers.tensorboard(tmp_path)
 
 
