@@ -7,8 +7,8 @@
 One column per report, in the order given: each file's test time (setup and teardown included; the
 files over the first report's top ``--top``, the rest summed), then the run's wall time, its test time,
 its tests, the processes and torchrun launches it started and the graphs it built. CONTRIBUTING.md
-carries the table of a cold run (fresh clone, empty caches). ``--write-times`` writes the first
-report's tests, each at its longest in any report given (setup and all, and its setup's alone), as
+carries the table of a cold run (fresh clone, empty caches). ``--write-times`` writes each
+test of the reports at its longest in any of them (setup and all, and its setup's alone), as
 ``conftest.py`` reads them: the ``slow`` marker and the order the groups are handed out in come from
 there. Give it a cold whole run (CI's, from a fresh clone) and a run of the fast tier alone, where a test
 may build a fixture that the whole run's order had built before it.
@@ -58,13 +58,15 @@ def main() -> None:
     if args.write_times:
         first = reports[0]
         times = {}
-        for k in sorted(first["tests"]):  # the first report's tests, each at its longest in any report
+        for k in sorted({k for r in reports for k in r["tests"]}):  # each test at its longest in any report
             runs = [r for r in reports if k in r["tests"]]
             total = max(r["tests"][k] for r in runs)
             times[k] = [round(total, 2), round(max(r.get("setups", {}).get(k, 0.0) for r in runs), 2)]
         lines = [f"{json.dumps(k)}: {json.dumps(v)}" for k, v in times.items()]
         recorded = json.dumps(f"a cold run, {first['wall_s']:.0f} s of wall time")
-        args.write_times.write_text('{"recorded": ' + recorded + ', "tests": {\n' + ",\n".join(lines) + "\n}}\n")
+        args.write_times.write_text(
+            '{"recorded": ' + recorded + ', "tests": {\n' + ",\n".join(lines) + "\n}}\n"
+        )
         return
     print(table(reports, [p.stem for p in args.reports], args.top))
 

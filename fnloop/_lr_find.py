@@ -12,6 +12,7 @@ are copies.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 import attrs
 import torch
 
+from fnloop._core.fold import BatchesExhausted
 from fnloop._core.messages import got
 from fnloop._core.metrics import Metrics, to_floats
 from fnloop._core.state import TrainState
@@ -31,6 +33,9 @@ __all__ = ["LRFinding", "find_lr"]
 
 RULES = ("steepest", "lowest")
 """How ``find_lr`` suggests a rate: where the loss falls fastest, or where it is lowest."""
+
+MOST_RATES = 256
+"""The most rates ``find_lr`` tries: each is a member, a copy of the state, trained in one step."""
 
 DIVERGED = 4.0
 """A member whose final loss is more than this many times the lowest is taken to have diverged
@@ -45,7 +50,8 @@ class LRFinding:
         lrs: the learning rates tried, one member each, lowest first.
         losses: each member's loss at each step (``nan`` where a step was not finite).
         final: each member's mean loss over the last quarter of its steps; ``nan``
-            where it diverged (not finite, or ``DIVERGED`` times the lowest).
+            where it diverged (not finite, or ``DIVERGED`` times the lowest at the
+            rates up to its own).
         suggestion: the suggested rate (``None`` if fewer than two members kept a
             finite loss).
         rule: how it was chosen: ``"steepest"`` (where ``final`` falls fastest
@@ -122,7 +128,8 @@ def find_lr(
     ``min_lr`` and ``max_lr``, injected into the optimizer's state
     (``fnloop.optim.inject``): one compiled step trains them all. A member
     whose steps are not finite skips them (``skip_nonfinite``) and counts as
-    diverged, as does one whose final loss is ``DIVERGED`` times the lowest.
+    diverged, as does one whose final loss is ``DIVERGED`` times the lowest at
+    the rates up to its own (Lightning's early stop).
     ``model`` and ``state`` are not changed.
 
     The suggestion (``rule``): ``"steepest"``, where the final loss falls
@@ -136,9 +143,10 @@ def find_lr(
         loss_fn: as ``train_step``'s.
         optimizer: ``optimizer(lr) -> Optimizer``, for example ``fnloop.optim.adamw``
             or ``lambda lr: fl.optim.adamw(fl.optim.warmup(lr, 10))``.
-        batches: what ``run`` takes; ``steps`` of them are used.
+        batches: what ``run`` takes; ``steps`` of them are used. A list (any
+            ``Sequence``) is gone through again as often as needed, as epochs are.
         min_lr, max_lr: the range of rates, both positive, ``min_lr < max_lr``.
-        num: how many rates (members), at least 3.
+        num: how many rates (members), 3 to ``MOST_RATES`` (256).
         steps: steps per member, at least 4.
         rule: ``"steepest"`` or ``"lowest"``.
         seed: the members' seed (dropout draws).
@@ -181,12 +189,15 @@ def find_lr(
 
     members = population(member, seeds=[seed] * num, lr=list(lrs))
     step = train_step(model, loss_fn, inject(optimizer, lr=lrs[0]), skip_nonfinite=True, **step_options)
-    final = run(members, step, batches)
-    if final.iteration < steps:
+    if isinstance(batches, Sequence):  # a list of batches is gone through again, as epochs go
+        batches = itertools.islice(itertools.cycle(batches), steps)
+    try:
+        final = run(members, step, batches)
+    except BatchesExhausted as exhausted:
         raise ValueError(
-            f"find_lr(): the batches ran out after {final.iteration} of {steps} steps; give at least "
-            f"{steps} batches, or fewer steps."
-        )
+            f"find_lr(): the batches ran out before {steps} steps ({exhausted}); give a list of batches "
+            f"(gone through again as often as needed), a stream of at least {steps}, or fewer steps."
+        ) from exhausted
     losses = tuple(_losses(final, m, steps) for m in range(num))
     ends = _final(losses)
     return LRFinding(lrs, losses, ends, _suggested(lrs, ends, rule), rule)
@@ -198,8 +209,11 @@ def _rates(low: object, high: object, num: object) -> tuple[float, ...]:
             raise ValueError(f"find_lr({name}=...) must be a positive finite number ({got(value)}).")
     if not low < high:  # type: ignore[operator]
         raise ValueError(f"find_lr(): min_lr ({low}) must be below max_lr ({high}).")
-    if type(num) is not int or num < 3:
-        raise ValueError(f"find_lr(num=...) must be an int of at least 3: the rates tried ({got(num)}).")
+    if type(num) is not int or not 3 <= num <= MOST_RATES:
+        raise ValueError(
+            f"find_lr(num=...) must be an int from 3 to {MOST_RATES}: the rates tried, each a copy of "
+            f"the state in memory ({got(num)})."
+        )
     ends = math.log10(low), math.log10(high)  # type: ignore[arg-type]
     return tuple(float(x) for x in torch.logspace(*ends, num, dtype=torch.float64))
 
@@ -212,16 +226,20 @@ def _losses(state: TrainState, m: int, steps: int) -> tuple[float, ...]:
 
 
 def _final(losses: Sequence[tuple[float, ...]]) -> tuple[float, ...]:
-    """Each member's mean loss over its last quarter; ``nan`` where a step there was not finite or it diverged."""
-    ends = []
+    """Each member's mean loss over its last quarter; ``nan`` where a step there was not finite or it diverged.
+
+    Diverged, as Lightning's range test stops (``early_stop_threshold``): a loss ``DIVERGED`` times
+    the lowest at the rates up to it, the members taken from the lowest rate up.
+    """
+    ends, lowest = [], math.inf
     for curve in losses:
         tail = curve[-max(1, len(curve) // 4) :]
-        ends.append(sum(tail) / len(tail) if all(math.isfinite(v) for v in tail) else math.nan)
-    kept = [e for e in ends if not math.isnan(e)]
-    if kept:
-        lowest = min(kept)
-        bound = DIVERGED * lowest if lowest > 0 else lowest + DIVERGED * abs(lowest)
-        ends = [e if not math.isnan(e) and e <= bound else math.nan for e in ends]
+        end = sum(tail) / len(tail) if all(math.isfinite(v) for v in tail) else math.nan
+        if not math.isnan(end):
+            lowest = min(lowest, end)
+            bound = DIVERGED * lowest if lowest > 0 else lowest + DIVERGED * abs(lowest)
+            end = end if end <= bound else math.nan
+        ends.append(end)
     return tuple(ends)
 
 

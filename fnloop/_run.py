@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import math
 import time as _time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -227,9 +228,9 @@ def _seconds(max_time: object) -> float | None:
     if max_time is None:
         return None
     seconds = max_time.total_seconds() if isinstance(max_time, datetime.timedelta) else max_time
-    if type(seconds) not in (int, float) or not seconds > 0:  # type: ignore[operator]
+    if type(seconds) not in (int, float) or not 0 < seconds < math.inf:  # type: ignore[operator]
         raise ValueError(
-            f"run(max_time=...) must be a positive number of seconds or a datetime.timedelta, such as "
-            f"max_time=datetime.timedelta(hours=4) ({got(max_time)})."
+            f"run(max_time=...) must be a positive finite number of seconds or a datetime.timedelta, such "
+            f"as max_time=datetime.timedelta(hours=4); None for no limit ({got(max_time)})."
         )
     return float(seconds)  # type: ignore[arg-type]

@@ -94,3 +94,9 @@ def test_k_is_checked_and_shown(k):
         fl.hooks.best_checkpoint("somewhere", "val", k=k)
     hook = fl.hooks.best_checkpoint("somewhere", "val", k=2)
     assert "k=2" in repr(hook)
+
+
+@pytest.mark.parametrize(("metric", "name"), [(5, None), ("", None), (None, None), ("loss", ""), ("loss", 5)])
+def test_a_metric_that_is_no_name_or_an_empty_hook_name_is_refused_when_built(tmp_path, metric, name):
+    with pytest.raises((TypeError, ValueError), match="best_checkpoint"):
+        fl.hooks.best_checkpoint(tmp_path, metric, name=name)

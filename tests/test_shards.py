@@ -343,3 +343,17 @@ def test_the_ema_of_a_full_state_resumes_at_the_world_size_that_saved_it_alone(
             rf"read into {now}\. .*resumes only at the world size that saved it.*start the average afresh",
         ):
             fl.hooks.ema(0.9)(resumed, fl.Phase.BEFORE_TRAIN)
+
+
+def test_a_save_waiting_on_a_late_rank_looks_in_the_store_without_a_line_of_c10d_each_slice(capfd, tmp_path):
+    """A survivor of a killed rank waits here until it gives up: c10d warns each timed-out ``wait``
+    (``[c10d] waitForInput ... timed out after 200ms``, ten lines a second), so the save only looks."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    late = threading.Timer(1.0, lambda: store.set("meeting/1", "1"))
+    late.start()
+    try:
+        _sharded._wait(store, "meeting", {1: "meeting/1"}, tmp_path / "ckpt", 3, "rank 1's part")
+    finally:
+        late.join()
+    assert store.check(["meeting/1"])
+    assert "waitForInput" not in capfd.readouterr().err

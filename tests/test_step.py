@@ -251,6 +251,13 @@ def test_accumulate_needs_a_divisible_batch():
         step(fl.init(model, fl.optim.sgd(0.1), seed=0, max_iter=1), data[0])
 
 
+@pytest.mark.parametrize("bad", ["bf16", True, 5, torch.int32, torch.float32])
+def test_an_autocast_that_is_no_autocast_dtype_is_refused_when_the_step_is_built(bad):
+    model, mse, _ = linear_problem()
+    with pytest.raises(TypeError, match=r"autocast=\.\.\.\) must be None, torch.bfloat16 or torch.float16"):
+        fl.train_step(model, mse, fl.optim.sgd(0.1), compile=False, autocast=bad)
+
+
 def test_bf16_autocast_trains_float32_params():
     model, mse, data = linear_problem()
     opt = fl.optim.sgd(0.1)

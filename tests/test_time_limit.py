@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import math
 
 import attrs
 import pytest
@@ -74,9 +75,9 @@ def test_a_run_within_its_time_is_untouched(tmp_path):
     assert final.iteration == MAX_ITER
 
 
-@pytest.mark.parametrize("bad", [0, -1.0, "1h", datetime.timedelta(0)])
+@pytest.mark.parametrize("bad", [0, -1.0, "1h", datetime.timedelta(0), math.inf, math.nan, True])
 def test_max_time_must_be_a_positive_time(bad):
-    with pytest.raises(ValueError, match=r"max_time=\.\.\.\) must be a positive number of seconds"):
+    with pytest.raises(ValueError, match=r"max_time=\.\.\.\) must be a positive finite number of seconds"):
         fl.run(start(), step, batches(), max_time=bad)
 
 

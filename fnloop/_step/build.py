@@ -229,6 +229,19 @@ def _check_positive(name: str, value: object) -> int:
     return value
 
 
+AUTOCAST = (torch.bfloat16, torch.float16)
+"""The dtypes ``train_step(autocast=...)`` takes: what ``torch.autocast`` runs matrix products in."""
+
+
+def _check_autocast(autocast: object) -> torch.dtype | None:
+    if autocast is not None and autocast not in AUTOCAST:
+        raise TypeError(
+            f"train_step(autocast=...) must be None, torch.bfloat16 or torch.float16 ({got(autocast)}); "
+            "the parameters stay float32, the forward's matrix products run in that dtype."
+        )
+    return autocast  # type: ignore[return-value]
+
+
 def _check_invariant(slices: object, accumulate: int) -> int:
     slices = _check_positive("invariant", slices)
     if accumulate != 1:
@@ -397,6 +410,7 @@ def train_step(
     if invariant is not None:
         invariant = _check_invariant(invariant, accumulate)
     backend = default_backend(backend)
+    autocast = _check_autocast(autocast)
     if autocast is torch.float16 and not optimizer.scales_loss:
         warnings.warn(
             "train_step(autocast=torch.float16) without loss scaling: float16 gradients below "

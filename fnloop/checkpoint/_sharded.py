@@ -24,7 +24,6 @@ checking each part's checksum through a small buffer. Nothing is unpickled.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import re
@@ -185,8 +184,10 @@ def _store() -> Any:
     return _get_default_store()
 
 
-SLICE = datetime.timedelta(seconds=0.2)
-"""How long a sharded save waits in the store at a time before it checks that the others may still come."""
+POLL = 0.05
+"""Seconds between a sharded save's looks in the store for the others' keys. It looks (``check``)
+rather than waits (``wait`` with a timeout): each wait that times out is a warning line of c10d's
+own, ten a second from a survivor waiting on a dead rank."""
 
 
 def _wait(store: Any, meeting: str, keys: dict[int, str], path: Path, iteration: int, what: str) -> None:
@@ -203,11 +204,9 @@ def _wait(store: Any, meeting: str, keys: dict[int, str], path: Path, iteration:
     deadline = time.monotonic() + store.timeout.total_seconds()
     abandoned = f"{meeting}/abandoned"
     while True:
-        try:
-            store.wait(list(keys.values()), SLICE)
+        if store.check(list(keys.values())):
             return
-        except RuntimeError:  # the slice ran out (torch's DistStoreError is a RuntimeError)
-            pass
+        time.sleep(POLL)
         if store.check([abandoned]):
             why = store.get(abandoned).decode()
             raise CheckpointError(f"{path}: the sharded save was given up: {why}. {_KEPT}")

@@ -129,8 +129,10 @@ def best_checkpoint(
         name: the hook state's name (default ``"best:<metric>"``).
 
     Raises:
+        TypeError: ``metric`` is not a non-empty str.
         ValueError: ``mode`` is neither ``"min"`` nor ``"max"``, ``k`` is
-            not a positive int, or ``directory`` is an existing file.
+            not a positive int, ``name`` is empty, or ``directory`` is an
+            existing file.
         DirectoryInUse: (from ``run``, before the first step) another process
             holds ``directory``.
 
@@ -142,6 +144,13 @@ def best_checkpoint(
         >>> final.hooks["best:val"]
         Best(value=1.0, iteration=1)
     """
+    if type(metric) is not str or not metric:
+        raise TypeError(
+            f"best_checkpoint() metric must be the name of a metric the step records, such as 'loss' "
+            f"or 'val/loss' ({got(metric)})."
+        )
+    if name is not None and (type(name) is not str or not name):
+        raise ValueError(f"best_checkpoint() name must be a non-empty str or None ({got(name)}).")
     if mode not in ("min", "max"):
         raise ValueError(f"best_checkpoint() mode must be 'min' or 'max' (got {mode!r}).")
     if type(k) is not int or not 1 <= k <= _MOST:
