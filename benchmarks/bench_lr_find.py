@@ -11,7 +11,9 @@ constant rates over the same range, ``--member-steps`` steps each, one compiled 
 suggestion by the same rule on each rate's final loss. Lightning runs once per seed (``--seeds``):
 its suggestions' range is the band fnloop's is judged against. Wall times include everything each
 call does (fnloop's: building the population, the compile, the steps; Lightning's: the trainer, the
-steps, restoring the model); fnloop's compile cache is on, so its row says whether it was warm.
+steps, restoring the model). fnloop runs three times: compiled from an empty compile cache (run the
+script with fresh ``FNLOOP_CACHE_DIR`` and ``TORCHINDUCTOR_CACHE_DIR`` for a cold first row), again
+with the cache warm, and with ``compile=False``.
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def gpt2_case():
     return "GPT-2 (2 layers, 64 wide, 8 x 64 bytes of torch's source)", build, loss, batches
 
 
-def fnloop_find(build, loss, batches, args):
+def fnloop_find(build, loss, batches, args, **options):
     torch.manual_seed(0)
     model = build()
     start = time.perf_counter()
@@ -73,6 +75,7 @@ def fnloop_find(build, loss, batches, args):
         max_lr=args.max_lr,
         num=args.num,
         steps=args.member_steps,
+        **options,
     )
     return found.suggestion, time.perf_counter() - start, found
 
@@ -145,6 +148,8 @@ def main() -> None:
             continue
         name, build, loss, batches = make()
         ours, took, found = fnloop_find(build, loss, batches, args)
+        _, warm, _ = fnloop_find(build, loss, batches, args)  # the compile cache now holds its graph
+        eager, eager_took, _ = fnloop_find(build, loss, batches, args, compile=False)
         theirs = [lightning_find(build, loss, batches, args, seed) for seed in range(args.seeds)]
         suggestions = [s for s, _ in theirs]
         low, high = min(suggestions), max(suggestions)
@@ -155,6 +160,10 @@ def main() -> None:
         said = "none" if ours is None else f"{ours:.3g}"
         print(
             f"| fnloop find_lr ({args.num} rates x {args.member_steps} steps, one population) | {said} | {took:.1f} |"
+        )
+        print(f"| the same, again (fnloop's compile cache warm) | {said} | {warm:.1f} |")
+        print(
+            f"| the same, compile=False | {'none' if eager is None else f'{eager:.3g}'} | {eager_took:.1f} |"
         )
         for seed, (s, t) in enumerate(theirs):
             print(f"| Lightning lr_find, seed {seed} ({args.steps} steps) | {s:.3g} | {t:.1f} |")

@@ -214,7 +214,8 @@ def test_torchs_own_op_whose_rule_refuses_the_trace_names_the_models_line_and_wh
             fl.run(state, compiled, [x])
         message = str(caught.value)
         assert "in the op aten._grouped_mm.default" in message
-        assert "return torch._grouped_mm(x, self.w" in message and "Expected inputs of BF16 type" in message
+        assert "return torch._grouped_mm(x, self.w" in message
+        assert caught.value.__cause__ is not None  # torch's own words (they change between releases)
     else:  # a torch whose rule takes float32 (2.15): it compiles and trains as eagerly
         eager = fl.train_step(model, loss_fn, optimizer, compile=False)
         torch.testing.assert_close(
