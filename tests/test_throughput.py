@@ -163,3 +163,12 @@ def test_two_runs_on_two_clocks_compare_equal_without_the_rates(tmp_path):
     testing.assert_identical(testing.without_clock(finals[0]), testing.without_clock(finals[1]))
     paths = [fl.save(s, tmp_path / f"run{i}.safetensors") for i, s in enumerate(finals)]
     assert main(["diff", str(paths[0]), str(paths[1])]) == 0
+
+
+def test_an_mfu_above_1_warns_that_the_peak_or_the_flops_are_wrong():
+    """1e6 FLOPs x 512 tokens in 0.75 s of the fake clock is 6.8e8 FLOP/s: above a peak of 1e8."""
+    with pytest.warns(
+        fl.hooks.ImpossibleMFU, match=r"mfu above 1 .* peak is too low .* flops_per_token too high"
+    ):
+        seen = run(fl.hooks.throughput(tokens=8 * 64, flops_per_token=1e6, peak=1e8))
+    assert all(values["mfu"][1] > 1 for *_, values in seen[1:])

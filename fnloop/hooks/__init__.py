@@ -19,6 +19,7 @@ from fnloop.hooks._spikes import SpikesInARow, StopOnSpikes, stop_on_spikes
 from fnloop.hooks._summary import ModelSummary, model_summary, summary
 from fnloop.hooks._throughput import (
     PEAK_FLOPS,
+    ImpossibleMFU,
     Throughput,
     ThroughputState,
     flops_per_token,
@@ -72,6 +73,7 @@ __all__ = [
     "trace_path",
     "PEAK_FLOPS",
     "Throughput",
+    "ImpossibleMFU",
     "ThroughputState",
     "flops_per_token",
     "peak_flops",

@@ -20,6 +20,7 @@ from fnloop.hooks._unrecorded import MetricNeverRecorded, never_recorded
 
 __all__ = [
     "PEAK_FLOPS",
+    "ImpossibleMFU",
     "Throughput",
     "ThroughputState",
     "flops_per_token",
@@ -56,6 +57,27 @@ class _Warn:
 
     def __call__(self, state: TrainState) -> None:
         warnings.warn(never_recorded(self.hook, self.metric, state), MetricNeverRecorded, stacklevel=2)
+
+
+class ImpossibleMFU(UserWarning):
+    """``throughput`` measured an MFU above 1: its ``peak`` or its FLOPs per token (sample) are wrong."""
+
+
+@attrs.frozen
+class _Impossible:
+    """The effect warning that the MFU came out above 1; a value, so states compare equal."""
+
+    hook: str
+
+    def __call__(self, state: TrainState) -> None:
+        warnings.warn(
+            f"{self.hook} recorded mfu above 1 (more FLOPs a second than the peak it was given): the "
+            "peak is too low for this device and dtype, or flops_per_token too high (one token's "
+            "forward and backward, about 6 x the parameters). Pass peak=fl.hooks.peak_flops(...) or the "
+            "device's published figure, and fl.hooks.flops_per_token(model, seq_len).",
+            ImpossibleMFU,
+            stacklevel=2,
+        )
 
 
 @attrs.frozen(repr=False)
@@ -102,6 +124,8 @@ class Throughput:
                 values["hook_time"] = max(per_step - state.step_time, 0.0)
         metrics = state.metrics.record(state.iteration, values) if values else state.metrics
         moved = unchecked(state, metrics=metrics)
+        if values.get("mfu", 0.0) > 1.0:  # said once: the message is the same each time
+            moved = request(moved, _Impossible(repr(self)), "warn: mfu above 1")
         return remember(moved, self.name, ThroughputState(state.iteration, state.time))
 
     def _unrecorded(self, state: TrainState) -> TrainState:
