@@ -236,7 +236,7 @@ def check_step(
     grads_of = attrs.evolve(kernel, transforms=(*kernel.transforms, _gradients_instead))
     trained = [k for k in state.params if k not in kernel.fixed]
 
-    def ran(made: TrainStep) -> dict[str, torch.Tensor]:
+    def ran(made: TrainStep) -> Mapping[str, torch.Tensor]:
         # A step of the check's own: the user's step warns of its run-to-run order, not each of these.
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=re.escape(VARYING.split("{")[0]))
