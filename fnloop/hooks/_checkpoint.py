@@ -129,10 +129,10 @@ def best_checkpoint(
         name: the hook state's name (default ``"best:<metric>"``).
 
     Raises:
-        TypeError: ``metric`` is not a non-empty str.
-        ValueError: ``mode`` is neither ``"min"`` nor ``"max"``, ``k`` is
-            not a positive int, ``name`` is empty, or ``directory`` is an
-            existing file.
+        TypeError: ``metric`` is not a str.
+        ValueError: ``metric`` or ``name`` is empty, ``mode`` is neither
+            ``"min"`` nor ``"max"``, ``k`` is not a positive int, or
+            ``directory`` is an existing file.
         DirectoryInUse: (from ``run``, before the first step) another process
             holds ``directory``.
 
@@ -145,7 +145,7 @@ def best_checkpoint(
         Best(value=1.0, iteration=1)
     """
     if type(metric) is not str or not metric:
-        raise TypeError(
+        raise (TypeError if type(metric) is not str else ValueError)(
             f"best_checkpoint() metric must be the name of a metric the step records, such as 'loss' "
             f"or 'val/loss' ({got(metric)})."
         )
