@@ -2,14 +2,16 @@
 
     pip install -c constraints.txt -e ".[bench]"
     python benchmarks/bench_lr_find.py                 # the digits MLP and a tiny GPT-2, one thread
-    python benchmarks/bench_lr_find.py --only digits --seeds 5
+    python benchmarks/bench_lr_find.py --only digits --seeds 3
 
 Same model, data, optimizer (AdamW) and range of rates for both. Lightning's range test is one run
 of ``--steps`` steps whose rate grows from ``--min-lr`` to ``--max-lr``, its suggestion where the
-smoothed loss falls fastest (its default rule). fnloop's is one population of ``--num`` members at
-constant rates over the same range, ``--member-steps`` steps each, one compiled step for all; its
-suggestion by the same rule on each rate's final loss. Lightning runs once per seed (``--seeds``):
-its suggestions' range is the band fnloop's is judged against. Wall times include everything each
+smoothed loss falls fastest against the rate (its default rule). fnloop's is one population: the
+same range test as one member, beside ``--num`` members at constant rates over the range, the same
+``--steps`` each, one compiled step for all; its suggestion by Lightning's rule on its range test
+(``rule="range"``, the default), and the two rules on the constant rates beside it. Lightning runs
+once per seed (``--seeds``: the weights and the data's order): its suggestions' range is the band
+fnloop's is judged against. Wall times include everything each
 call does (fnloop's: building the population, the compile, the steps; Lightning's: the trainer, the
 steps, restoring the model). fnloop runs three times: compiled from an empty compile cache (run the
 script with fresh ``FNLOOP_CACHE_DIR`` and ``TORCHINDUCTOR_CACHE_DIR`` for a cold first row), again
@@ -74,7 +76,7 @@ def fnloop_find(build, loss, batches, args, **options):
         min_lr=args.min_lr,
         max_lr=args.max_lr,
         num=args.num,
-        steps=args.member_steps,
+        steps=args.steps,
         **options,
     )
     return found.suggestion, time.perf_counter() - start, found
@@ -132,12 +134,11 @@ def lightning_find(build, loss, batches, args, seed):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", choices=["digits", "gpt2"])
-    parser.add_argument("--seeds", type=int, default=3, help="Lightning runs, one per seed")
+    parser.add_argument("--seeds", type=int, default=5, help="Lightning runs, one per seed")
     parser.add_argument("--min-lr", type=float, default=1e-6)
     parser.add_argument("--max-lr", type=float, default=1.0)
-    parser.add_argument("--steps", type=int, default=100, help="Lightning's range test, steps")
-    parser.add_argument("--num", type=int, default=13, help="fnloop's rates (members)")
-    parser.add_argument("--member-steps", type=int, default=50, help="fnloop's steps per member")
+    parser.add_argument("--steps", type=int, default=100, help="both range tests' steps")
+    parser.add_argument("--num", type=int, default=13, help="fnloop's constant rates (members)")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -153,13 +154,14 @@ def main() -> None:
         theirs = [lightning_find(build, loss, batches, args, seed) for seed in range(args.seeds)]
         suggestions = [s for s, _ in theirs]
         low, high = min(suggestions), max(suggestions)
-        inside = low <= ours <= high if ours is not None else False
+        # The same rate computed two ways (a scheduler, a power) differs in its last bits.
+        inside = ours is not None and low * (1 - 1e-9) <= ours <= high * (1 + 1e-9)
         print(f"\n{name}")
         print(found)
         print("| | suggestion | wall time (s) |\n|---|---:|---:|")
         said = "none" if ours is None else f"{ours:.3g}"
         print(
-            f"| fnloop find_lr ({args.num} rates x {args.member_steps} steps, one population) | {said} | {took:.1f} |"
+            f"| fnloop find_lr (a range test and {args.num} rates, {args.steps} steps, one population) | {said} | {took:.1f} |"
         )
         print(f"| the same, again (fnloop's compile cache warm) | {said} | {warm:.1f} |")
         print(

@@ -1,13 +1,13 @@
-"""``find_lr``: a learning-rate range as one population run, each member at its own rate, and a suggestion.
+"""``find_lr``: a learning-rate range as one population run: Lightning's range test, and constant rates beside it.
 
 Lightning's tuner (``Tuner.lr_find``) runs a range test: one run whose rate
 grows step by step from ``min_lr`` to ``max_lr``, its loss smoothed, the
-suggestion where that loss falls fastest; then it restores the model. Here
-the rates are the members of one population (``fnloop.population``): each
-member trains from the same start for ``steps`` steps at its own constant
-rate, injected into its optimizer's state, all of them in one compiled step.
-Nothing is restored because nothing of the caller's is changed: the members
-are copies.
+suggestion where that loss falls fastest against the rate; then it restores
+the model. Here that range test is one member of a population
+(``fnloop.population``), and ``num`` members beside it each train at a
+constant rate of the range: one compiled step trains them all, from the same
+start, on the same batches. Nothing is restored because nothing of the
+caller's is changed: the members are copies.
 """
 
 from __future__ import annotations
@@ -27,12 +27,19 @@ from fnloop._core.state import TrainState
 from fnloop._population import population
 from fnloop._run import run
 from fnloop._step.build import init, train_step
-from fnloop.optim import Optimizer, inject
+from fnloop.optim import Optimizer, chain, inject, scale_by_learning_rate
 
 __all__ = ["LRFinding", "find_lr"]
 
-RULES = ("steepest", "lowest")
-"""How ``find_lr`` suggests a rate: where the loss falls fastest, or where it is lowest."""
+RULES = ("range", "steepest", "lowest")
+"""How ``find_lr`` suggests a rate: Lightning's rule on the range test; where the constant rates'
+final loss falls fastest; where it is lowest."""
+
+SMOOTHING = 0.98
+"""The range test's loss is smoothed as Lightning's ``lr_find`` smooths it (its ``beta``)."""
+
+SKIP = (10, 1)
+"""Lightning's ``suggestion(skip_begin=10, skip_end=1)``: the steps left out at each end."""
 
 MOST_RATES = 256
 """The most rates ``find_lr`` tries: each is a member, a copy of the state, trained in one step."""
@@ -54,8 +61,12 @@ class LRFinding:
             rates up to its own).
         suggestion: the suggested rate (``None`` if fewer than two members kept a
             finite loss).
-        rule: how it was chosen: ``"steepest"`` (where ``final`` falls fastest
-            against ``log10(lr)``, before the first divergence) or ``"lowest"``.
+        rule: how it was chosen: ``"range"`` (Lightning's rule on the range
+            test), ``"steepest"`` (where ``final`` falls fastest against
+            ``log10(lr)``, before the first divergence) or ``"lowest"``.
+        ramp: the range test, as Lightning records it: each step's rate and
+            smoothed loss, up to the step where it diverged.
+        suggestions: the rate each rule suggests (``None`` where it has none).
     """
 
     lrs: tuple[float, ...]
@@ -63,6 +74,8 @@ class LRFinding:
     final: tuple[float, ...]
     suggestion: float | None
     rule: str
+    ramp: tuple[tuple[float, float], ...] = ()
+    suggestions: tuple[tuple[str, float | None], ...] = ()
 
     def __str__(self) -> str:
         lines = [f"{'lr':>10}  {'final loss':>10}"]
@@ -70,8 +83,10 @@ class LRFinding:
             mark = "  <- suggested" if lr == self.suggestion else ""
             shown = "diverged" if math.isnan(loss) else f"{loss:.4g}"
             lines.append(f"{lr:>10.3g}  {shown:>10}{mark}")
-        said = "none" if self.suggestion is None else f"{self.suggestion:.3g}"
-        lines.append(f"suggested learning rate ({self.rule}): {said}")
+        for rule, suggested in self.suggestions or ((self.rule, self.suggestion),):
+            said = "none" if suggested is None else f"{suggested:.3g}"
+            chosen = "  <- the suggestion" if rule == self.rule and len(self.suggestions) > 1 else ""
+            lines.append(f"suggested learning rate ({rule}): {said}{chosen}")
         return "\n".join(lines)
 
     def plot(self, path: str | None = None) -> Any:
@@ -92,13 +107,15 @@ class LRFinding:
         curves.set(xlabel="step", ylabel="loss", yscale="log", title="each rate's loss")
         finite = [(lr, loss) for lr, loss in zip(self.lrs, self.final) if not math.isnan(loss)]
         if finite:
-            by_rate.plot(*zip(*finite), marker="o")
+            by_rate.plot(*zip(*finite), marker="o", label=f"after {len(self.losses[0])} steps at each rate")
+        if self.ramp:
+            by_rate.plot(*zip(*self.ramp), color="gray", label="the range test, smoothed")
         if self.suggestion is not None:
             by_rate.axvline(
                 self.suggestion, color="red", linestyle="--", label=f"suggested {self.suggestion:.2g}"
             )
-            by_rate.legend()
-        by_rate.set(xscale="log", xlabel="learning rate", ylabel="final loss", title=f"rule: {self.rule}")
+        by_rate.legend()
+        by_rate.set(xscale="log", xlabel="learning rate", ylabel="loss", title=f"rule: {self.rule}")
         figure.tight_layout()
         if path is not None:
             figure.savefig(path, dpi=100)
@@ -115,28 +132,36 @@ def find_lr(
     max_lr: float = 1.0,
     num: int = 16,
     steps: int = 100,
-    rule: str = "steepest",
+    rule: str = "range",
     seed: int = 0,
     state: TrainState | None = None,
     **step_options: Any,
 ) -> LRFinding:
-    """Train ``num`` copies of ``model`` at learning rates from ``min_lr`` to ``max_lr`` as one population; suggest one.
+    """A range test and ``num`` constant rates from ``min_lr`` to ``max_lr``, as one population; suggest a rate.
 
     Every member starts from the same weights (``model``'s, or ``state``'s),
     sees the same batches and draws the same dropout (the same seed), and
-    trains ``steps`` steps at its own constant rate, log-spaced between
-    ``min_lr`` and ``max_lr``, injected into the optimizer's state
-    (``fnloop.optim.inject``): one compiled step trains them all. A member
-    whose steps are not finite skips them (``skip_nonfinite``) and counts as
-    diverged, as does one whose final loss is ``DIVERGED`` times the lowest at
-    the rates up to its own (Lightning's early stop).
-    ``model`` and ``state`` are not changed.
+    trains ``steps`` steps, its rate injected into its optimizer's state
+    (``fnloop.optim.inject``): one compiled step trains them all.
 
-    The suggestion (``rule``): ``"steepest"``, where the final loss falls
-    fastest against ``log10(lr)`` among the rates before the first that
-    diverged (Lightning's rule, on the loss after ``steps`` steps at each rate
-    in place of the loss of one run whose rate grows); ``"lowest"``, the rate
-    of the lowest final loss. Its memory is ``num`` copies of the state.
+    - **The range test** is Lightning's: one member whose rate grows
+      exponentially from ``min_lr`` to ``max_lr`` over the ``steps`` (its
+      updates scaled by ``growth ** iteration``), its loss smoothed as
+      Lightning smooths it (``SMOOTHING``), stopped where the smoothed loss
+      is ``DIVERGED`` times the lowest so far (``LRFinding.ramp``).
+    - **The constant rates**: ``num`` members, log-spaced over the range; a
+      member whose steps are not finite skips them (``skip_nonfinite``) and
+      counts as diverged, as does one whose final loss is ``DIVERGED`` times
+      the lowest at the rates up to its own (``LRFinding.final``).
+
+    The suggestion (``rule``): ``"range"``, Lightning's rule on the range
+    test (where its smoothed loss falls fastest against the rate, the first
+    10 steps and the last left out; ``None`` with fewer than 13 steps);
+    ``"steepest"``, where the constant rates' final loss falls fastest
+    against ``log10(lr)``, among the rates before the first that diverged;
+    ``"lowest"``, the constant rate of the lowest final loss. All three are in
+    ``LRFinding.suggestions``. ``model`` and ``state`` are not changed. The
+    memory is ``num + 1`` copies of the state.
 
     Args:
         model: the module to train (its structure and, without ``state``, its weights).
@@ -146,9 +171,10 @@ def find_lr(
         batches: what ``run`` takes; ``steps`` of them are used. A list (any
             ``Sequence``) is gone through again as often as needed, as epochs are.
         min_lr, max_lr: the range of rates, both positive, ``min_lr < max_lr``.
-        num: how many rates (members), 3 to ``MOST_RATES`` (256).
-        steps: steps per member, at least 4.
-        rule: ``"steepest"`` or ``"lowest"``.
+        num: how many constant rates (members beside the range test), 3 to
+            ``MOST_RATES`` (256).
+        steps: steps per member, at least 4 (Lightning's ``num_training``: 100).
+        rule: ``"range"`` (Lightning's), ``"steepest"`` or ``"lowest"``.
         seed: the members' seed (dropout draws).
         state: a single run's state to start from (a checkpoint's, say) in
             place of ``model``'s weights; its optimizer state is not used.
@@ -164,8 +190,8 @@ def find_lr(
         >>> def mse(forward, batch):
         ...     return ((forward(batch[0]) - batch[1]) ** 2).mean()
         >>> found = fl.find_lr(model, mse, fl.optim.sgd, data, steps=20, num=6, compile=False)
-        >>> len(found.lrs), found.suggestion is not None
-        (6, True)
+        >>> len(found.lrs), [rule for rule, _ in found.suggestions]
+        (6, ['range', 'steepest', 'lowest'])
     """
     lrs = _rates(min_lr, max_lr, num)
     if type(steps) is not int or steps < 4:
@@ -181,14 +207,20 @@ def find_lr(
         raise TypeError(f"find_lr(state=...) expects a single run's TrainState ({got(state)}).")
     start = None if state is None else ({k: v.clone() for k, v in state.params.items()}, state.buffers)
 
-    def member(seed: int, lr: float) -> TrainState:
-        made = init(model, inject(optimizer, lr=lr), seed=seed, max_iter=steps)
+    ramped = _ramped(optimizer)
+    growth = (max_lr / min_lr) ** (1 / steps)  # Lightning's exponential range: min_lr at the first step
+
+    def member(seed: int, lr: float, growth: float) -> TrainState:
+        made = init(model, inject(ramped, lr=lr, growth=growth), seed=seed, max_iter=steps)
         if start is not None:
             made = attrs.evolve(made, params=dict(start[0]), buffers=dict(start[1]))
         return attrs.evolve(made, metrics=Metrics(window=steps))
 
-    members = population(member, seeds=[seed] * num, lr=list(lrs))
-    step = train_step(model, loss_fn, inject(optimizer, lr=lrs[0]), skip_nonfinite=True, **step_options)
+    # The constant rates, then the range test: one more member, its rate growing step by step.
+    first = lrs[0] * growth  # as Lightning's scheduler starts: one step into the range
+    members = population(member, seeds=[seed] * (num + 1), lr=[*lrs, first], growth=[1.0] * num + [growth])
+    made = inject(ramped, lr=lrs[0], growth=1.0)
+    step = train_step(model, loss_fn, made, skip_nonfinite=True, **step_options)
     if isinstance(batches, Sequence):  # a list of batches is gone through again, as epochs go
         batches = itertools.islice(itertools.cycle(batches), steps)
     try:
@@ -200,7 +232,63 @@ def find_lr(
         ) from exhausted
     losses = tuple(_losses(final, m, steps) for m in range(num))
     ends = _final(losses)
-    return LRFinding(lrs, losses, ends, _suggested(lrs, ends, rule), rule)
+    ramp = _smoothed([lrs[0] * growth ** (t + 1) for t in range(steps)], _losses(final, num, steps))
+    suggestions = (
+        ("range", _lightning(ramp)),
+        ("steepest", _suggested(lrs, ends, "steepest")),
+        ("lowest", _suggested(lrs, ends, "lowest")),
+    )
+    chosen = dict(suggestions)[rule]
+    return LRFinding(lrs, losses, ends, chosen, rule, ramp, suggestions)
+
+
+def _ramped(optimizer: Callable[[float], Optimizer]) -> Callable[..., Optimizer]:
+    """``optimizer(lr)`` with its updates scaled by ``growth ** iteration``: a rate growing as a range test's."""
+
+    def make(lr: Any, growth: Any) -> Optimizer:
+        built = optimizer(lr)
+        if not isinstance(built, Optimizer):
+            raise TypeError(
+                f"find_lr(optimizer=...): optimizer(lr) must return a fnloop.optim.Optimizer ({got(built)})."
+            )
+        # Two scalings by -x: +growth**iteration (an update is the rate times a direction, weight decay too).
+        grow = chain(scale_by_learning_rate(lambda it: growth**it), scale_by_learning_rate(1.0))
+        return Optimizer(chain(built.transform, grow))
+
+    return make
+
+
+def _smoothed(lrs: Sequence[float], losses: Sequence[float]) -> tuple[tuple[float, float], ...]:
+    """The range test as Lightning's ``_LRCallback`` records it: each rate and its smoothed loss, to the stop.
+
+    The loss is averaged exponentially (``SMOOTHING``), corrected for its start as Lightning does
+    (by the optimizer steps taken, one more than the index); the test stops after the step whose
+    smoothed loss is ``DIVERGED`` times the lowest so far, or at a step that is not finite.
+    """
+    kept: list[tuple[float, float]] = []
+    average, best = 0.0, 0.0
+    for t, (lr, loss) in enumerate(zip(lrs, losses)):
+        if not math.isfinite(loss):
+            break
+        average = SMOOTHING * average + (1 - SMOOTHING) * loss
+        smoothed = average / (1 - SMOOTHING ** (t + 2))
+        kept.append((lr, smoothed))
+        if t > 0 and smoothed > DIVERGED * best:
+            break
+        if smoothed < best or t == 0:
+            best = smoothed
+    return tuple(kept)
+
+
+def _lightning(ramp: Sequence[tuple[float, float]]) -> float | None:
+    """Lightning's suggestion: where the smoothed loss falls fastest against the rate, its ends left out."""
+    begin, end = SKIP
+    window = ramp[begin:-end]
+    if len(window) < 2:
+        return None
+    lrs = torch.tensor([lr for lr, _ in window], dtype=torch.float64)
+    (slope,) = torch.gradient(torch.tensor([loss for _, loss in window], dtype=torch.float64), spacing=(lrs,))
+    return window[int(slope.argmin())][0]
 
 
 def _rates(low: object, high: object, num: object) -> tuple[float, ...]:

@@ -24,7 +24,7 @@ def cross_entropy(forward, batch):
 
 @functools.cache
 def digits() -> tuple[list, fl.LRFinding, dict, torch.nn.Module, fl.TrainState, list]:
-    """The benchmark's digits case, 13 rates x 50 steps; what ``run`` was called with; the inputs after."""
+    """The benchmark's digits case, a range test and 13 rates, 100 steps; what ``run`` was called with; the inputs after."""
     from fnloop.examples import digits as ex
 
     (x, y), _, _ = ex.digits()
@@ -46,7 +46,7 @@ def digits() -> tuple[list, fl.LRFinding, dict, torch.nn.Module, fl.TrainState, 
 
     _lr_find.run = counted
     try:
-        found = fl.find_lr(model, cross_entropy, fl.optim.adamw, batches, num=13, steps=50, state=state)
+        found = fl.find_lr(model, cross_entropy, fl.optim.adamw, batches, num=13, steps=100, state=state)
     finally:
         _lr_find.run = real
     return calls, found, {"module": before[0], "state": before[1]}, model, state, batches
@@ -56,9 +56,11 @@ def test_the_rates_are_one_population_run_of_one_step():
     calls, found, *_ = digits()
     assert len(calls) == 1, "one run trains every rate"
     members, _ = calls[0]
-    assert members.population is not None and members.population.size == len(found.lrs) == 13
-    labels = members.population.labels
-    assert [float(label.removeprefix("lr=")) for label in labels] == pytest.approx(list(found.lrs), rel=1e-2)
+    assert members.population is not None and members.population.size == len(found.lrs) + 1 == 14
+    rates = [dict(kv.split("=") for kv in label.split(", ")) for label in members.population.labels]
+    assert [float(r["lr"]) for r in rates[:-1]] == pytest.approx(list(found.lrs), rel=1e-2)
+    assert {float(r["growth"]) for r in rates[:-1]} == {1.0}, "the constant rates"
+    assert float(rates[-1]["growth"]) == pytest.approx(1e6 ** (1 / 100), rel=1e-3), "the range test"
 
 
 def test_the_rates_are_log_spaced_over_the_range_and_each_has_its_curve():
@@ -66,7 +68,7 @@ def test_the_rates_are_log_spaced_over_the_range_and_each_has_its_curve():
     assert found.lrs[0] == pytest.approx(1e-6) and found.lrs[-1] == pytest.approx(1.0)
     ratios = [b / a for a, b in zip(found.lrs, found.lrs[1:])]
     assert ratios == pytest.approx([ratios[0]] * len(ratios))
-    assert all(len(curve) == 50 for curve in found.losses)
+    assert all(len(curve) == 100 for curve in found.losses)
 
 
 def test_the_callers_model_and_state_are_given_back_unchanged():
@@ -78,9 +80,34 @@ def test_the_callers_model_and_state_are_given_back_unchanged():
         assert torch.equal(v, before["state"][k]), k
 
 
-def test_the_steepest_rule_is_lightnings_on_the_final_losses_before_the_first_divergence():
+def test_the_range_test_grows_as_lightnings_and_its_suggestion_is_lightnings_rule():
     _, found, *_ = digits()
-    assert found.rule == "steepest"
+    assert found.rule == "range" and found.suggestion == dict(found.suggestions)["range"]
+    ramp_lrs = [lr for lr, _ in found.ramp]
+    growth = 1e6 ** (1 / 100)
+    assert ramp_lrs == pytest.approx([1e-6 * growth ** (t + 1) for t in range(len(ramp_lrs))])
+    smoothed = [loss for _, loss in found.ramp]
+    assert len(smoothed) == 100 or smoothed[-1] > 4 * min(smoothed[:-1]), "stopped only where it diverged"
+    # Lightning's suggestion(skip_begin=10, skip_end=1): the steepest fall against the rate itself.
+    window = found.ramp[10:-1]
+    slopes = [(window[1][1] - window[0][1]) / (window[1][0] - window[0][0])]
+    slopes += [
+        (window[i + 1][1] - window[i - 1][1]) / (window[i + 1][0] - window[i - 1][0])
+        for i in range(1, len(window) - 1)
+    ]
+    slopes += [(window[-1][1] - window[-2][1]) / (window[-1][0] - window[-2][0])]
+    assert found.suggestion == window[slopes.index(min(slopes))][0]
+
+
+def test_the_digits_mlps_suggestion_is_inside_the_range_lightnings_lr_find_suggests():
+    """Lightning's ``lr_find`` (100 steps, AdamW, seeds 0-4) suggested 5.2e-3 to 1.2e-2 here."""
+    _, found, *_ = digits()
+    assert 5.2e-3 <= found.suggestion <= 1.21e-2, str(found)
+
+
+def test_the_steepest_rule_on_the_constant_rates_is_the_final_losses_fastest_fall():
+    _, found, *_ = digits()
+    steepest = dict(found.suggestions)["steepest"]
     usable = []
     for lr, end in zip(found.lrs, found.final):
         if math.isnan(end):
@@ -91,27 +118,30 @@ def test_the_steepest_rule_is_lightnings_on_the_final_losses_before_the_first_di
     slopes = [(ys[1] - ys[0]) / (xs[1] - xs[0])]
     slopes += [(ys[i + 1] - ys[i - 1]) / (xs[i + 1] - xs[i - 1]) for i in range(1, len(xs) - 1)]
     slopes += [(ys[-1] - ys[-2]) / (xs[-1] - xs[-2])]
-    assert found.suggestion == pytest.approx(10 ** xs[slopes.index(min(slopes))])
-    # The digits MLP learns: the suggestion's loss is below the slowest rate's, and past it the loss falls.
-    assert found.final[found.lrs.index(found.suggestion)] < found.final[0]
+    assert steepest == pytest.approx(10 ** xs[slopes.index(min(slopes))])
+    # The digits MLP learns: the suggestion's loss is below the slowest rate's.
+    assert found.final[found.lrs.index(steepest)] < found.final[0]
 
 
 def test_the_rates_that_blow_up_are_diverged_and_the_low_rates_that_barely_move_are_not():
     _, found, *_ = digits()
     assert math.isnan(found.final[-1]), "lr=1 on AdamW blows the MLP's loss up"
     assert not any(math.isnan(end) for end in found.final[:4]), "a loss that has not moved has not diverged"
-    assert "diverged" in str(found) and "<- suggested" in str(found)
+    assert "diverged" in str(found) and "(range): " in str(found) and "<- the suggestion" in str(found)
 
 
 def test_the_lowest_rule_takes_the_lowest_final_loss():
     _, found, *_ = digits()
-    lowest = _lr_find._suggested(found.lrs, found.final, "lowest")
     finite = [(end, lr) for lr, end in zip(found.lrs, found.final) if not math.isnan(end)]
-    assert lowest == min(finite)[1]
+    assert dict(found.suggestions)["lowest"] == min(finite)[1]
+
+
+GPT2_LOW, GPT2_HIGH = 8.3e-5, 5.8e-4
+"""Lightning's lr_find on the GPT-2 below, seeds 0-4: 5.0e-4, 5.8e-4, 1.9e-4, 1.3e-4, 8.3e-5."""
 
 
 def test_a_tiny_gpt2s_suggestion_is_inside_the_range_lightnings_lr_find_suggests():
-    """Lightning's ``lr_find`` (100 steps, AdamW, seeds 0-2) suggested 1.9e-4, 5.0e-4 and 5.8e-4 here."""
+    """Lightning's ``lr_find`` (100 steps, AdamW, seeds 0-4) suggested 8.3e-5 to 5.8e-4 here."""
     transformers = pytest.importorskip("transformers")
     from pathlib import Path
 
@@ -125,13 +155,13 @@ def test_a_tiny_gpt2s_suggestion_is_inside_the_range_lightnings_lr_find_suggests
     def loss(forward, batch):
         return forward(input_ids=batch, labels=batch).loss
 
-    found = fl.find_lr(model, loss, fl.optim.adamw, batches, num=13, steps=50)
-    assert 1.9e-4 <= found.suggestion <= 5.8e-4, str(found)
+    found = fl.find_lr(model, loss, fl.optim.adamw, batches, num=13, steps=100)
+    assert GPT2_LOW <= found.suggestion <= GPT2_HIGH, str(found)
 
 
 def test_a_list_shorter_than_the_steps_is_gone_through_again_as_epochs_are():
     *_, batches = digits()
-    assert len(batches) < 50  # the digits case above ran 50 steps on 21 batches
+    assert len(batches) < 100  # the digits case above ran 100 steps on 21 batches
 
 
 @pytest.mark.parametrize(
@@ -159,3 +189,28 @@ def test_a_stream_that_runs_out_says_how_many_steps_it_needed():
     data = iter([(torch.randn(4, 2), torch.randint(0, 1, (4,)))] * 3)
     with pytest.raises(ValueError, match="ran out before 4 steps"):
         fl.find_lr(torch.nn.Linear(2, 1), cross_entropy, fl.optim.sgd, data, num=3, steps=4, compile=False)
+
+
+def test_the_range_test_is_smoothed_and_stopped_as_lightnings_callback_does():
+    """Lightning's ``_LRCallback``: an exponential average corrected by the optimizer steps taken (one more
+    than the index), stopped after the step whose smoothed loss is 4 times the lowest so far."""
+    losses = [2.0, 1.0, 1.5, 0.5, 0.4, 9.0, 50.0, 80.0, 99.0]
+    ramp = _lr_find._smoothed([float(i) for i in range(len(losses))], losses)
+    average, want, best = 0.0, [], 0.0
+    for t, loss in enumerate(losses):
+        average = 0.98 * average + 0.02 * loss
+        want.append(average / (1 - 0.98 ** (t + 2)))
+        if t > 0 and want[-1] > 4 * best:
+            break
+        best = want[-1] if t == 0 or want[-1] < best else best
+    assert [loss for _, loss in ramp] == pytest.approx(want)
+    assert len(ramp) < len(losses), "the test stopped"
+    assert _lr_find._smoothed([1.0, 2.0, 3.0], [1.0, math.nan, 1.0]) == _lr_find._smoothed([1.0], [1.0])
+
+
+def test_the_plot_draws_the_constant_rates_and_the_range_test(tmp_path):
+    _, found, *_ = digits()
+    figure = found.plot(tmp_path / "lr.png")
+    assert (tmp_path / "lr.png").stat().st_size > 0
+    labels = [line.get_label() for line in figure.axes[1].get_lines()]
+    assert labels[:2] == ["after 100 steps at each rate", "the range test, smoothed"]
