@@ -208,7 +208,7 @@ def find_lr(
     start = None if state is None else ({k: v.clone() for k, v in state.params.items()}, state.buffers)
 
     ramped = _ramped(optimizer)
-    growth = (max_lr / min_lr) ** (1 / steps)  # Lightning's exponential range: min_lr at the first step
+    growth = (max_lr / min_lr) ** (1 / steps)  # Lightning's exponential range, at max_lr in its last step
 
     def member(seed: int, lr: float, growth: float) -> TrainState:
         made = init(model, inject(ramped, lr=lr, growth=growth), seed=seed, max_iter=steps)
