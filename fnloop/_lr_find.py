@@ -59,23 +59,26 @@ class LRFinding:
         final: each member's mean loss over the last quarter of its steps; ``nan``
             where it diverged (not finite, or ``DIVERGED`` times the lowest at the
             rates up to its own).
-        suggestion: the suggested rate (``None`` if fewer than two members kept a
-            finite loss).
-        rule: how it was chosen: ``"range"`` (Lightning's rule on the range
-            test), ``"steepest"`` (where ``final`` falls fastest against
-            ``log10(lr)``, before the first divergence) or ``"lowest"``.
         ramp: the range test, as Lightning records it: each step's rate and
             smoothed loss, up to the step where it diverged.
-        suggestions: the rate each rule suggests (``None`` where it has none).
+        suggestions: the rate each rule suggests (``None`` where it has none),
+            ``("range", ...)``, ``("steepest", ...)``, ``("lowest", ...)``.
+        rule: the rule chosen: ``"range"`` (Lightning's rule on the range
+            test), ``"steepest"`` (where ``final`` falls fastest against
+            ``log10(lr)``, before the first divergence) or ``"lowest"``.
     """
 
     lrs: tuple[float, ...]
     losses: tuple[tuple[float, ...], ...]
     final: tuple[float, ...]
-    suggestion: float | None
+    ramp: tuple[tuple[float, float], ...]
+    suggestions: tuple[tuple[str, float | None], ...]
     rule: str
-    ramp: tuple[tuple[float, float], ...] = ()
-    suggestions: tuple[tuple[str, float | None], ...] = ()
+
+    @property
+    def suggestion(self) -> float | None:
+        """The rate ``rule`` suggests (``None`` where there were too few finite losses to choose)."""
+        return dict(self.suggestions)[self.rule]
 
     def __str__(self) -> str:
         lines = [f"{'lr':>10}  {'final loss':>10}"]
@@ -83,9 +86,9 @@ class LRFinding:
             mark = "  <- suggested" if lr == self.suggestion else ""
             shown = "diverged" if math.isnan(loss) else f"{loss:.4g}"
             lines.append(f"{lr:>10.3g}  {shown:>10}{mark}")
-        for rule, suggested in self.suggestions or ((self.rule, self.suggestion),):
+        for rule, suggested in self.suggestions:
             said = "none" if suggested is None else f"{suggested:.3g}"
-            chosen = "  <- the suggestion" if rule == self.rule and len(self.suggestions) > 1 else ""
+            chosen = "  <- the suggestion" if rule == self.rule else ""
             lines.append(f"suggested learning rate ({rule}): {said}{chosen}")
         return "\n".join(lines)
 
@@ -238,8 +241,7 @@ def find_lr(
         ("steepest", _suggested(lrs, ends, "steepest")),
         ("lowest", _suggested(lrs, ends, "lowest")),
     )
-    chosen = dict(suggestions)[rule]
-    return LRFinding(lrs, losses, ends, chosen, rule, ramp, suggestions)
+    return LRFinding(lrs, losses, ends, ramp, suggestions, rule)
 
 
 def _ramped(optimizer: Callable[[float], Optimizer]) -> Callable[..., Optimizer]:
