@@ -18,7 +18,6 @@ an update stage that returns the gradients in place of the new parameters
 from __future__ import annotations
 
 import math
-import re
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -29,7 +28,7 @@ import torch
 from fnloop._core.messages import got
 from fnloop._core.state import TrainState
 from fnloop._step.calls import ONE_RUN, call_of
-from fnloop._step.determinism import VARYING
+from fnloop._step.determinism import VaryingOrder
 from fnloop._step.kernel import Kernel, Updated, UpdateStage
 from fnloop._step.train import TrainStep
 
@@ -239,7 +238,7 @@ def check_step(
     def ran(made: TrainStep) -> Mapping[str, torch.Tensor]:
         # A step of the check's own: the user's step warns of its run-to-run order, not each of these.
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=re.escape(VARYING.split("{")[0]))
+            warnings.simplefilter("ignore", VaryingOrder)
             return _params(made, state, batch, trained)
 
     compiled_step = built(grads_of, "compiled")

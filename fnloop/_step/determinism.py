@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-__all__ = ["VARYING", "deterministic_algorithms", "varies", "warn_varying"]
+__all__ = ["VARYING", "VaryingOrder", "deterministic_algorithms", "varies", "warn_varying"]
 
 VARYING = (
     "fnloop: this compiled step adds into tensors at indices known only when it runs ({ops}; an "
@@ -27,6 +27,10 @@ VARYING = (
     "runs, build the step with train_step(..., deterministic=True) (torch's deterministic algorithms "
     "for the step; see docs/replay.md for its cost){threads}."
 )
+
+
+class VaryingOrder(UserWarning):
+    """A compiled step's additions at run-time indices happen in an order that varies from run to run."""
 
 
 @contextlib.contextmanager
@@ -59,4 +63,4 @@ def warn_varying(ops: Sequence[str], device: torch.device) -> None:
     """Warn that a graph with the accumulating ``ops`` varies from run to run on ``device``, where it does."""
     why = varies(ops, device)
     if why is not None:
-        warnings.warn(why, UserWarning, stacklevel=4)
+        warnings.warn(why, VaryingOrder, stacklevel=4)
