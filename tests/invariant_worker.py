@@ -72,15 +72,15 @@ TREES = [0]
 
 
 def _count_trees() -> None:
-    import fnloop._step.blocks as blocks
+    import fnloop._step.placement as placement
 
-    real = blocks.ranks_tree
+    real = placement.ranks_tree
 
     def counted(grad: torch.Tensor, group: object) -> torch.Tensor:
         TREES[0] += 1
         return real(grad, group)
 
-    blocks.ranks_tree = counted
+    placement.ranks_tree = counted
 
 
 def run(argv: list[str]) -> None:

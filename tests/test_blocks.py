@@ -13,7 +13,7 @@ import torch.distributed._functional_collectives
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fnloop._compile.regather import regathered
-from fnloop._step.blocks import units_of
+from fnloop._step.units import units_of
 from tests.gathered import live
 
 F = torch.ops._c10d_functional

@@ -12,8 +12,10 @@ import torch
 
 import fnloop as fl
 from fnloop._compile import trace
+from fnloop._step.composed import transformed
 from fnloop._step.kernel import Kernel
-from fnloop._step.layout import Layout, transformed
+from fnloop._step.layout import Layout
+from fnloop._step.placement import Placement, Plan
 
 STEPS = 5
 FROZEN = ("0.weight", "0.bias")
@@ -94,7 +96,7 @@ def test_compiled_eager_and_several_per_call_agree(steps) -> None:
 def _products(model: torch.nn.Module) -> list[str]:
     """The matrix products in the traced step of ``model``: forward, backward and update."""
     state = fl.init(model, OPT, seed=0, max_iter=1)
-    update = transformed(Kernel(model, loss_fn, OPT), Layout(), None)
+    update = transformed(Kernel(model, loss_fn, OPT), Placement.of(Plan(), Layout(), None))
 
     def flat(draws, *leaves):
         params = dict(zip(state.params, leaves))

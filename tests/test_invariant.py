@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 import fnloop as fl
 from fnloop._core.shards import Shards
 from fnloop._step.invariant import pairwise_sum, slice_tree, tree_sum
-from fnloop._step.layout import Layout, check_invariant
+from fnloop._step.layout import Layout
 from tests.launches import again_after_native_crash
 
 WORKER = str(Path(__file__).with_name("invariant_worker.py"))
@@ -214,7 +214,7 @@ def test_what_the_mode_cannot_run_is_refused_with_the_fix() -> None:
         step(state, _batch(6))
     hybrid = Layout(shards=Shards("full", world=2, rank=0, rows={"0.weight": 8}, replicas=2))
     with pytest.raises(ValueError, match=r"replicate=2\).*Leave replicate out"):
-        check_invariant(step.kernel, hybrid)
+        step.plan.check(hybrid)
     population = fl.population(lambda seed: fl.init(net, opt, seed=seed, max_iter=3), seeds=[0, 1])
     with pytest.raises(ValueError, match="on a population"):
         step(population, _batch())

@@ -1,9 +1,7 @@
-"""``init`` and ``train_step``: a state and a step built from a model, a loss and an optimizer."""
+"""``train_step``: a step built from a model, a loss and an optimizer (``init``, the state, is ``init.py``'s)."""
 
 from __future__ import annotations
 
-import math
-import sys
 import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -12,13 +10,11 @@ import attrs
 import torch
 
 from fnloop._compile import default_backend
-from fnloop._core.config import plain
 from fnloop._core.messages import got
-from fnloop._core.shards import MODES, Shards
 from fnloop._core.state import TrainState
 from fnloop._core.steps import Applied, Step
-from fnloop._step.blocks import Blocks, units_of
 from fnloop._step.compiler import compile_step
+from fnloop._step.composed import in_place
 from fnloop._step.errors import (
     CompileError,
     GraphBreakError,
@@ -26,14 +22,13 @@ from fnloop._step.errors import (
     RecompileError,
 )
 from fnloop._step.eval import plain_module
-from fnloop._step.invariant import divisors
-from fnloop._step.kernel import Kernel, LossFn, frozen
-from fnloop._step.layout import in_place
-from fnloop._step.materialize import InitWeights, is_meta, materialized
-from fnloop._step.sharding import chunk
+from fnloop._step.init import init
+from fnloop._step.kernel import Kernel, LossFn
+from fnloop._step.placement import Plan, checked_slices
 from fnloop._step.statistics import checked
 from fnloop._step.train import TrainStep
-from fnloop.distributed import _group, broadcast_tensors, mesh_groups, rank, world_size
+from fnloop._step.units import Blocks, units_of
+from fnloop.distributed import _group, rank, world_size
 from fnloop.optim import Optimizer
 from fnloop.optim._base import fixed_learning_rates
 
@@ -46,181 +41,6 @@ __all__ = [
     "init",
     "train_step",
 ]
-
-
-def init(
-    model: torch.nn.Module,
-    optimizer: Optimizer,
-    *,
-    seed: int,
-    max_iter: int,
-    extra: Any = None,
-    config: Any = None,
-    shard: str | None = None,
-    replicate: int = 1,
-    init_weights: InitWeights | None = None,
-) -> TrainState:
-    """A state for training ``model`` with ``optimizer`` from iteration 0.
-
-    ``params`` and ``buffers`` are detached copies keyed like
-    ``model.named_parameters()`` and ``model.named_buffers()``; the model itself
-    is never changed by fnloop. ``opt_state`` is the optimizer's for the
-    parameters to train: those the model marks ``requires_grad=False`` are
-    kept in ``params`` and never trained (see ``train_step``).
-
-    Args:
-        model: the module whose parameters and buffers are trained (one
-            wrapped by ``torch.compile`` is unwrapped: the names stay plain).
-        optimizer: a pure optimizer (``fnloop.optim``); its ``init`` builds ``opt_state``.
-        seed: the run's seed (``state.rng``); the step's randomness is a function
-            of ``(seed, iteration)``.
-        max_iter: how many steps the run takes.
-        extra: your own data, kept in ``state.extra``.
-        config: the run's configuration (an attrs record such as
-            ``fnloop.config.parse`` gives, a dataclass or a mapping), kept in
-            ``state.config`` as plain data: saved in every checkpoint, shown by
-            ``fnloop inspect``, and compared by ``resume`` (see ``docs/config.md``).
-        shard: split the state across the data-parallel ranks (``torchrun``):
-            ``"full"`` shards parameters, gradients and optimizer state (as
-            FSDP2's ``fully_shard``); ``"optimizer"`` shards gradients and
-            optimizer state and keeps the parameters whole on every rank (ZeRO-2).
-            Each parameter of at least one dimension is split on its first
-            one; ``state.shards`` records how, and ``train_step`` reads it. See
-            ``docs/distributed.md#sharded-training``. ``None``: every rank holds
-            the whole state.
-        replicate: with ``shard``, keep this many copies of the sharded state
-            (HSDP, FSDP2's 2-D mesh; torchtitan's replicate degree): each
-            block of ``world / replicate`` consecutive ranks (a machine's
-            processes, say) shards one copy, and the copies are replicas of one
-            another. Gradients are reduce-scattered within a block and
-            all-reduced across blocks. See ``docs/distributed.md#a-2-d-mesh``.
-        init_weights: for a model built on the meta device (its tensors have
-            no memory yet), ``init_weights(module)`` fills a module's own
-            tensors in place; without it, each module's ``reset_parameters()``.
-            The tensors are made one module at a time, each kept only as the
-            state needs it (this rank's rows, when sharded), from a seed of
-            ``seed`` and the module's name. See
-            ``docs/distributed.md#a-model-larger-than-one-process``.
-
-    Examples:
-        >>> import fnloop as fl
-        >>> s = fl.init(torch.nn.Linear(3, 2), fl.optim.sgd(0.1), seed=0, max_iter=10)
-        >>> sorted(s.params), s.params["weight"].requires_grad
-        (['bias', 'weight'], False)
-    """
-    model = plain_module(model, "init")
-    _refuse_fsdp(model)
-    if not isinstance(optimizer, Optimizer):
-        kind = type(optimizer)
-        where = "torch.optim" if isinstance(optimizer, torch.optim.Optimizer) else kind.__module__
-        raise TypeError(
-            f"init() expected a fnloop.optim.Optimizer, got a {where}.{kind.__qualname__}; "
-            "fnloop's optimizers are pure functions of the state: build one with "
-            "fnloop.optim.sgd/adam/adamw (the same numbers as torch.optim's)."
-        )
-    if type(seed) is not int or seed < 0:
-        raise ValueError(f"'seed' must be a non-negative int ({got(seed)}).")
-    config = plain(config, "init(config=...)")  # refused before any tensor is made
-    fixed = frozen(model, "init")
-    if init_weights is not None and not callable(init_weights):
-        raise TypeError(f"init(init_weights=...) must be a function of a module ({got(init_weights)}).")
-    shards = _shards(shard, replicate, dict(model.named_parameters()))
-    if is_meta(model):  # made here, module by module, each rank's part kept
-        params, buffers, trained = _materialized(model, seed, init_weights, shards)
-    else:
-        params = {name: p.detach().clone() for name, p in model.named_parameters()}
-        buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
-        # Data parallel: every rank starts from rank 0's initialization, as DistributedDataParallel does.
-        broadcast_tensors([*params.values(), *buffers.values()])
-        trained = params
-        if shards is not None:  # this rank's chunks: of the parameters, and of what the optimizer keeps
-            split = shards.names
-            trained = {k: chunk(v, shards, k) if k in split else v for k, v in params.items()}
-            if shards.params:
-                params = trained
-    return TrainState(
-        max_iter=max_iter,
-        params=params,
-        buffers=buffers,
-        opt_state=optimizer.init({k: v for k, v in trained.items() if k not in fixed}),
-        rng=seed,
-        extra=extra,
-        config=config,
-        shards=shards,
-    )
-
-
-def _materialized(
-    model: torch.nn.Module, seed: int, init_weights: InitWeights | None, shards: Shards | None
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The params, buffers and trained tensors of a model on the meta device, made module by module.
-
-    Only with ``shard="full"`` is a parameter kept as this rank's chunk alone.
-    """
-    split = shards.names if shards is not None and shards.params else frozenset()
-
-    def kept(name: str, whole: torch.Tensor) -> torch.Tensor:
-        return chunk(whole, shards, name) if name in split else whole.clone()  # type: ignore[arg-type]
-
-    params: dict[str, torch.Tensor] = {}
-    buffers: dict[str, torch.Tensor] = {}
-    for name, tensor, parameter in materialized(model, seed, init_weights, kept):
-        (params if parameter else buffers)[name] = tensor
-    params = {name: params[name] for name, _ in model.named_parameters()}
-    trained = params
-    if shards is not None and not shards.params:  # "optimizer": what the optimizer keeps is chunks
-        trained = {k: chunk(v, shards, k) if k in shards.names else v for k, v in params.items()}
-    return params, buffers, trained
-
-
-def _refuse_fsdp(model: torch.nn.Module) -> None:
-    """Refuse a module FSDP2's ``fully_shard`` wrapped (DTensor parameters), with the fix."""
-    if "torch.distributed.tensor" not in sys.modules:  # nothing can be a DTensor yet
-        return
-    from torch.distributed.tensor import DTensor
-
-    for name, p in model.named_parameters():
-        if isinstance(p, DTensor):
-            raise TypeError(
-                f"init(): the model's parameter {name!r} is a DTensor (the module was wrapped by "
-                "fully_shard, or parallelized); fnloop shards the state itself, keeping the module "
-                "plain. Build the model without fully_shard and pass "
-                "fnloop.init(..., shard='full') (or 'optimizer'): see docs/distributed.md#sharded-training."
-            )
-
-
-def _shards(mode: str | None, replicate: int, params: dict[str, torch.Tensor]) -> Shards | None:
-    """The layout ``init(..., shard=mode, replicate=replicate)`` gives ``params`` on this process's rank."""
-    if type(replicate) is not int or replicate < 1:
-        raise ValueError(
-            f"init(replicate=...) must be a positive int: the copies of a sharded state ({got(replicate)})."
-        )
-    if mode is None:
-        if replicate != 1:
-            raise ValueError(
-                f"init(replicate={replicate}) keeps copies of a sharded state, but shard is None: "
-                "pass shard='full' (or 'optimizer') with it, or leave replicate out (data parallel "
-                "replicates the whole state on every rank already)."
-            )
-        return None
-    if mode not in MODES:
-        raise ValueError(
-            f"init(shard=...) must be None, or one of {MODES}: 'full' shards parameters, gradients "
-            f"and optimizer state, 'optimizer' gradients and optimizer state ({got(mode)})."
-        )
-    rows = {k: v.shape[0] for k, v in params.items() if v.ndim and v.is_floating_point()}
-    world, at = world_size(), rank()
-    if world % replicate:
-        raise ValueError(
-            f"init(replicate={replicate}): the {world} rank(s) of this run do not split into "
-            f"{replicate} equal blocks. Pass a replicate that divides the world size (the number "
-            "of machines, say, with every machine's processes sharding one copy)."
-        )
-    if replicate == 1:
-        return Shards(mode, world, at, rows)
-    mesh_groups(replicate)  # made now, by every rank together (new_group is a collective)
-    per = world // replicate
-    return Shards(mode, per, at % per, rows, replicas=replicate, replica=at // per)
 
 
 def _check_positive(name: str, value: object) -> int:
@@ -240,26 +60,6 @@ def _check_autocast(autocast: object) -> torch.dtype | None:
             "the parameters stay float32, the forward's matrix products run in that dtype."
         )
     return autocast  # type: ignore[return-value]
-
-
-def _check_invariant(slices: object, accumulate: int) -> int:
-    slices = _check_positive("invariant", slices)
-    if accumulate != 1:
-        raise ValueError(
-            f"train_step(invariant={slices}, accumulate={accumulate}): under invariant, a rank runs its "
-            "slices of the batch one after the other already, as micro-batches. Leave accumulate out, "
-            "and raise invariant for smaller slices."
-        )
-    world = world_size()
-    if slices % world:
-        fit = divisors(slices)
-        raise ValueError(
-            f"train_step(invariant={slices}) at {world} ranks: the {slices} slices of a batch cannot be "
-            f"shared out equally, so this run runs at world sizes {fit} only. Run at one of those, or "
-            f"choose an invariant that every world size the run will meet divides (here "
-            f"{math.lcm(slices, world)}, the same in every launch)."
-        )
-    return slices
 
 
 def train_step(
@@ -408,7 +208,7 @@ def train_step(
     if type(deterministic) is not bool:
         raise TypeError(f"'deterministic' must be a bool ({got(deterministic)}).")
     if invariant is not None:
-        invariant = _check_invariant(invariant, accumulate)
+        invariant = checked_slices(invariant, accumulate)
     backend = default_backend(backend)
     autocast = _check_autocast(autocast)
     if autocast is torch.float16 and not optimizer.scales_loss:
@@ -427,11 +227,10 @@ def train_step(
         autocast,
         eager=not compile,
         stats=checked(stats),
-        slices=invariant,
-        units=units_of(model, blocks),
     )
     return step_of(
         kernel,
+        plan=Plan(units_of(model, blocks), invariant),
         compile=compile,
         donate=donate,
         recompiles=recompiles,
@@ -446,6 +245,7 @@ def train_step(
 def step_of(
     kernel: Kernel,
     *,
+    plan: Plan | None = None,
     compile: bool,
     donate: bool = True,
     recompiles: int = 0,
@@ -461,18 +261,22 @@ def step_of(
     world size are read now, and fixed with the step.
     """
     group = _group()
+    plan = Plan() if plan is None else plan
     jit = multi = members = None
     if compile:  # one step per call, several, and a population's (traced when such a state first comes)
-        jit, members = (compile_step(kernel, group, 1 + recompiles, options, 1, backend) for _ in range(2))
+        jit, members = (
+            compile_step(kernel, plan, group, 1 + recompiles, options, 1, backend) for _ in range(2)
+        )
         if steps_per_call > 1:
-            multi = compile_step(kernel, group, 1 + recompiles, options, steps_per_call, backend)
+            multi = compile_step(kernel, plan, group, 1 + recompiles, options, steps_per_call, backend)
     step = TrainStep(
         kernel.model,
         kernel.loss_fn,
         kernel.optimizer,
         recompiles,
         kernel,
-        in_place(kernel, group),
+        plan,
+        in_place(kernel, plan, group),
         jit,
         multi,
         members,

@@ -220,10 +220,16 @@ def check_step(
         from fnloop._step.build import step_of
 
         if how == "eager":
-            made = step_of(attrs.evolve(kernel, eager=True), compile=False, deterministic=step.deterministic)
+            made = step_of(
+                attrs.evolve(kernel, eager=True),
+                plan=step.plan,
+                compile=False,
+                deterministic=step.deterministic,
+            )
         else:
             made = step_of(
                 kernel,
+                plan=step.plan,
                 compile=True,
                 options=jit.options,
                 deterministic=step.deterministic,

@@ -21,9 +21,12 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fnloop._compile import HAS_SCAN, Draws, Jit, Traceable, scan, unflatten_batch
+from fnloop._step.composed import transformed
 from fnloop._step.errors import _RANDOM_STEPS
-from fnloop._step.kernel import Kernel, Update, kept, state_of
-from fnloop._step.layout import Layout, transformed
+from fnloop._step.guard import kept
+from fnloop._step.kernel import Kernel, Update, state_of
+from fnloop._step.layout import Layout
+from fnloop._step.placement import Placement, Plan
 
 __all__ = ["UNROLL", "Form", "compile_step", "leaf_name"]
 
@@ -83,6 +86,7 @@ def leaf_name(form: Form, index: int) -> str:
 
 def compile_step(
     kernel: Kernel,
+    plan: Plan,
     group: Any,
     budget: int,
     options: Mapping[str, Any] | None,
@@ -91,8 +95,9 @@ def compile_step(
 ) -> Jit:
     """The step of ``kernel`` compiled, for any ``Form`` (the call's structure); ``steps``: per call.
 
-    Each form's graph runs ``transformed(kernel, form.layout, group)``: one
-    step, or ``form.layout.steps`` of them in a loop (``several``).
+    Each form's graph runs the kernel placed for ``form.layout`` under ``plan``
+    (``placement.py``, ``composed.py``): one step, or ``form.layout.steps`` of
+    them in a loop (``several``).
     """
     updates: dict[Layout, Update] = {}
 
@@ -101,7 +106,7 @@ def compile_step(
         layout = form.layout
         update = updates.get(layout)
         if update is None:
-            update = updates[layout] = transformed(kernel, layout, group)
+            update = updates[layout] = transformed(kernel, Placement.of(plan, layout, group))
         return (one if layout.steps == 1 else several)(update, form)
 
     no_random = _RANDOM_STEPS.format(n=steps) if steps > 1 else None

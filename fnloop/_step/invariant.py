@@ -60,12 +60,14 @@ from torch.utils import _pytree as pytree
 
 from fnloop._compile import Draws
 from fnloop._core.shards import Shards
-from fnloop._step.accumulate import micro_batches
+from fnloop._step import collectives
+from fnloop._step.collectives import all_gather, all_to_all, done
 from fnloop._step.kernel import Gradient, Grads, _device
+from fnloop._step.rows import micro_batches
 from fnloop._step.seeds import slice_seeded
-from fnloop._step.sharding import _done
 
 __all__ = [
+    "WHOLE",
     "RowSquares",
     "divisors",
     "pairwise_sum",
@@ -75,6 +77,10 @@ __all__ = [
     "sliced",
     "tree_sum",
 ]
+
+
+WHOLE = Shards("full", world=1, rank=0, rows=())
+"""The chunking of a whole state: no tensor is a chunk."""
 
 
 def divisors(n: int) -> list[int]:
@@ -126,15 +132,16 @@ def sliced(
     gradient: Gradient,
     slices: int,
     group: Any,
-    shards: Shards | None = None,
+    chunks: Shards = WHOLE,
     summed: bool = False,
     low_bits: bool = False,
 ) -> Gradient:
     """``gradient`` run on this rank's slices of the global batch, and the mean of all ``slices`` slices' results.
 
-    ``group``: the ranks (``None``: one process, every slice here). ``shards``:
-    a sharded state's layout, whose parameters' gradients this rank keeps its
-    chunks of (the others' values every rank has whole). ``summed``: the
+    ``group``: the ranks (``None``: one process, every slice here). ``chunks``:
+    which parameters' gradients this rank keeps its chunks of (a sharded
+    state's names and rows; ``WHOLE``: none), the others' values every rank
+    has whole. ``summed``: the
     gradient stage gives those chunks summed over the ranks already, each
     slice's (``slice_tree`` over the ranks, block by block). ``low_bits``: the
     slices are added in ``slice_tree``'s order (a ``"full"`` state in blocks'),
@@ -150,7 +157,7 @@ def sliced(
         for j, part in enumerate(micro_batches(batch, per)):
             with _drawing(rank * per + j, _device(params)):
                 found.append(gradient(params, {k: v.clone() for k, v in buffers.items()}, part, scale))
-        return _mean(found, slices, group, shards, summed, low_bits)
+        return _mean(found, slices, group, chunks, summed, low_bits)
 
     return sliced_gradient
 
@@ -182,9 +189,7 @@ def _drawing(g: int, device: torch.device) -> Iterator[None]:
         yield
 
 
-def _mean(
-    found: list[Grads], slices: int, group: Any, shards: Shards | None, summed: bool, low_bits: bool
-) -> Grads:
+def _mean(found: list[Grads], slices: int, group: Any, chunks: Shards, summed: bool, low_bits: bool) -> Grads:
     """The mean over the ``slices`` slices of the values ``found`` (this rank's slices), the same at any world size.
 
     A sharded parameter's gradient is this rank's chunk of the mean (its rows,
@@ -192,7 +197,7 @@ def _mean(
     ``summed``: the chunks found are each slice's sum over the ranks already.
     """
     first = found[0]
-    split = shards.names if shards is not None else frozenset()
+    split = chunks.names
     world = 1 if group is None else torch.distributed.get_world_size(group)
     out: dict[tuple[str, str], torch.Tensor] = {}
     if summed:  # each slice's chunks summed over the ranks already: left, the tree over the slices
@@ -222,7 +227,7 @@ def _mean(
     for entries in by_dtype.values():
         chunked = [k for k in entries if k[0] == "g" and k[1] in split]
         whole = [k for k in entries if k not in chunked]
-        rows = [shards.rows_per_rank(k[1]) for k in chunked] if shards is not None else []
+        rows = [chunks.rows_per_rank(k[1]) for k in chunked]
         size = sum(value(first, k).numel() for k in whole)
         blocks = [
             _blocks([value(f, k) for k in chunked], rows, [value(f, k) for k in whole], world) for f in found
@@ -233,7 +238,7 @@ def _mean(
         for key, part, n in zip(chunked, parts, rows):
             out[key] = part.view(n, *value(first, key).shape[1:])
         if group is not None and whole:
-            rest = _all_gathered(rest, group)
+            rest = all_gather(rest, group)
         for key, part in zip(whole, rest[:size].split([value(first, k).numel() for k in whole])):
             out[key] = part.view(value(first, key).shape)
     return Grads(
@@ -276,7 +281,7 @@ def _exchanged_sum(blocks: list[torch.Tensor], slices: int, group: Any, low_bits
         blocks = [tree_sum(blocks)]
     # [S, W, n] -> [W, S, n]: rank k gets block k of each of this rank's slices.
     sent = torch.stack(blocks).transpose(0, 1).contiguous()
-    got = _done(funcol().all_to_all_single(sent.view(-1), None, None, group))
+    got = all_to_all(sent.view(-1), group)
     # From rank k, its slices k*S .. k*S+S-1 (or their sum): the tree's rows, in slice order.
     return tree(list(got.view(world * len(blocks), -1).unbind(0)))
 
@@ -289,21 +294,8 @@ def ranks_tree(grad: torch.Tensor, group: Any) -> torch.Tensor:
     ranks' rows added in the subtree ``slice_tree`` gives them.
     """
     world = torch.distributed.get_world_size(group)
-    got = _done(funcol().all_to_all_single(grad.contiguous(), None, None, group))
+    got = all_to_all(grad.contiguous(), group)
     return slice_tree(list(got.view(world, -1).unbind(0)))
-
-
-def funcol() -> Any:
-    """torch's functional collectives, which trace into the step's graph."""
-    import torch.distributed._functional_collectives as funcol
-
-    return funcol
-
-
-def _all_gathered(tensor: torch.Tensor, group: Any) -> torch.Tensor:
-    """Every rank's ``tensor`` end to end, in rank order."""
-    gather = getattr(funcol(), "all_gather_single", None) or funcol().all_gather_tensor  # the newer name
-    return _done(gather(tensor, 0, group))
 
 
 @attrs.frozen(eq=False)
@@ -315,28 +307,27 @@ class RowSquares:
     from every rank, padding cut off, so the vector of rows, and the pairwise
     sum of it, is the same at any world size, sharded or not.
 
-    ``shards``: the state's layout (``None``: whole tensors). ``group``: the
-    ranks sharing the chunks (``None``: one process).
+    ``chunks``: which tensors are chunks (``WHOLE``: none). ``group``: the
+    ranks sharing the chunks (``None``: one process, or a whole state).
     """
 
-    shards: Shards | None
+    chunks: Shards
     group: Any
 
     def __call__(self, value: torch.Tensor) -> torch.Tensor:
         """``value`` summed over the ranks holding chunks (a count of non-finite gradients, say)."""
-        if self.shards is None or self.group is None:
+        if self.group is None:
             return value
-        return _done(funcol().all_reduce(value, "sum", self.group))
+        return done(collectives.summed(value, self.group))
 
     def squares(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
         rows = {k: _row_squares(t, dtype) for k, t in tensors.items()}
-        chunked = [k for k in rows if self.shards is not None and k in self.shards.names]
+        chunked = [k for k in rows if k in self.chunks.names]
         if chunked and self.group is not None:
-            assert self.shards is not None
-            every = _all_gathered(torch.cat([rows[k] for k in chunked]), self.group)
-            by_rank = every.view(self.shards.world, -1).split([rows[k].numel() for k in chunked], dim=1)
+            every = all_gather(torch.cat([rows[k] for k in chunked]), self.group)
+            by_rank = every.view(self.chunks.world, -1).split([rows[k].numel() for k in chunked], dim=1)
             for k, part in zip(chunked, by_rank):
-                rows[k] = part.reshape(-1)[: self.shards.whole(k)]
+                rows[k] = part.reshape(-1)[: self.chunks.whole(k)]
         return torch.stack([pairwise_sum(r) for r in rows.values()])
 
 

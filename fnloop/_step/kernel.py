@@ -9,11 +9,10 @@
 All three are pure functions of plain dicts of tensors (``buffers`` aside: the
 forward writes running statistics into the dict it is given, which the step
 makes fresh). Every feature of the step is a transformation of one of these
-stages, each in its own module: accumulation over micro-batches
-(``accumulate.py``), the average over data-parallel replicas
-(``replicas.py``), sharding (``sharding.py``), a population's members
-(``members.py``), and several steps per call (``compiler.py``, a loop over
-the whole step). ``fnloop/_step/layout.py`` composes them for one layout.
+stages, each in its own module, and this one knows none of them: the
+placement (``placement.py``) chooses them for a call's layout and composes
+them (``composed.py``); several steps per call are a loop over the whole
+step (``compiler.py``).
 
 Gradients come from ``torch.autograd.grad`` on leaf copies of the
 parameters, eager and traced alike: the trace records the ops autograd runs,
@@ -26,22 +25,18 @@ and its transform layer cost a fifth of a small CNN's eager step.
 from __future__ import annotations
 
 import contextlib
-import functools
-import math
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import attrs
 import torch
 from torch.utils import _pytree as pytree
 
 from fnloop._step.errors import _NUMBER_METRIC, GraphBreakError, _number
+from fnloop._step.guard import all_finite
 from fnloop._step.remat import gradients, reentrant_refused
 from fnloop.optim import Optimizer, learning_rates
 from fnloop.optim._fused import fused_update, fused_update_
-
-if TYPE_CHECKING:
-    from fnloop._step.blocks import Units
 
 __all__ = [
     "Grads",
@@ -51,7 +46,6 @@ __all__ = [
     "UpdateStage",
     "Updated",
     "frozen",
-    "kept",
     "value_and_grad",
 ]
 
@@ -144,11 +138,6 @@ class Kernel:
     stats: str | None = None
     """The statistics the step records beside the loss (``statistics.py``): ``None``, ``"model"``,
     ``"blocks"`` or ``"parameters"``."""
-    slices: int | None = None
-    """World-size invariance (``invariant.py``): the global batch's slices, each run alone and summed in
-    one fixed tree; ``None``: the rank's batch at once, averaged over the ranks by an all-reduce."""
-    units: Units = attrs.field(factory=lambda: _no_units())
-    """The blocks a sharded step gathers one at a time (``blocks.py``); none: every parameter at once."""
     fixed: frozenset[str] = attrs.field()
     _checked: list[bool] = attrs.field(factory=list, alias="_checked")
     """Whether a forward has run: the first checks the model's activation checkpointing."""
@@ -189,26 +178,36 @@ class Kernel:
     ) -> Updated:
         """The update stage: the trained parameters after the optimizer's step, pure.
 
-        ``total``: the sum over ranks of a value computed from this rank's
-        chunks (a sharded step's), for transformations that reduce over the
-        whole model (a global norm).
+        ``total``: how a value computed from the tensors given is added over
+        the ranks that hold the rest of the model, for transformations that
+        reduce over the whole model (a global norm; ``Optimizer.summing``).
         """
-        optimizer = self.optimizer if total is None else self.optimizer.over_shards(total)
+        optimizer = self.optimizer.summing(total)
         with _matching(self.fixed):
-            # Eager, a whole state's adam and adamw update with torch's fused kernel, as update_ does
-            # (_fused.py). Not a sharded state's chunks, nor slices: the kernel's vectorized body and
-            # its scalar tail round differently, so chunks cut elsewhere would part the bits.
-            whole = self.eager and total is None and self.slices is None
+            trained, new_state = optimizer.update(grads, opt_state, self.trained(params), iteration)
+        return self._updated(optimizer, opt_state, trained, new_state, iteration)
+
+    def fused(
+        self, grads: dict, opt_state: Any, params: dict, iteration: torch.Tensor, total: Any = None
+    ) -> Updated:
+        """``update`` run op by op on a whole model: ``adam`` and ``adamw`` with torch's fused kernel, as ``update_``.
+
+        Only where every tensor is whole (``total`` is then nothing to add):
+        the kernel's vectorized body and its scalar tail round differently, so
+        tensors cut elsewhere would part the bits (``fnloop/optim/_fused.py``).
+        """
+        with _matching(self.fixed):
             trained = self.trained(params)
-            fused = fused_update(optimizer, grads, opt_state, trained, iteration) if whole else None
+            fused = fused_update(self.optimizer, grads, opt_state, trained, iteration)
             trained, new_state = (
-                optimizer.update(grads, opt_state, trained, iteration) if fused is None else fused
+                self.optimizer.update(grads, opt_state, trained, iteration) if fused is None else fused
             )
-        return Updated(
-            trained,
-            new_state,
-            {**self.rates(iteration, opt_state), **optimizer.metrics(opt_state, new_state)},
-        )
+        return self._updated(self.optimizer, opt_state, trained, new_state, iteration)
+
+    def _updated(
+        self, optimizer: Optimizer, before: Any, trained: dict, after: Any, iteration: torch.Tensor
+    ) -> Updated:
+        return Updated(trained, after, {**self.rates(iteration, before), **optimizer.metrics(before, after)})
 
     def update_(self, grads: dict, opt_state: Any, params: dict, iteration: torch.Tensor) -> dict:
         """The update stage in place: ``params`` and ``opt_state`` written, as ``torch.optim`` writes them.
@@ -234,9 +233,8 @@ class Kernel:
         """What the loss is multiplied by before the backward (``dynamic_loss_scale``'s state), or ``None``."""
         return self.optimizer.loss_scale(opt_state)
 
-    def transformed_update(self) -> UpdateStage:
-        """The update stage with ``transforms`` applied."""
-        update: UpdateStage = self.update
+    def transformed_update(self, update: UpdateStage) -> UpdateStage:
+        """``update`` (``update``, or ``fused``) with ``transforms`` applied."""
         for transform in self.transforms:
             update = transform(update)
         return update
@@ -271,12 +269,6 @@ class Kernel:
         return {k: v if k in fixed else trained[k] for k, v in params.items()}
 
 
-def _no_units() -> Units:
-    from fnloop._step.blocks import Units
-
-    return Units()
-
-
 def value_and_grad(
     loss: Loss,
     fixed: frozenset[str],
@@ -309,33 +301,6 @@ def value_and_grad(
         return Grads(_by_name(leaves, fixed, found), buffers, value.detach(), detached)
 
     return gradient
-
-
-def all_finite(loss: torch.Tensor, grads: Mapping[str, torch.Tensor], eager: bool = False) -> torch.Tensor:
-    """A 0-d bool: the loss and every gradient element are finite (one reduction per tensor, no sync).
-
-    The largest magnitude of a tensor is finite exactly when every element is
-    (``amax`` propagates NaN), so this is ``isfinite(g).all()`` for all of them,
-    asked as float max-reductions that the compiled step vectorizes: the boolean
-    form took a third of the update of a 2048-wide MLP. (``(g * 0).sum()`` would
-    be as fast but wrong: inductor folds ``* 0``, see tests/test_nonfinite.py.)
-
-    ``eager``: run op by op, where ``vector_norm(g, inf)`` and ``isfinite(g).all()``
-    take twenty times as long as ``aminmax`` (10 ms against 0.5 ms for 4 M floats on
-    one thread); the smallest and largest element are both finite exactly when every
-    element is (both reductions propagate NaN).
-    """
-    if eager:
-        flags = [torch.isfinite(loss.detach()).reshape(())]
-        flags += [
-            torch.isfinite(torch.stack(torch.aminmax(g.detach()))).all() for g in grads.values() if g.numel()
-        ]
-        return torch.stack(flags).all()
-    peaks = [loss.detach().abs().reshape(())]
-    # vector_norm(g, inf) is abs().amax() without an eager copy of |g|; it compiles to the same.
-    peaks += [torch.linalg.vector_norm(g, math.inf) for g in grads.values() if g.numel()]
-    dtype = functools.reduce(torch.promote_types, [p.dtype for p in peaks])  # widening keeps inf and NaN
-    return torch.isfinite(torch.stack([p.to(dtype) for p in peaks]).amax())
 
 
 def _split(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -420,24 +385,6 @@ def _matching(fixed: frozenset[str]) -> Iterator[None]:
 def state_of(stepped: Stepped) -> list[torch.Tensor]:
     """The new state's tensors, in the order of the flat form: params, buffers, optimizer state."""
     return [*stepped.params.values(), *stepped.buffers.values(), *pytree.tree_leaves(stepped.opt_state)]
-
-
-def kept(keep: torch.Tensor, old: list[torch.Tensor], new: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``new`` where ``keep`` holds, else ``old``: a non-finite step leaves the state as it was.
-
-    ``keep`` is a 0-d bool, or one per row of the first dimension (a
-    population's members). A tensor the step passed through (a frozen
-    parameter) is ``old`` itself, left as it is.
-    """
-    out = []
-    for o, n in zip(old, new):
-        if n is o:
-            out.append(o)
-        elif keep.ndim:
-            out.append(torch.where(keep.reshape(-1, *([1] * (o.ndim - 1))), n, o))
-        else:
-            out.append(torch.where(keep, n, o))
-    return out
 
 
 def _device(params: Mapping[str, torch.Tensor]) -> torch.device:

@@ -24,7 +24,6 @@ from typing import Any
 import torch
 
 from fnloop._compile import DrawOutsideMembers
-from fnloop._step.accumulate import accumulated
 from fnloop._step.kernel import (
     Gradient,
     Kernel,
@@ -41,6 +40,7 @@ __all__ = [
     "each_member",
     "member_finite",
     "member_gradient",
+    "member_rows",
     "member_update",
     "only_training",
 ]
@@ -52,7 +52,8 @@ def member_gradient(kernel: Kernel, shared: bool) -> Gradient:
     ``shared``: every member trains on the batch; else member ``m`` on row
     ``m`` of each of its tensors (and micro-batches split the second
     dimension). The loss and every metric come out as 1-d tensors, one value
-    per member.
+    per member. Accumulated, micro-batches cut the members' rows
+    (``member_rows``).
     """
     from torch.func import vmap
 
@@ -63,8 +64,12 @@ def member_gradient(kernel: Kernel, shared: bool) -> Gradient:
             return forward(params, buffers, batch)
 
     # Members share nothing: the gradient of the sum, for each member's tensors, is its own loss's.
-    gradient = value_and_grad(loss, kernel.fixed, backward=_not_recomputed)
-    return accumulated(gradient, kernel.accumulate, dim=0 if shared else 1)
+    return value_and_grad(loss, kernel.fixed, backward=_not_recomputed)
+
+
+def member_rows(shared: bool) -> int:
+    """The dimension of a population's batch that holds its rows: the first when shared, else the second."""
+    return 0 if shared else 1
 
 
 def member_update(update: UpdateStage) -> UpdateStage:

@@ -9,7 +9,7 @@ with blocks gathers block by block instead (``blocks.py``); this gathers
 everything at once (``train_step(..., blocks=())``), and ``"optimizer"``.
 
 A state kept in several copies (``init(..., replicate=R)``, HSDP) talks over
-three groups (``Groups``): the chunks are gathered and the gradients
+three groups (``collectives.Groups``): the chunks are gathered and the gradients
 reduce-scattered within the ranks of one copy, the chunks' gradients then
 all-reduced across the copies, and the loss, the metrics and the whole
 tensors' gradients averaged over every rank.
@@ -24,73 +24,43 @@ each whole gradient once it is scattered.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-import attrs
 import torch
 
 from fnloop._core.shards import Shards
+from fnloop._step.collectives import (
+    Groups,
+    across_copies,
+    all_gather,
+    all_reduced_mean,
+    averaged,
+    reduce_scatter,
+)
 from fnloop._step.kernel import Gradient, Grads, Updated, UpdateStage
-from fnloop._step.replicas import averaged
 
 __all__ = [
-    "Groups",
-    "across_copies",
-    "all_ranks",
-    "all_reduced_mean",
+    "kept_of",
+    "parts",
     "chunk",
     "gathered",
-    "groups_of",
     "on_whole_params",
+    "padded",
     "scattered",
     "sharded_gradient",
     "sharded_update",
 ]
 
 
-@attrs.frozen
-class Groups:
-    """The process groups of a sharded step, and how many ranks train in all.
-
-    Args:
-        every: all the ranks: the loss, the metrics, the buffers and the
-            gradients of tensors kept whole are averaged over them.
-        shard: the ranks of one copy of the state, each holding its chunks:
-            chunks are gathered and gradients reduce-scattered within it.
-        across: the ranks holding the same chunks in each copy (HSDP), whose
-            chunks' gradients are all-reduced; ``None``: one copy.
-        size: the number of ranks in ``every``.
-    """
-
-    every: Any
-    shard: Any
-    across: Any
-    size: int
-
-
-def groups_of(shards: Shards, group: Any) -> Groups | None:
-    """The groups a step on ``shards`` talks over, ``group`` being every rank's; ``None`` in one process."""
-    if group is None:
-        return None
-    if shards.replicas == 1:
-        return Groups(group, group, None, shards.world)
-    from fnloop.distributed import mesh_groups
-
-    shard, across = mesh_groups(shards.replicas)
-    return Groups(group, shard, across, shards.ranks)
-
-
-def sharded_gradient(gradient: Gradient, shards: Shards, groups: Groups | None) -> Gradient:
+def sharded_gradient(gradient: Gradient, shards: Shards, groups: Groups) -> Gradient:
     """``gradient`` of a sharded state: on the whole parameters, its gradients this rank's chunks of the mean.
 
     With ``shards.params`` (``"full"``) the parameters given are this rank's
     chunks, gathered before the forward; the loss, the metrics and the
     floating buffers are averaged over the ranks as data parallel averages
-    them. ``groups`` ``None`` (one process): the chunks are the whole.
+    them.
     """
-    if groups is None:
-        return gradient
 
     def gradient_of_chunks(
         params: dict, buffers: dict, batch: Any, scale: torch.Tensor | None = None
@@ -102,10 +72,8 @@ def sharded_gradient(gradient: Gradient, shards: Shards, groups: Groups | None) 
     return gradient_of_chunks
 
 
-def on_whole_params(gradient: Gradient, shards: Shards, groups: Groups | None) -> Gradient:
-    """``gradient`` given a ``"full"`` state's chunks: each parameter gathered whole first (else as it is)."""
-    if groups is None or not shards.params:
-        return gradient
+def on_whole_params(gradient: Gradient, shards: Shards, groups: Groups) -> Gradient:
+    """``gradient`` given a ``"full"`` state's chunks: each parameter gathered whole first."""
 
     def gradient_of_whole(
         params: dict, buffers: dict, batch: Any, scale: torch.Tensor | None = None
@@ -115,14 +83,14 @@ def on_whole_params(gradient: Gradient, shards: Shards, groups: Groups | None) -
     return gradient_of_whole
 
 
-def sharded_update(update: UpdateStage, shards: Shards, groups: Groups | None) -> UpdateStage:
-    """``update`` on this rank's chunks, any sum over the whole model an all-reduce within one copy.
+def sharded_update(update: UpdateStage, shards: Shards, groups: Groups) -> UpdateStage:
+    """``update`` on this rank's chunks.
 
     Without ``shards.params`` (``"optimizer"``) the parameters are whole on
     every rank: the update runs on this rank's chunk of each, and every
-    rank's updated chunks are gathered back into the whole.
+    rank's updated chunks are gathered back into the whole (in one process,
+    the chunk is the whole).
     """
-    total = (lambda value: summed(value, groups.shard)) if groups is not None else None
 
     def update_of_chunks(grads: dict, opt_state: Any, params: dict, iteration: torch.Tensor) -> Updated:
         split = shards.names
@@ -131,8 +99,8 @@ def sharded_update(update: UpdateStage, shards: Shards, groups: Groups | None) -
             if shards.params
             else {k: chunk(v, shards, k) if k in split else v for k, v in params.items()}
         )
-        found = update(grads, opt_state, mine, iteration, total)
-        if shards.params or groups is None:
+        found = update(grads, opt_state, mine, iteration)
+        if shards.params or groups.shard is None:
             return found
         return found._replace(trained=gathered(found.trained, shards, groups.shard))
 
@@ -149,18 +117,12 @@ def chunk(whole: torch.Tensor, shards: Shards, name: str) -> torch.Tensor:
     return torch.cat([part, whole.new_zeros((per - part.shape[0], *whole.shape[1:]))])
 
 
-def _padded(whole: torch.Tensor, rows: int) -> torch.Tensor:
+def padded(whole: torch.Tensor, rows: int) -> torch.Tensor:
+    """``whole`` with zero rows added up to ``rows``."""
     missing = rows - whole.shape[0]
     if not missing:
         return whole
     return torch.cat([whole, whole.new_zeros((missing, *whole.shape[1:]))])
-
-
-def _by_dtype(tensors: Mapping[str, torch.Tensor]) -> dict[torch.dtype, list[str]]:
-    groups: dict[torch.dtype, list[str]] = {}
-    for name, tensor in tensors.items():
-        groups.setdefault(tensor.dtype, []).append(name)
-    return groups
 
 
 def gathered(chunks: Mapping[str, torch.Tensor], shards: Shards, group: Any) -> dict[str, torch.Tensor]:
@@ -169,25 +131,11 @@ def gathered(chunks: Mapping[str, torch.Tensor], shards: Shards, group: Any) -> 
     One all-gather per tensor, whose output is the padded whole itself.
     Tensors ``shards`` does not shard are passed through as they are.
     """
-    import torch.distributed._functional_collectives as funcol
-
-    gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor  # the newer name
     split = shards.names
     return {
-        name: _done(gather(t.contiguous(), 0, group))[: shards.whole(name)] if name in split else t
+        name: all_gather(t.contiguous(), group)[: shards.whole(name)] if name in split else t
         for name, t in chunks.items()
     }
-
-
-def _done(tensor: torch.Tensor) -> torch.Tensor:
-    """The collective's result, waited for when it runs eagerly (traced, the graph waits where it is used).
-
-    An eager collective left pending would outlive the Python reference to its
-    input (a chunk the step is about to replace), which gloo may still be reading.
-    """
-    from torch.distributed._functional_collectives import AsyncCollectiveTensor
-
-    return tensor.wait() if isinstance(tensor, AsyncCollectiveTensor) else tensor
 
 
 def scattered(wholes: Mapping[str, torch.Tensor], shards: Shards, groups: Groups) -> dict[str, torch.Tensor]:
@@ -195,14 +143,12 @@ def scattered(wholes: Mapping[str, torch.Tensor], shards: Shards, groups: Groups
 
     Tensors ``shards`` does not shard are averaged whole, all of a dtype in one all-reduce.
     """
-    import torch.distributed._functional_collectives as funcol
-
-    scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor  # the newer name
     world, split = shards.world, shards.names
     sums = {}
     for name in [n for n in wholes if n in split]:  # in the dict's order: the same on every rank
-        padded = _padded(wholes[name], world * shards.rows_per_rank(name)).contiguous()
-        sums[name] = _done(scatter(padded, "sum", 0, groups.shard))
+        sums[name] = reduce_scatter(
+            padded(wholes[name], world * shards.rows_per_rank(name)).contiguous(), groups.shard
+        )
     out = across_copies(sums, groups)
     out.update(
         all_reduced_mean({n: t for n, t in wholes.items() if n not in split}, groups.every, groups.size)
@@ -210,36 +156,30 @@ def scattered(wholes: Mapping[str, torch.Tensor], shards: Shards, groups: Groups
     return {name: out[name] for name in wholes}
 
 
-def across_copies(sums: Mapping[str, torch.Tensor], groups: Groups) -> dict[str, torch.Tensor]:
-    """The mean over every rank of chunks summed within one copy: summed across the copies too (HSDP)."""
-    if groups.across is None:
-        return {name: t / groups.size for name, t in sums.items()}
-    return all_reduced_mean(sums, groups.across, groups.size)
+def parts(
+    params: dict[str, torch.Tensor], shards: Shards | None, made: bool = False
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A new state's params and the tensors its optimizer is built for: this rank's chunks where ``shards`` says.
+
+    ``"full"``: both are the chunks; ``"optimizer"``: the params whole, the
+    optimizer's chunks. ``made``: ``params`` were made as ``kept_of`` keeps
+    them (a ``"full"`` state's chunks already).
+    """
+    if shards is None:
+        return params, params
+    mine = (
+        params
+        if made and shards.params
+        else {k: chunk(v, shards, k) if k in shards.names else v for k, v in params.items()}
+    )
+    return (mine if shards.params else params), mine
 
 
-def all_reduced_mean(wholes: Mapping[str, torch.Tensor], group: Any, world: int) -> dict[str, torch.Tensor]:
-    """The mean over ranks of each of ``wholes``, all of a dtype in one all-reduce."""
-    import torch.distributed._functional_collectives as funcol
+def kept_of(shards: Shards | None) -> Callable[[str, torch.Tensor], torch.Tensor]:
+    """What a rank keeps of a tensor made whole, by name: its chunk of a ``"full"`` state's parameter, else a copy."""
+    split = shards.names if shards is not None and shards.params else frozenset()
 
-    out = {}
-    for names in _by_dtype(wholes).values():
-        flat = (
-            _done(funcol.all_reduce(torch.cat([wholes[n].reshape(-1) for n in names]), "sum", group)) / world
-        )
-        for n, part in zip(names, flat.split([wholes[n].numel() for n in names])):
-            out[n] = part.view(wholes[n].shape)
-    return out
+    def kept(name: str, whole: torch.Tensor) -> torch.Tensor:
+        return chunk(whole, shards, name) if name in split else whole.clone()  # type: ignore[arg-type]
 
-
-def summed(value: torch.Tensor, group: Any) -> torch.Tensor:
-    """``value`` summed over the ranks (an all-reduce): a global norm's sum of squares, say."""
-    import torch.distributed._functional_collectives as funcol
-
-    return funcol.all_reduce(value, "sum", group)
-
-
-def all_ranks(flag: torch.Tensor, group: Any) -> torch.Tensor:
-    """Whether the 0-d bool ``flag`` holds on every rank."""
-    import torch.distributed._functional_collectives as funcol
-
-    return funcol.all_reduce(flag.to(torch.float32), "min", group) > 0
+    return kept

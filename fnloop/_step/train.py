@@ -26,18 +26,13 @@ from fnloop._step.determinism import deterministic_algorithms, warn_varying
 from fnloop._step.donation import Targets, opt_containers, shared
 from fnloop._step.errors import _RECOMPILED, RecompileError, public_error
 from fnloop._step.kernel import Kernel, LossFn, _device
-from fnloop._step.layout import Layout, check_invariant
+from fnloop._step.layout import Layout
+from fnloop._step.placement import Plan
 from fnloop._step.pool import ScalarPool
-from fnloop._step.seeds import seeded, slice_seeds
+from fnloop._step.seeds import seeded
 from fnloop.optim import Optimizer
 
 __all__ = ["TrainStep"]
-
-_GENERATOR_SLICES = (
-    "train_step(invariant={slices}): the compiled step draws from torch's generator, where it "
-    "cannot be seeded slice by slice, so its numbers would depend on the world size. Run it eagerly "
-    "(compile=False), or leave invariant out."
-)
 
 
 class Memo:
@@ -90,6 +85,8 @@ class TrainStep(Applied):
     optimizer: Optimizer
     recompiles: int
     kernel: Kernel
+    plan: Plan
+    """How the work is cut beside the call's layout: the blocks, the invariant slices (``placement.py``)."""
     function: Callable[..., Any]
     """The kernel run eagerly on a single run's state: ``(params, buffers, opt_state, iteration, batch, shards) -> (loss, finite, metrics)``."""
     jit: Jit | None = None
@@ -189,7 +186,7 @@ class TrainStep(Applied):
         layout = call.layout(
             state, batches, rank=self.rank, world=self.world, scan=scan, stop=not self.skip_nonfinite
         )
-        check_invariant(self.kernel, layout)
+        self.plan.check(layout)
         if layout.steps == len(batches):
             return self._call(call, state, batches, leaves, ospec, layout, mine, within=False)
         # The steps one by one, each seeded as alone: eager, or a population's.
@@ -221,8 +218,7 @@ class TrainStep(Applied):
         if not self.model.training:
             self.model.train()
         i, params, buffers = state.iteration, state.params, state.buffers
-        slices = self.kernel.slices
-        rank = 0 if slices is not None else self.rank  # invariant: each slice draws from its own seed
+        rank = self.plan.seed_rank(self.rank)
         device = leaves[0].device if leaves else _device(params)
         iteration = self._memo.tensor(("iteration", device), lambda: _zero(device))
         iteration.fill_(i)
@@ -233,11 +229,8 @@ class TrainStep(Applied):
                 out = call.eager(self.function, state, batches[0], iteration, rank, layout)
             else:
                 given = call.inputs(state, batches, rank, layout, self._memo.tensor, device)
-                if slices is not None:  # every slice's seed, for the step (or each step of the call)
-                    seeds = [slice_seeds(state.rng, i + j, slices) for j in range(layout.steps)]
-                    given = given._replace(
-                        seeds=torch.tensor(seeds if layout.steps > 1 else seeds[0], device=device)
-                    )
+                seeds = self.plan.seeds(state.rng, i, layout.steps, device)  # every slice's, under invariant
+                given = given if seeds is None else given._replace(seeds=seeds)
                 jit = call.jit(self._jits, layout)
                 assert jit is not None
                 out = self._compiled(jit, state, donated, ospec, iteration, given, layout)
@@ -268,8 +261,7 @@ class TrainStep(Applied):
         flat = [*donated, iteration, given.seeds, *given.extra, *given.tensors]
         entry = self._entry(jit, form, flat, state.iteration)
         if entry.draws:  # an op the trace could not give the seed to draws from the generator
-            if self.kernel.slices is not None:
-                raise RuntimeError(_GENERATOR_SLICES.format(slices=self.kernel.slices))
+            self.plan.refuse_generator()
             with seeded(iteration.device, state.rng, state.iteration, self.rank):
                 out = entry.compiled(*flat)
         else:

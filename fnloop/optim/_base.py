@@ -417,6 +417,10 @@ class Optimizer:
             if p.dtype != updates[k].dtype:
                 p.copy_((p + updates[k]).to(p.dtype))
 
+    def summing(self, sum_: Sum | None, /) -> Optimizer:
+        """This optimizer with its sums over the model taken by ``sum_`` (``over_shards``); itself for ``None``."""
+        return self if sum_ is None else self.over_shards(sum_)
+
     def over_shards(self, sum_: Sum, /) -> Optimizer:
         """This optimizer for a sharded step's update of one rank's chunks; ``sum_`` sums over the ranks.
 

@@ -1,0 +1,150 @@
+"""``init``: a state built from a model and an optimizer, whole or this rank's chunks."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+from fnloop._core.config import plain
+from fnloop._core.messages import got
+from fnloop._core.shards import Shards
+from fnloop._core.state import TrainState
+from fnloop._step.eval import plain_module
+from fnloop._step.kernel import frozen
+from fnloop._step.materialize import InitWeights, is_meta, materialized
+from fnloop._step.placement import state_shards
+from fnloop._step.sharding import kept_of, parts
+from fnloop.distributed import broadcast_tensors
+from fnloop.optim import Optimizer
+
+__all__ = ["init"]
+
+
+def init(
+    model: torch.nn.Module,
+    optimizer: Optimizer,
+    *,
+    seed: int,
+    max_iter: int,
+    extra: Any = None,
+    config: Any = None,
+    shard: str | None = None,
+    replicate: int = 1,
+    init_weights: InitWeights | None = None,
+) -> TrainState:
+    """A state for training ``model`` with ``optimizer`` from iteration 0.
+
+    ``params`` and ``buffers`` are detached copies keyed like
+    ``model.named_parameters()`` and ``model.named_buffers()``; the model itself
+    is never changed by fnloop. ``opt_state`` is the optimizer's for the
+    parameters to train: those the model marks ``requires_grad=False`` are
+    kept in ``params`` and never trained (see ``train_step``).
+
+    Args:
+        model: the module whose parameters and buffers are trained (one
+            wrapped by ``torch.compile`` is unwrapped: the names stay plain).
+        optimizer: a pure optimizer (``fnloop.optim``); its ``init`` builds ``opt_state``.
+        seed: the run's seed (``state.rng``); the step's randomness is a function
+            of ``(seed, iteration)``.
+        max_iter: how many steps the run takes.
+        extra: your own data, kept in ``state.extra``.
+        config: the run's configuration (an attrs record such as
+            ``fnloop.config.parse`` gives, a dataclass or a mapping), kept in
+            ``state.config`` as plain data: saved in every checkpoint, shown by
+            ``fnloop inspect``, and compared by ``resume`` (see ``docs/config.md``).
+        shard: split the state across the data-parallel ranks (``torchrun``):
+            ``"full"`` shards parameters, gradients and optimizer state (as
+            FSDP2's ``fully_shard``); ``"optimizer"`` shards gradients and
+            optimizer state and keeps the parameters whole on every rank (ZeRO-2).
+            Each parameter of at least one dimension is split on its first
+            one; ``state.shards`` records how, and ``train_step`` reads it. See
+            ``docs/distributed.md#sharded-training``. ``None``: every rank holds
+            the whole state.
+        replicate: with ``shard``, keep this many copies of the sharded state
+            (HSDP, FSDP2's 2-D mesh; torchtitan's replicate degree): each
+            block of ``world / replicate`` consecutive ranks (a machine's
+            processes, say) shards one copy, and the copies are replicas of one
+            another. Gradients are reduce-scattered within a block and
+            all-reduced across blocks. See ``docs/distributed.md#a-2-d-mesh``.
+        init_weights: for a model built on the meta device (its tensors have
+            no memory yet), ``init_weights(module)`` fills a module's own
+            tensors in place; without it, each module's ``reset_parameters()``.
+            The tensors are made one module at a time, each kept only as the
+            state needs it (this rank's rows, when sharded), from a seed of
+            ``seed`` and the module's name. See
+            ``docs/distributed.md#a-model-larger-than-one-process``.
+
+    Examples:
+        >>> import fnloop as fl
+        >>> s = fl.init(torch.nn.Linear(3, 2), fl.optim.sgd(0.1), seed=0, max_iter=10)
+        >>> sorted(s.params), s.params["weight"].requires_grad
+        (['bias', 'weight'], False)
+    """
+    model = plain_module(model, "init")
+    _refuse_fsdp(model)
+    if not isinstance(optimizer, Optimizer):
+        kind = type(optimizer)
+        where = "torch.optim" if isinstance(optimizer, torch.optim.Optimizer) else kind.__module__
+        raise TypeError(
+            f"init() expected a fnloop.optim.Optimizer, got a {where}.{kind.__qualname__}; "
+            "fnloop's optimizers are pure functions of the state: build one with "
+            "fnloop.optim.sgd/adam/adamw (the same numbers as torch.optim's)."
+        )
+    if type(seed) is not int or seed < 0:
+        raise ValueError(f"'seed' must be a non-negative int ({got(seed)}).")
+    config = plain(config, "init(config=...)")  # refused before any tensor is made
+    fixed = frozen(model, "init")
+    if init_weights is not None and not callable(init_weights):
+        raise TypeError(f"init(init_weights=...) must be a function of a module ({got(init_weights)}).")
+    shards = state_shards(shard, replicate, dict(model.named_parameters()))
+    if is_meta(model):  # made here, module by module, each rank's part kept
+        params, buffers, trained = _materialized(model, seed, init_weights, shards)
+    else:
+        params = {name: p.detach().clone() for name, p in model.named_parameters()}
+        buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+        # Data parallel: every rank starts from rank 0's initialization, as DistributedDataParallel does.
+        broadcast_tensors([*params.values(), *buffers.values()])
+        params, trained = parts(params, shards)
+    return TrainState(
+        max_iter=max_iter,
+        params=params,
+        buffers=buffers,
+        opt_state=optimizer.init({k: v for k, v in trained.items() if k not in fixed}),
+        rng=seed,
+        extra=extra,
+        config=config,
+        shards=shards,
+    )
+
+
+def _materialized(
+    model: torch.nn.Module, seed: int, init_weights: InitWeights | None, shards: Shards | None
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The params, buffers and trained tensors of a model on the meta device, made module by module.
+
+    Only with ``shard="full"`` is a parameter kept as this rank's chunk alone.
+    """
+    params: dict[str, torch.Tensor] = {}
+    buffers: dict[str, torch.Tensor] = {}
+    for name, tensor, parameter in materialized(model, seed, init_weights, kept_of(shards)):
+        (params if parameter else buffers)[name] = tensor
+    params, trained = parts({name: params[name] for name, _ in model.named_parameters()}, shards, made=True)
+    return params, buffers, trained
+
+
+def _refuse_fsdp(model: torch.nn.Module) -> None:
+    """Refuse a module FSDP2's ``fully_shard`` wrapped (DTensor parameters), with the fix."""
+    if "torch.distributed.tensor" not in sys.modules:  # nothing can be a DTensor yet
+        return
+    from torch.distributed.tensor import DTensor
+
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            raise TypeError(
+                f"init(): the model's parameter {name!r} is a DTensor (the module was wrapped by "
+                "fully_shard, or parallelized); fnloop shards the state itself, keeping the module "
+                "plain. Build the model without fully_shard and pass "
+                "fnloop.init(..., shard='full') (or 'optimizer'): see docs/distributed.md#sharded-training."
+            )
