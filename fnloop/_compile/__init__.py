@@ -41,8 +41,17 @@ Private torch APIs used here, each where it is used:
 
 Outside the room, the step uses ``torch.nn.utils.stateless._reparametrize_module``
 (``fnloop/_step/kernel.py``, what ``functional_call`` uses) and
-``torch.distributed._functional_collectives`` (``fnloop/_step/sharding.py``,
-``blocks.py``, ``replicas.py``).
+``torch.distributed._functional_collectives`` (``fnloop/_step/collectives.py``,
+the one module of the step that calls them).
+
+One channel that is not an argument or a record: ``Draws._tracing``
+(``seeding.py``), the ``Draws`` whose ``from_`` is open. The random ops'
+decompositions are called by torch's tracer, not by fnloop, so they find the
+seed of the step being traced there; the world-size-invariant step's slices
+find theirs the same way (``fnloop/_step/invariant.py``). Two more are left
+outside the room: the eager step's ``(seed, iteration)`` for its slices
+(``fnloop/_step/seeds.py``, ``_STEP``) and ``inject``'s hyperparameters taken
+as tensors (``fnloop/optim/_base.py``, ``_INJECTING``).
 
 Supported: torch 2.13 to 2.15 (``pyproject.toml``'s floor; CI runs the suite on
 2.13.0, ``constraints.txt``, and a tier of it on 2.15.0). Inductor's known
@@ -55,7 +64,7 @@ the traced graph run op by op, nothing compiled).
 Before changing anything here, run the models suite (``tests/test_models.py``),
 ``tests/test_remat.py``, ``tests/test_compile_cache.py``,
 ``tests/test_steps_per_call.py``, ``tests/test_population.py``,
-``tests/test_blocks.py`` and ``tests/test_sharding.py``, and
+``tests/test_blocks.py``, ``tests/test_sharding.py`` and ``tests/test_architecture.py``, and
 ``benchmarks/bench_step.py`` against the change.
 """
 
