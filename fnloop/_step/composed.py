@@ -68,18 +68,19 @@ def in_place(kernel: Kernel, plan: Plan, group: Any) -> Callable[..., Any]:
     of its own over the model), the pure step runs, its results written
     into the state.
     """
-    places: dict[Shards | None, tuple[Placement, Callable[..., Any]]] = {}  # built once per layout
+    # Per layout, built once: whether the step writes in place, and what it runs (the gradient
+    # stage then, else the pure step).
+    places: dict[Shards | None, tuple[bool, Callable[..., Any]]] = {}
 
-    def placed(shards: Shards | None) -> tuple[Placement, Callable[..., Any]]:
+    def placed(shards: Shards | None) -> tuple[bool, Callable[..., Any]]:
         found = places.get(shards)
         if found is None:
             placement = Placement.of(plan, Layout(shards=shards), group)
-            run = (
-                placement.gradient(kernel)
-                if placement.writes_in_place(kernel)
-                else transformed(kernel, placement)
+            writes = placement.writes_in_place(kernel)
+            found = places[shards] = (
+                writes,
+                placement.gradient(kernel) if writes else transformed(kernel, placement),
             )
-            found = places[shards] = (placement, run)
         return found
 
     def step(
@@ -90,8 +91,8 @@ def in_place(kernel: Kernel, plan: Plan, group: Any) -> Callable[..., Any]:
         batch: Any,
         shards: Shards | None,
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        placement, run = placed(shards)
-        if not placement.writes_in_place(kernel):  # the pure step, written into the state
+        writes, run = placed(shards)
+        if not writes:  # the pure step, written into the state
             stepped = run(params, buffers, opt_state, iteration, batch)
             if stepped.finite:
                 old = [*params.values(), *buffers.values(), *pytree.tree_leaves(opt_state)]

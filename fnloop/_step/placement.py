@@ -194,25 +194,26 @@ class Placement:
         return _GRADIENTS[self.row](self, kernel)
 
     @functools.cached_property
+    def _sums(self) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, Squares]:
+        """How this placement adds over the model: the update's ``total``, and the statistics' ``Squares``."""
+        if self.plan.slices is not None:  # each tensor's rows' squares, in one order at any world size
+            rows = RowSquares(self.chunks, None if self.layout.shards is None else self.group)
+            return rows, Squares(functools.partial(_row_squares, rows))
+        if self.layout.shards is not None and self.group is not None:  # this rank's chunks, all-reduced
+            total = functools.partial(summed, group=self.groups.shard)
+            names, world = self.chunks.names, float(self.chunks.world)
+            return total, Squares(functools.partial(_chunk_squares, names, world), total)
+        return None, Squares()
+
+    @property
     def total(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """What the update adds a value over the model with (``Kernel.update``'s ``total``): ``None`` where it is whole here."""
-        if self.plan.slices is not None:  # each tensor's rows' squares, in one order at any world size
-            return RowSquares(self.chunks, None if self.layout.shards is None else self.group)
-        if self.layout.shards is not None and self.group is not None:
-            return functools.partial(summed, group=self.groups.shard)
-        return None
+        return self._sums[0]
 
     @property
     def squares(self) -> Squares:
         """How the statistics add squares over the model (``statistics.Squares``)."""
-        total = self.total
-        if isinstance(total, RowSquares):
-            return Squares(functools.partial(_row_squares, total))
-        if total is not None:
-            return Squares(
-                functools.partial(_chunk_squares, self.chunks.names, float(self.chunks.world)), total
-            )
-        return Squares()
+        return self._sums[1]
 
     def update(self, kernel: Kernel) -> UpdateStage:
         """The update stage of this placement: ``(grads, opt_state, params, iteration) -> Updated``."""

@@ -47,6 +47,15 @@ def checked(stats: object) -> str | None:
     )
 
 
+def own_squares(tensors: Mapping[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
+    """Each named tensor's sum of squares, float32, as it is here."""
+    return {name: torch.linalg.vector_norm(tensors[name], dtype=torch.float32).square() for name in names}
+
+
+def _as_it_is(sums: torch.Tensor) -> torch.Tensor:
+    return sums
+
+
 @attrs.frozen
 class Squares:
     """How the statistics add squares over the whole model: each tensor's, then over the ranks.
@@ -62,19 +71,8 @@ class Squares:
     sharded state's, a world-size-invariant step's (``RowSquares``).
     """
 
-    each: Callable[[Mapping[str, torch.Tensor], list[str]], dict[str, torch.Tensor]] = attrs.field(
-        default=attrs.Factory(lambda: own_squares)
-    )
-    across: Callable[[torch.Tensor], torch.Tensor] = attrs.field(default=attrs.Factory(lambda: _as_it_is))
-
-
-def own_squares(tensors: Mapping[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
-    """Each named tensor's sum of squares, float32, as it is here."""
-    return {name: torch.linalg.vector_norm(tensors[name], dtype=torch.float32).square() for name in names}
-
-
-def _as_it_is(sums: torch.Tensor) -> torch.Tensor:
-    return sums
+    each: Callable[[Mapping[str, torch.Tensor], list[str]], dict[str, torch.Tensor]] = own_squares
+    across: Callable[[torch.Tensor], torch.Tensor] = _as_it_is
 
 
 def groups_of_parameters(units: Units, names: list[str], by: str) -> dict[str, list[str]]:
