@@ -19,15 +19,9 @@ differs), and the files the job's writers left. Each run's own files are in
 
 from __future__ import annotations
 
-import argparse
-import csv
-import importlib
-import importlib.util
 import inspect
-import io
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -38,16 +32,14 @@ from typing import Any
 import attrs
 
 from fnloop._core.messages import got
-from fnloop._core.phase import Phase
-from fnloop._core.state import TrainState, request
-from fnloop._measured import CLOCK_METRICS
+from fnloop._resumefiles import CHECKPOINT, file_differences, first_step, part, step_hint
 
 __all__ = ["Interruption", "ResumeCheckError", "ResumeReport", "check_resume"]
 
 HOW = ("kill", "preempt")
 """The interruptions: ``kill`` (SIGKILL, no chance to save) and ``preempt`` (SIGTERM, a graceful stop)."""
 
-_CHILD = "import sys; from fnloop._resumecheck import _child; _child(sys.argv[1:])"
+_CHILD = "import sys; from fnloop._resumechild import child; child(sys.argv[1:])"
 """What a fresh interpreter runs for one run of the job (its arguments follow)."""
 
 _LAST = 3000
@@ -248,19 +240,15 @@ def _default_stops(job_directory: Path, steps: int) -> list[int]:
     return [max(1, steps // 2)]
 
 
-_CHECKPOINT = re.compile(r"ckpt-(\d{8,})(\.part-\d+-of-\d+)?\.safetensors")
-"""A checkpoint's file, as ``fl.checkpoint.path_for`` names it (or a part of a sharded one)."""
-
-
 def _saved_iterations(directory: Path) -> list[int]:
     """The iterations of the checkpoints anywhere under ``directory``."""
-    return [int(m[1]) for path in directory.rglob("ckpt-*") if (m := _CHECKPOINT.fullmatch(path.name))]
+    return [int(m[1]) for path in directory.rglob("ckpt-*") if (m := CHECKPOINT.fullmatch(path.name))]
 
 
 def _launch(
     entry: str, run: Path, *options: str, timeout: float, expect: tuple[int, ...], what: str
 ) -> subprocess.CompletedProcess[str]:
-    """The child ``_child([ENTRY, RUN, *OPTIONS])`` in a fresh interpreter, its output kept in ``RUN/check``."""
+    """The child ``child([ENTRY, RUN, *OPTIONS])`` (``_resumechild.py``) in a fresh interpreter, its output kept in ``RUN/check``."""
     (run / "check").mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p or os.getcwd() for p in sys.path)}
     argv = [sys.executable, "-c", _CHILD, entry, str(run), *options]
@@ -310,249 +298,11 @@ def _interrupted(entry: str, root: Path, straight: Path, how: str, k: int, timeo
         )
     if ran["difference"] is not None:
         differences.append(
-            f"final state: {ran['difference']} ({_part(ran['difference'])}; the straight run's value first)"
+            f"final state: {ran['difference']} ({part(ran['difference'])}; the straight run's value first)"
         )
-    step = _first_step(straight / "check" / "fingerprints.jsonl", run / "check" / "fingerprints.jsonl")
+    step = first_step(straight / "check" / "fingerprints.jsonl", run / "check" / "fingerprints.jsonl")
     if step is not None:
         first = "the first step after the resume" if step == began else f"step {step}"
-        differences.append(f"the steps part at {first} (resumed at {began}): {_step_hint(step, began)}")
-    differences += _files(straight / "job", run / "job")
+        differences.append(f"the steps part at {first} (resumed at {began}): {step_hint(step, began)}")
+    differences += file_differences(straight / "job", run / "job")
     return Interruption(how, k, done, began, tuple(differences))
-
-
-_PARTS = (
-    ("state.params", "the parameters"),
-    ("state.buffers", "the buffers"),
-    ("state.opt_state", "the optimizer state"),
-    ("state.rng", "the random state (RNG)"),
-    ("state.data", "the data position (state.data)"),
-    ("state.hooks", "a hook's state"),
-    ("state.metrics", "the metrics"),
-)
-
-
-def _part(where: str) -> str:
-    """Which part of the state ``where`` (a ``first_difference`` path) is in."""
-    for prefix, part in _PARTS:
-        if where.startswith(prefix):
-            return part
-    return "the field " + where.split(":")[0].split("[")[0]
-
-
-def _step_hint(step: int, began: int) -> str:
-    if step == began:
-        return (
-            "the resumed step saw other batches or other random draws than the straight run's "
-            "(a data source that restarts instead of going on from state.data, or randomness "
-            "outside the state), or a hook or schedule read something the checkpoint does not hold"
-        )
-    if step < began:
-        return (
-            "before the interruption: the job is not the same run twice, resumed or not (something "
-            "outside the seed and the state: the wall clock, an unseeded generator; or kernels that "
-            "are not deterministic: fl.train_step(..., deterministic=True))"
-        )
-    return (
-        "after the first resumed steps matched: something outside the state (a hook's memory kept "
-        "in a closure or a global, the wall clock) changes the run later"
-    )
-
-
-def _first_step(straight: Path, resumed: Path) -> int | None:
-    """The first step whose fingerprints differ between the two logs (a step only one has counts)."""
-    from fnloop.replay import read_log
-
-    a, b = read_log(straight), read_log(resumed) if resumed.exists() else {}
-    for step in sorted(set(a) | set(b)):
-        if a.get(step) != b.get(step):
-            return step
-    return None
-
-
-# -- the writers' files -----------------------------------------------------------------------------
-
-
-def _files(straight: Path, resumed: Path) -> list[str]:
-    """What differs between the files the two runs' writers left (checkpoints and hidden files aside)."""
-    a, b = _written(straight), _written(resumed)
-    found = []
-    for name in sorted(set(a) | set(b)):
-        if name not in a or name not in b:
-            found.append(f"file {name}: only in the {'resumed' if name in b else 'straight'} run")
-        else:
-            what = _file_difference(a[name], b[name])
-            if what is not None:
-                found.append(f"file {name}: {what}")
-    return found
-
-
-def _written(directory: Path) -> dict[str, Path]:
-    """The files under ``directory`` a run's writers left, by relative name.
-
-    Left out: checkpoints (their states are compared), hidden files (locks,
-    saves in progress), TensorBoard's event files and MLflow's store (named by
-    the time, the host or a random run id: never shared by two runs).
-    """
-    found = {}
-    for path in sorted(directory.rglob("*")):
-        parts = path.relative_to(directory).parts
-        if not path.is_file() or _CHECKPOINT.fullmatch(path.name) or "mlruns" in parts:
-            continue
-        if path.name.startswith("events.out.tfevents"):
-            continue  # named by the time and host it was written at: never shared by two runs
-        if not any(part.startswith(".") for part in parts):
-            found["/".join(parts)] = path
-    return found
-
-
-def _file_difference(a: Path, b: Path) -> str | None:
-    """How the file ``b`` differs from ``a``: JSON lines and CSV without the clock's metrics, others whole."""
-    if a.suffix == ".jsonl":
-        return _lines_difference(_jsonl(a), _jsonl(b))
-    if a.suffix == ".csv":
-        return _lines_difference(_csv_rows(a), _csv_rows(b))
-    if a.suffix == ".safetensors":  # a state (the best one, say): compared as fnloop diff does
-        from fnloop.checkpoint import CheckpointError
-        from fnloop.cli._diff import differences
-
-        try:
-            found = differences(a, b)
-        except CheckpointError:
-            found = None  # not a state: its bytes are compared
-        if found is not None:
-            return None if not found else "the states differ: " + "; ".join(found[:3])
-    left, right = a.read_bytes(), b.read_bytes()
-    if left == right:
-        return None
-    try:
-        return _lines_difference(left.decode().splitlines(), right.decode().splitlines())
-    except UnicodeDecodeError:
-        return f"the bytes differ ({len(right)} bytes, the straight run's {len(left)})"
-
-
-def _jsonl(path: Path) -> list[Any]:
-    rows: list[Any] = []
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except ValueError:
-            rows.append(line)
-            continue
-        rows.append(
-            {k: v for k, v in row.items() if k not in CLOCK_METRICS} if isinstance(row, dict) else row
-        )
-    return rows
-
-
-def _csv_rows(path: Path) -> list[Any]:
-    rows = list(csv.reader(io.StringIO(path.read_text())))
-    if not rows:
-        return rows
-    kept = [i for i, name in enumerate(rows[0]) if name not in CLOCK_METRICS]
-    return [[row[i] for i in kept if i < len(row)] for row in rows]
-
-
-def _lines_difference(a: list[Any], b: list[Any]) -> str | None:
-    again = ""
-    if len(b) > len(a) and _repeats(b) > _repeats(a):
-        again = f" ({len(b)} lines, the straight run's {len(a)}: lines written again after the resume, by a writer that does not cut back)"
-    for number, (x, y) in enumerate(zip(a, b), 1):
-        if x != y:
-            return f"line {number} is {_short(y)}, the straight run's {_short(x)}{again}"
-    if len(a) != len(b):
-        return again[2:-1] if again else f"{len(b)} lines, the straight run's {len(a)}"
-    return None
-
-
-def _repeats(rows: list[Any]) -> int:
-    """How many rows repeat an earlier one's iteration (or, without one, the whole row)."""
-    keys = [
-        row.get("iteration", json.dumps(row, sort_keys=True)) if isinstance(row, dict) else json.dumps(row)
-        for row in rows
-    ]
-    return len(keys) - len(set(keys))
-
-
-def _short(value: Any) -> str:
-    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
-    return repr(text if len(text) <= 120 else text[:117] + "...")
-
-
-# -- the child process ------------------------------------------------------------------------------
-
-
-@attrs.frozen(repr=False)
-class _Interrupt:
-    """At ``AFTER_STEP`` of the call that brings the run to ``at`` steps: ``how`` this process, once its effects are done.
-
-    A call of several steps is interrupted after it, at the first boundary
-    with ``at`` steps or more done; ``log`` records that boundary. It fires
-    once: a kill ends the process, and the fold stops at that boundary on
-    the SIGTERM of a preemption.
-    """
-
-    at: int
-    how: str
-    log: Path
-
-    def __call__(self, state: TrainState, phase: Phase, /) -> TrainState:
-        if phase is not Phase.AFTER_STEP or state.iteration + 1 < self.at:
-            return state
-        return request(state, self._interrupt, f"{self.how} this process")
-
-    def _interrupt(self, state: TrainState) -> None:
-        self.log.write_text(json.dumps({"done": state.iteration}))
-        os.kill(os.getpid(), signal.SIGKILL if self.how == "kill" else signal.SIGTERM)
-
-    def __repr__(self) -> str:
-        return f"interrupt({self.at}, {self.how!r})"
-
-
-def _imported(module: str) -> Any:
-    """The module ``module`` names, or the script at that path (imported as a module, not run as ``__main__``)."""
-    if not module.endswith(".py"):
-        return importlib.import_module(module)
-    spec = importlib.util.spec_from_file_location("__resume_check_job__", module)
-    if spec is None or spec.loader is None:
-        raise ResumeCheckError(f"cannot import the script {module}")
-    found = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = found
-    spec.loader.exec_module(found)
-    return found
-
-
-def _child(argv: Sequence[str]) -> None:
-    import fnloop as fl
-    from fnloop._core.steps import adapt
-    from fnloop._core.tree import first_difference
-    from fnloop._measured import without_clock
-    from fnloop.replay import fingerprints
-
-    parser = argparse.ArgumentParser(prog="fnloop check-resume (a run)")
-    parser.add_argument("job")
-    parser.add_argument("run", type=Path)
-    parser.add_argument("--stop", type=int)
-    parser.add_argument("--how", choices=HOW)
-    parser.add_argument("--against")
-    args = parser.parse_args(argv)
-    module, _, name = args.job.rpartition(":")
-    job: Any = _imported(module)
-    for part in name.split("."):
-        job = getattr(job, part)
-    check = args.run / "check"
-    state, step, batches, hooks = job(args.run / "job")
-    began = state.iteration
-    extra: list[Any] = [fingerprints(check / "fingerprints.jsonl")]
-    if args.stop is not None:
-        extra.append(_Interrupt(args.stop, args.how, check / "interrupted.json"))
-    per_call = adapt(step, donate=False).per_call
-    if per_call > 1:  # hooks act at a call's boundaries alone
-        extra = [fl.on(Phase.AFTER_STEP, fl.every(per_call, hook)) for hook in extra]
-    final = fl.run(state, step, batches, [*hooks, *extra])
-    mine = fl.save(final, check / "final.safetensors")
-    difference = None
-    if args.against is not None:
-        theirs = fl.load(args.against, like=final)
-        difference = first_difference(without_clock(theirs), without_clock(fl.load(mine, like=final)))
-    report = {"began": began, "iteration": final.iteration, "difference": difference}
-    (check / "run.json").write_text(json.dumps(report))

@@ -153,9 +153,9 @@ def test_the_hint_for_kernels_that_vary_names_a_switch_that_exists() -> None:
     import inspect
     import re
 
-    from fnloop._resumecheck import _step_hint
+    from fnloop._resumefiles import step_hint
 
-    hint = _step_hint(1, 5)  # a difference before the interruption
+    hint = step_hint(1, 5)  # a difference before the interruption
     name = re.search(r"fl\.(\w+)\(\.\.\., deterministic=True\)", hint)
     assert name is not None, hint
     assert "deterministic" in inspect.signature(getattr(fl, name.group(1))).parameters, hint

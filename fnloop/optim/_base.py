@@ -10,16 +10,25 @@ be traced by ``torch.compile(fullgraph=True)``: states are dicts, tuples and
 
 from __future__ import annotations
 
-import contextlib
-import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any, NamedTuple, Protocol, TypeAlias, runtime_checkable
 
 import attrs
 import torch
 from torch.utils import _pytree as pytree
 
-from fnloop._core.messages import describe, got
+from fnloop._core.messages import describe
+from fnloop.optim._helpers import (  # noqa: F401 - shared by the optimizers, imported from here
+    _number,
+    apply_updates,
+    check_keys,
+    first_device,
+    injected,
+    injecting,
+    kept_unless,
+    zero_count,
+)
+from fnloop.optim._sums import OverShards, SquaresSum, Sum, over_shards  # noqa: F401 - re-exported
 
 __all__ = [
     "EmptyState",
@@ -177,106 +186,6 @@ def update_in_place(
         torch._foreach_copy_(old, new)
     # What a transformation of one's own returns may share storage with its state: a copy is safe to write into.
     return {k: u.clone() for k, u in new_updates.items()}
-
-
-Sum: TypeAlias = Callable[[torch.Tensor], torch.Tensor]
-"""The sum over the ranks of a value computed from one rank's chunks (an all-reduce, in a sharded step)."""
-
-
-@runtime_checkable
-class OverShards(Protocol):
-    """A transformation that reduces over the whole model (a global norm), or holds one that does.
-
-    A sharded step (``fnloop.init(..., shard=...)``) gives the update one
-    rank's chunks of the updates. It updates with ``over_shards(sum_)``: the
-    same transformation, computing its whole-model values with ``sum_``, the
-    sum over the ranks of a value computed from one rank's chunks (an
-    all-reduce in the step's graph). ``clip_by_global_norm`` offers it, and
-    ``chain``, ``partition`` and ``inject`` pass it on to what they hold; a
-    combinator of your own should too.
-    """
-
-    def over_shards(self, sum_: Sum, /) -> Any: ...
-
-
-@runtime_checkable
-class SquaresSum(Protocol):
-    """A ``Sum`` that also gives each tensor's sum of squares over the whole model, the same bits however it is cut.
-
-    A world-size-invariant step (``train_step(..., invariant=G)``) gives its
-    update one (``fnloop/_step/invariant.py``): a global norm computed from it is
-    the same number at any world size, sharded or not, where an all-reduce of
-    each rank's partial sums would add them in an order that depends on the
-    ranks. A transformation that reduces over the whole model takes its
-    ``squares`` where it is given one.
-    """
-
-    def __call__(self, value: torch.Tensor, /) -> torch.Tensor: ...
-
-    def squares(self, tensors: Params, dtype: torch.dtype, /) -> torch.Tensor:
-        """``[len(tensors)]``: each tensor's sum of squares in ``dtype``, over the whole model, in ``tensors``' order."""
-        ...
-
-
-def over_shards(transform: Any, sum_: Sum) -> Any:
-    """``transform`` for a sharded step: its ``over_shards(sum_)``, or itself where it reduces over nothing."""
-    return transform.over_shards(sum_) if isinstance(transform, OverShards) else transform
-
-
-def check_keys(what: str, got: Mapping[str, Any], params: Mapping[str, Any], fix: str) -> None:
-    """Raise ``KeyError`` naming the keys ``got`` lacks or has beyond ``params``'s.
-
-    Runs at trace time: it looks at keys only.
-    """
-    if got.keys() == params.keys():
-        return
-    missing = [k for k in params if k not in got]
-    unexpected = [k for k in got if k not in params]
-    raise KeyError(
-        f"{what} must have the same keys as params; missing: {missing}, unexpected: {unexpected}. {fix}"
-    )
-
-
-def first_device(params: Params) -> torch.device:
-    """The device of the first parameter (CPU if there is none): where scalar state lives."""
-    for tensor in params.values():
-        return tensor.device
-    return torch.device("cpu")
-
-
-def zero_count(params: Params) -> torch.Tensor:
-    """A 0-d int64 zero on the device of the first parameter, for step counters."""
-    return torch.zeros((), dtype=torch.int64, device=first_device(params))
-
-
-def kept_unless(
-    skip: torch.Tensor, new_params: Params, params: Params, new_state: OptState, state: OptState
-) -> tuple[Params, OptState]:
-    """``(new_params, new_state)``, or where the 0-d bool ``skip`` holds ``(params, state)``: a skipped update, in the graph."""
-    ok = ~skip
-    kept = {k: torch.where(ok, v, params[k]) for k, v in new_params.items()}
-    return kept, pytree.tree_map(lambda new, old: torch.where(ok, new, old), new_state, state)
-
-
-def apply_updates(params: Params, updates: Params) -> Params:
-    """New parameters ``params[k] + updates[k]``, each in its parameter's dtype.
-
-    Args:
-        params: the current parameters; left untouched.
-        updates: what to add, keyed like ``params``.
-
-    Returns:
-        A new dict of new tensors.
-
-    Raises:
-        KeyError: ``updates`` and ``params`` have different keys.
-
-    Examples:
-        >>> apply_updates({"w": torch.ones(2)}, {"w": torch.full((2,), 0.5)})
-        {'w': tensor([1.5000, 1.5000])}
-    """
-    check_keys("updates", updates, params, "Transformations must return one update per parameter.")
-    return {k: (p + updates[k]).to(p.dtype) for k, p in params.items()}
 
 
 def learning_rates(
@@ -462,37 +371,3 @@ class Optimizer:
 
     def __repr__(self) -> str:
         return f"Optimizer({self.transform!r})"
-
-
-_INJECTING: list[bool] = []
-
-
-@contextlib.contextmanager
-def injecting() -> Iterator[None]:
-    """For the block, settings may be 0-d tensors (a state's hyperparameters, see ``inject``), taken as they are."""
-    _INJECTING.append(True)
-    try:
-        yield
-    finally:
-        _INJECTING.pop()
-
-
-def injected(value: object) -> bool:
-    """Whether ``value`` is a hyperparameter tensor given by ``inject`` (inside ``injecting``)."""
-    return bool(_INJECTING) and isinstance(value, torch.Tensor) and value.ndim == 0
-
-
-def _number(name: str, value: object, *, low: float = 0.0, below: float | None = None) -> float:
-    """``value`` as a float, checked to lie in ``[low, below)``; the error names ``name``.
-
-    Inside ``injecting``, a 0-d tensor is returned as it is: ``inject`` checked its value as a float.
-    """
-    if injected(value):
-        return value  # type: ignore[return-value]
-    if type(value) not in (int, float) or not math.isfinite(value):  # type: ignore[arg-type]
-        raise TypeError(f"'{name}' must be a finite float ({got(value)}).")
-    value = float(value)  # type: ignore[arg-type]
-    if value < low or (below is not None and value >= below):
-        upper = f" and below {below}" if below is not None else ""
-        raise ValueError(f"'{name}' must be at least {low}{upper} (got {value!r}).")
-    return value
