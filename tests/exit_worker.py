@@ -1,6 +1,6 @@
 """A process whose sharded run ends while its signs of life are inside a slow store call (``tests/test_exit.py``).
 
-    python exit_worker.py [WAIT]   # WAIT: fnloop.distributed.STORE_WAIT for this process
+    python exit_worker.py [WAIT]   # WAIT: fnloop._shared_run.STORE_WAIT for this process
 
 Prints "closed" once the run's end returned; the process must then exit with status 0.
 """
@@ -14,11 +14,12 @@ import time
 
 import torch.distributed as dist
 
+import fnloop._shared_run as shared
 import fnloop.distributed as fd
 
 wait = float(sys.argv[1]) if len(sys.argv) > 1 else None
 if wait is not None:
-    fd.STORE_WAIT = wait
+    shared.STORE_WAIT = wait
 with socket.socket() as free:
     free.bind(("127.0.0.1", 0))
     port = free.getsockname()[1]

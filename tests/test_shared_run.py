@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from fnloop import distributed
+from fnloop import _shared_run
 from fnloop.distributed import LIFE, SharedRun
 
 
@@ -34,7 +34,7 @@ class _Store:
 @pytest.fixture
 def clock(monkeypatch):
     now = [1000.0]
-    monkeypatch.setattr(distributed.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(_shared_run.time, "monotonic", lambda: now[0])
     return now
 
 

@@ -8,14 +8,15 @@ holds it and a resumed run continues with the very batch it would have seen.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
 import torch
-from torch.utils.data import DataLoader, IterableDataset, default_collate
+from torch.utils.data import DataLoader, default_collate
 
-from fnloop._core.messages import a_type, got
+from fnloop._core.messages import got
+from fnloop.data._datasets import check_samples_by_index, described, kind_of, rows_of, same_data
 
 __all__ = ["Batch", "Batches", "batches"]
 
@@ -24,12 +25,6 @@ Batch = Any
 
 _MASK = (1 << 64) - 1
 _WORKER_SALT = 0x5EED_10AD
-
-_DATASET_HELP = (
-    "Pass a map-style dataset (an object with __len__ and __getitem__ taking an int, "
-    "such as torch.utils.data.TensorDataset or a list of samples), a tensor, or a tuple "
-    "of equal-length tensors (a batch is then the tuple of their rows)."
-)
 
 
 def _fmix(z: int) -> int:
@@ -44,94 +39,6 @@ def _mix(*words: int) -> int:
     for w in words:
         h = _fmix((h + (w & _MASK)) & _MASK)
     return h
-
-
-def _kind(dataset: Any) -> str:
-    if isinstance(dataset, torch.Tensor):
-        return "tensor"
-    if isinstance(dataset, tuple) and dataset and all(isinstance(t, torch.Tensor) for t in dataset):
-        return "columns"
-    return "map"
-
-
-def _rows(dataset: Any) -> int:
-    """The number of samples in ``dataset``, checking that it is a dataset at all."""
-    kind = _kind(dataset)
-    if kind == "tensor":
-        if dataset.dim() == 0:
-            raise ValueError(
-                f"fnloop.data.batches: the dataset tensor is 0-d (got {dataset!r}); it has no rows to batch."
-            )
-        return len(dataset)
-    if kind == "columns":
-        bad = [i for i, t in enumerate(dataset) if t.dim() == 0]
-        if bad:
-            raise ValueError(
-                f"fnloop.data.batches: tensor {bad[0]} of the dataset tuple is 0-d; every tensor needs rows."
-            )
-        lengths = [len(t) for t in dataset]
-        if len(set(lengths)) > 1:
-            raise ValueError(
-                f"fnloop.data.batches: the tensors of a dataset tuple must have equal lengths "
-                f"(got lengths {lengths}). Row i of every tensor is sample i; trim or pad them to one length."
-            )
-        return lengths[0]
-    if isinstance(dataset, tuple):
-        got = ", ".join(type(t).__name__ for t in dataset) or "nothing"
-        raise TypeError(
-            f"fnloop.data.batches: a tuple dataset must hold tensors only (got a tuple of {got}). "
-            "Wrap samples in a list for a map-style dataset, or convert each column with torch.as_tensor."
-        )
-    if isinstance(dataset, IterableDataset):
-        why = "an IterableDataset, which cannot jump to a position without replaying all before it"
-    elif not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
-        why = "which has no __len__ or no __getitem__"
-    else:
-        return len(dataset)
-    raise TypeError(
-        f"fnloop.data.batches: the dataset must be indexable with a known length "
-        f"(got {type(dataset).__name__}, {why}). {_DATASET_HELP}"
-    )
-
-
-def _samples_by_index(dataset: Any) -> None:
-    """Refuse a str, or a dict not keyed by the sample numbers: indexable, but not by sample."""
-    if isinstance(dataset, (str, bytes)):
-        raise TypeError(
-            f"fnloop.data.batches: the dataset is {a_type(dataset)}, whose samples would be its "
-            f"characters. {_DATASET_HELP}"
-        )
-    if isinstance(dataset, Mapping) and set(dataset) != set(range(len(dataset))):
-        keys = sorted(map(repr, dataset))[:4]
-        raise TypeError(
-            f"fnloop.data.batches: a dict dataset is read as dataset[i] for the sample numbers i = 0 to "
-            f"{len(dataset) - 1}, but this one's keys are {', '.join(keys)}{', ...' * (len(dataset) > 4)}. "
-            "For columns, pass a tuple of equal-length tensors (dataset['x'], dataset['y']), or a "
-            "torch.utils.data.TensorDataset."
-        )
-
-
-def _describe(dataset: Any) -> str:
-    kind = _kind(dataset)
-    if kind == "tensor":
-        return f"<tensor of {len(dataset)} rows, shape {tuple(dataset.shape)}>"
-    if kind == "columns":
-        return f"<tuple of {len(dataset)} tensors, {len(dataset[0])} rows>"
-    try:
-        return f"<{type(dataset).__name__} of {len(dataset)} samples>"
-    except TypeError:
-        return f"<{type(dataset).__name__}>"
-
-
-def _same_data(a: Any, b: Any) -> bool:
-    # Tensors compare by value; `==` on them is elementwise. Other datasets by identity.
-    if a is b:
-        return True
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
-    if _kind(a) == _kind(b) == "columns":
-        return len(a) == len(b) and all(_same_data(x, y) for x, y in zip(a, b, strict=True))
-    return False
 
 
 def _int(low: int) -> Callable[[object, attrs.Attribute, object], None]:
@@ -189,7 +96,7 @@ class Batches:
         (tensor([4, 5]), 3)
     """
 
-    dataset: Any = attrs.field(repr=_describe, eq=attrs.cmp_using(eq=_same_data), hash=False)
+    dataset: Any = attrs.field(repr=described, eq=attrs.cmp_using(eq=same_data), hash=False)
     batch_size: int = attrs.field(validator=_int(1))
     seed: int = attrs.field(validator=_seed)
     shuffle: bool = attrs.field(default=True, validator=_bool)
@@ -200,8 +107,8 @@ class Batches:
     world_size: int = attrs.field(default=1, validator=_int(1))
 
     def __attrs_post_init__(self) -> None:
-        _samples_by_index(self.dataset)
-        n, b, ws = _rows(self.dataset), self.batch_size, self.world_size
+        check_samples_by_index(self.dataset)
+        n, b, ws = rows_of(self.dataset), self.batch_size, self.world_size
         where = "fnloop.data.batches"
         if n == 0:
             raise ValueError(
@@ -229,7 +136,7 @@ class Batches:
                 f"than world_size={ws}, so some rank would get an empty batch. Use drop_last=True, or a "
                 f"batch_size for which {n} % batch_size is 0 or at least {ws}."
             )
-        if _kind(self.dataset) != "map" and (self.num_workers or self.collate_fn is not None):
+        if kind_of(self.dataset) != "map" and (self.num_workers or self.collate_fn is not None):
             raise ValueError(
                 f"{where}: num_workers and collate_fn apply to map-style datasets (got num_workers="
                 f"{self.num_workers}, collate_fn={self.collate_fn!r} with a tensor dataset). Tensors are "
@@ -240,7 +147,7 @@ class Batches:
     @property
     def batches_per_epoch(self) -> int:
         """Global batches in one epoch: ``n // batch_size``, rounded up when ``drop_last=False``."""
-        n, b = _rows(self.dataset), self.batch_size
+        n, b = rows_of(self.dataset), self.batch_size
         return n // b if self.drop_last else -(-n // b)
 
     def epoch_of(self, cursor: int) -> int:
@@ -276,7 +183,7 @@ class Batches:
             ((tensor([2, 3]), 2), (tensor([0, 1]), 3))
         """
         cursor = _cursor(cursor, "iter_from")
-        if self.num_workers and _kind(self.dataset) == "map":
+        if self.num_workers and kind_of(self.dataset) == "map":
             return self._from_workers(cursor)
         return self._in_process(cursor)
 
@@ -284,7 +191,7 @@ class Batches:
         return (batch for batch, _ in self.iter_from(0))
 
     def _order(self, epoch: int) -> torch.Tensor:
-        n = _rows(self.dataset)
+        n = rows_of(self.dataset)
         if not self.shuffle:
             return torch.arange(n)
         return torch.randperm(n, generator=torch.Generator().manual_seed(_mix(self.seed, epoch)))
@@ -303,7 +210,7 @@ class Batches:
 
     def _fetch(self, idx: torch.Tensor) -> Batch:
         data = self.dataset
-        kind = _kind(data)
+        kind = kind_of(data)
         if kind == "tensor":
             return data[idx]
         if kind == "columns":

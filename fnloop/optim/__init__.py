@@ -15,6 +15,7 @@ Examples:
     >>> params, state = opt.update({"w": torch.ones(3)}, state, params, torch.tensor(0))
 """
 
+from fnloop.optim._adam import ScaleByAdamState, scale_by_adam
 from fnloop.optim._base import (
     EmptyState,
     GradientTransformation,
@@ -46,11 +47,9 @@ from fnloop.optim._schedules import (
 from fnloop.optim._spikes import SkipsSpikes, SpikeState, skip_spikes
 from fnloop.optim._transforms import (
     ClipByGlobalNormState,
-    ScaleByAdamState,
     TraceState,
     add_decayed_weights,
     clip_by_global_norm,
-    scale_by_adam,
     trace,
 )
 

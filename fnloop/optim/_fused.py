@@ -18,10 +18,11 @@ from typing import Any, NamedTuple
 import torch
 from torch.utils import _pytree as pytree
 
+from fnloop.optim._adam import _ScaleByAdam
 from fnloop.optim._base import Optimizer, Params
 from fnloop.optim._combining import _Chain
 from fnloop.optim._learning_rate import _ScaleByLearningRate, _scheduled
-from fnloop.optim._transforms import _AddDecayedWeights, _ClipByGlobalNorm, _mask_value, _ScaleByAdam
+from fnloop.optim._transforms import _AddDecayedWeights, _ClipByGlobalNorm, _mask_value
 
 __all__ = ["fused_update", "fused_update_"]
 

@@ -10,10 +10,11 @@ from collections.abc import Callable
 
 import torch
 
+from fnloop.optim._adam import scale_by_adam
 from fnloop.optim._base import GradientTransformation, LearningRate, Optimizer, _number
 from fnloop.optim._combining import chain
 from fnloop.optim._learning_rate import scale_by_learning_rate
-from fnloop.optim._transforms import add_decayed_weights, scale_by_adam, trace
+from fnloop.optim._transforms import add_decayed_weights, trace
 
 __all__ = ["adam", "adamw", "exclude_bias_and_norm", "sgd"]
 

@@ -29,18 +29,30 @@ continues, and no run of another name is ever touched.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import time
 import warnings
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, Protocol
 
 import attrs
 
-from fnloop._atomic import _HOST, DirectoryInUse, _alive
+from fnloop._atomic import _HOST, DirectoryInUse
 from fnloop._core.messages import got
+from fnloop.writers._mlflow_runs import (
+    FROM,
+    HISTORY,
+    KEY,
+    OWNER,
+    PARTIAL,
+    WHOLE,
+    drop_run,
+    newest_whole,
+    replaced,
+    run_key,
+    this_process,
+    writer_of,
+)
 
 __all__ = ["Mlflow", "mlflow"]
 
@@ -53,17 +65,7 @@ class _Line(Protocol):
     def values(self) -> dict[str, float]: ...
 
 
-_KEY = "fnloop.run_key"
-_OWNER = "fnloop.owner"
-_HISTORY = "fnloop.history"
-_FROM = "fnloop.resumed_from"
-_PARTIAL, _WHOLE = "partial", "whole"
 _BATCH = 1000  # MLflow's log_batch takes at most 1000 metrics at a time
-
-
-def _key(run_name: str) -> str:
-    """The digest of ``run_name`` that tags its runs: MLflow's filter takes it whatever quotes the name holds."""
-    return hashlib.sha256(run_name.encode("utf-8")).hexdigest()
 
 
 IN_USE = (
@@ -124,84 +126,6 @@ def _params(value: object) -> tuple[tuple[str, str], ...]:
         f"'params' must be a mapping of names to values or None ({got(value)}): the run's settings, "
         "such as params={'lr': 0.1, 'seed': 0}, logged once as the MLflow run's params."
     )
-
-
-# -- who writes a run ----------------------------------------------------------------------------------
-
-
-def _started(pid: int) -> str:
-    """When process ``pid`` started (Linux: ticks after boot), which a later process given its id does not
-    share; ``""`` where that cannot be read."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return ""
-    return stat.rsplit(")", 1)[-1].split()[19]
-
-
-def _me() -> str:
-    """This process, as ``fnloop.owner`` names the process writing a run."""
-    pid = os.getpid()
-    return f"{pid}@{_HOST}/{_started(pid)}"
-
-
-def _holder(run: Any, mine: set[str]) -> tuple[int, str] | None:
-    """The process (id, machine) writing ``run`` now, or ``None``: it ended, or its process is gone.
-
-    A process of another machine cannot be checked from here: it counts as
-    live. This process writes only the runs in ``mine``.
-    """
-    if run.info.status != "RUNNING":
-        return None
-    pid, _, rest = run.data.tags.get(_OWNER, "").partition("@")
-    host, _, started = rest.partition("/")
-    if not pid.isdigit():
-        return None
-    if host != _HOST:
-        return int(pid), host
-    if int(pid) == os.getpid():
-        return (int(pid), host) if run.info.run_id in mine else None
-    if _alive(int(pid)) and _started(int(pid)) in ("", started):
-        return int(pid), host
-    return None
-
-
-def _newest_whole(attempts: list[Any]) -> Any:
-    """The run a resumed attempt continues: the newest whole run no whole run continues, or ``None``."""
-    whole = [run for run in attempts if run.data.tags.get(_HISTORY) == _WHOLE]
-    continued = {run.data.tags.get(_FROM) for run in whole}
-    heads = [run for run in whole if run.info.run_id not in continued]
-    return max(heads, key=lambda run: run.info.start_time, default=None)
-
-
-def _replaced(attempts: list[Any], source: Any) -> list[Any]:
-    """The runs a new attempt replaces, each after the runs it continued (a kill between two deletions
-    leaves the rest linked to the newest run): ``source`` and every run a killed attempt left (still
-    RUNNING, or partial), with the runs each whole one continued. A run that ended whole and that no
-    run continued is no attempt of this one (an earlier run of the name): it stays."""
-    by_id = {run.info.run_id: run for run in attempts}
-    roots = [] if source is None else [source]
-    roots += [
-        run for run in attempts if run.info.status == "RUNNING" or run.data.tags.get(_HISTORY) != _WHOLE
-    ]
-    order: list[Any] = []
-    seen: set[str] = set()
-    for root in roots:
-        chain = []
-        at = root
-        while at is not None and at.info.run_id not in seen:
-            seen.add(at.info.run_id)
-            chain.append(at)
-            at = by_id.get(at.data.tags.get(_FROM, "")) if at.data.tags.get(_HISTORY) == _WHOLE else None
-        order += reversed(chain)
-    return order
-
-
-def _drop(client: Any, run: Any) -> None:
-    """End ``run`` as KILLED if it is still RUNNING (its writer is gone), then delete it (soft)."""
-    if run.info.status == "RUNNING":
-        client.set_terminated(run.info.run_id, "KILLED")
-    client.delete_run(run.info.run_id)
 
 
 _LIVE: dict[tuple[int, Any], tuple[Any, str]] = {}
@@ -279,12 +203,12 @@ class Mlflow:
         experiment = found.experiment_id if found is not None else client.create_experiment(self.experiment)
         attempts = self._attempts(client, experiment)
         self._check(attempts)
-        source = _newest_whole(attempts) if iteration > 0 else None
-        tags = {_OWNER: _me(), _HISTORY: _PARTIAL}
+        source = newest_whole(attempts) if iteration > 0 else None
+        tags = {OWNER: this_process(), HISTORY: PARTIAL}
         if self.run_name is not None:
-            tags[_KEY] = _key(self.run_name)
+            tags[KEY] = run_key(self.run_name)
         if source is not None:
-            tags[_FROM] = source.info.run_id
+            tags[FROM] = source.info.run_id
         run = client.create_run(experiment, run_name=self.run_name, tags=tags)
         run_id = run.info.run_id
         try:
@@ -294,21 +218,21 @@ class Mlflow:
                 self._begin(client, run_id, iteration)
             else:
                 self._carry(client, source, run_id, iteration)
-            client.set_tag(run_id, _HISTORY, _WHOLE)
+            client.set_tag(run_id, HISTORY, WHOLE)
         except BaseException:
             with contextlib.suppress(Exception):  # else the next attempt deletes it: it is partial
-                _drop(client, run)
+                drop_run(client, run)
             raise
         _LIVE[(os.getpid(), self)] = (client, run_id)
-        for stale in _replaced(attempts, source):
-            _drop(client, stale)
+        for stale in replaced(attempts, source):
+            drop_run(client, stale)
 
     def _attempts(self, client: Any, experiment: str) -> list[Any]:
         """This run's MLflow runs in ``experiment``, the deleted ones aside: those of its attempts."""
         if self.run_name is None:
             return []
         return list(
-            client.search_runs([experiment], filter_string=f"tags.`{_KEY}` = '{_key(self.run_name)}'")
+            client.search_runs([experiment], filter_string=f"tags.`{KEY}` = '{run_key(self.run_name)}'")
         )
 
     def _check(self, attempts: list[Any]) -> None:
@@ -316,7 +240,7 @@ class Mlflow:
         me = os.getpid()
         mine = {run_id for (pid, writer), (_, run_id) in _LIVE.items() if pid == me and writer != self}
         for run in attempts:
-            holder = _holder(run, mine)
+            holder = writer_of(run, mine)
             if holder is None:
                 continue
             pid, host = holder
