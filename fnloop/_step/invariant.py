@@ -27,9 +27,10 @@ A ``"full"`` state of a model in blocks, with ``G`` a power of two, adds its
 slices in another fixed tree, which pairs them by their low bits first
 (``slice_tree``): the ``j``-th slices of all ranks are then one subtree at any
 ``W``, and each slice's block gradients are added over the ranks inside that
-slice's backward (``ranks_tree``, which the placement gives the blocks' gathers
-as their reduction, ``blocks.py``), as its reduce-scatter would. Its runs are the same bits at any world size as one another, not as
-a whole state's (another tree).
+slice's backward (``ranks_tree``, which the placement gives the blocks'
+gathers as their reduction, ``blocks.py``), as its reduce-scatter would. Its
+runs are the same bits at any world size as one another, not as a whole
+state's (another tree).
 
 A running buffer (BatchNorm's statistics) is the mean over the slices of
 each slice's update from the same old buffer: not the sequential updates of
