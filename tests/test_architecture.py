@@ -105,3 +105,41 @@ def test_every_module_is_at_most_400_lines() -> None:
         if (n := len(p.read_text().splitlines())) > 400
     }
     assert not long, f"split these by idea (docs/architecture.md): {long}"
+
+
+def _channels(path: Path) -> set[str]:
+    """The module-level or class-level stacks of ``path`` that a function pushes onto: values set for a block, not passed."""
+    tree = ast.parse(path.read_text())
+    declared = {t.id for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign)) for t in _targets(n)}
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        declared |= {
+            f"{cls.name}.{t.id}"
+            for n in cls.body
+            if isinstance(n, (ast.Assign, ast.AnnAssign))
+            for t in _targets(n)
+        }
+    pushed = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "append":
+            owner = node.func.value
+            name = owner.id if isinstance(owner, ast.Name) else None
+            if isinstance(owner, ast.Attribute) and isinstance(owner.value, ast.Name):
+                name = f"{owner.value.id}.{owner.attr}"
+            if name in declared:
+                pushed.add(f"{path.name}:{name}")
+    return pushed
+
+
+def _targets(node: ast.Assign | ast.AnnAssign) -> list[ast.Name]:
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+    return [t for t in targets if isinstance(t, ast.Name)]
+
+
+def test_one_channel_in_the_step_and_the_seeding_and_one_in_the_optimizers() -> None:
+    # Everything else reaches the step as an argument or a record. Draws._tracing: torch's tracer,
+    # not fnloop, calls the random ops' decompositions. _INJECTING: the user's make sits between
+    # inject and the checks (fnloop/optim/_helpers.py).
+    step = set().union(*(_channels(p) for p in [*STEP.glob("*.py"), COMPILE / "seeding.py"]))
+    optim = set().union(*(_channels(p) for p in (STEP.parent / "optim").glob("*.py")))
+    assert step == {"seeding.py:Draws._tracing"}
+    assert optim == {"_helpers.py:_INJECTING"}

@@ -6,8 +6,7 @@ of the global batch (what ``fnloop.data.batches`` gives it), which are
 slices ``r*S .. r*S+S-1`` (``S = G/W``); it runs the gradient stage on each
 of its slices in turn, at the slice's shape whatever ``W``, each from the
 same buffers and each drawing its random numbers from the slice's own seed
-(``step_seed(seed, iteration, slice)``: dropout masks belong to the rows, not
-to the rank). Then every value the slices found (gradients, loss, metrics,
+(``slice_seeds``: dropout masks belong to the rows, not to the rank). Then every value the slices found (gradients, loss, metrics,
 floating buffers) is summed over the ``G`` slices in one fixed tree, the same
 at every ``W``:
 
@@ -52,7 +51,7 @@ any world size, and (but block by block) the same as a whole state's.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -65,7 +64,7 @@ from fnloop._step import collectives
 from fnloop._step.collectives import all_gather, all_to_all, done
 from fnloop._step.kernel import Gradient, Grads, _device
 from fnloop._step.rows import micro_batches
-from fnloop._step.seeds import slice_seeded
+from fnloop._step.seeds import slice_seeded, slice_seeds, step_seed_of
 
 __all__ = [
     "WHOLE",
@@ -154,9 +153,10 @@ def sliced(
 
     def sliced_gradient(params: dict, buffers: dict, batch: Any, scale: torch.Tensor | None = None) -> Grads:
         _check_rows(batch, per, slices, world)
+        drawing = _drawing(slices, _device(params))
         found = []
         for j, part in enumerate(micro_batches(batch, per)):
-            with _drawing(rank * per + j, _device(params)):
+            with drawing(rank * per + j):
                 found.append(gradient(params, {k: v.clone() for k, v in buffers.items()}, part, scale))
         return _mean(found, slices, group, chunks, summed, low_bits)
 
@@ -175,19 +175,16 @@ def _check_rows(batch: Any, per: int, slices: int, world: int) -> None:
             )
 
 
-@contextlib.contextmanager
-def _drawing(g: int, device: torch.device) -> Iterator[None]:
-    """Slice ``g``'s random numbers: traced, from the step's ``g``-th seed input; eager, from the generator seeded for it."""
+def _drawing(slices: int, device: torch.device) -> Callable[[int], contextlib.AbstractContextManager[Any]]:
+    """Where slice ``g`` draws its random numbers: traced, from the step's ``g``-th seed input; eager, from the generator seeded for it."""
     draws = Draws.current()
-    if draws is None:
-        with slice_seeded(device, g):
-            yield
-        return
-    seeds = draws.seed
-    if seeds.ndim != 1:
-        raise RuntimeError(f"a world-size-invariant step traced with a seed of shape {tuple(seeds.shape)}")
-    with draws.from_(seeds[g]):
-        yield
+    if draws is None:  # eager: inside seeded, the generator holds the step's seed
+        seeds = slice_seeds(step_seed_of(device), slices)
+        return lambda g: slice_seeded(device, seeds[g])
+    given = draws.seed
+    if given.ndim != 1:
+        raise RuntimeError(f"a world-size-invariant step traced with a seed of shape {tuple(given.shape)}")
+    return lambda g: draws.from_(given[g])
 
 
 def _mean(found: list[Grads], slices: int, group: Any, chunks: Shards, summed: bool, low_bits: bool) -> Grads:

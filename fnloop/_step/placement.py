@@ -45,7 +45,7 @@ from fnloop._step.kernel import Gradient, Kernel, UpdateStage, value_and_grad
 from fnloop._step.layout import Layout
 from fnloop._step.members import member_finite, member_gradient, member_rows, member_update
 from fnloop._step.replicas import replicated
-from fnloop._step.seeds import slice_seeds
+from fnloop._step.seeds import slice_seeds, step_seed
 from fnloop._step.sharding import on_whole_params, sharded_gradient, sharded_update
 from fnloop._step.statistics import Squares, with_statistics
 from fnloop._step.units import Units
@@ -109,7 +109,7 @@ class Plan:
         """The seeds a compiled invariant call is given: every slice's (``[G]``, or ``[steps, G]``); else ``None``."""
         if self.slices is None:
             return None
-        seeds = [slice_seeds(rng, iteration + j, self.slices) for j in range(steps)]
+        seeds = [slice_seeds(step_seed(rng, iteration + j), self.slices) for j in range(steps)]
         return torch.tensor(seeds if steps > 1 else seeds[0], device=device)
 
     def refuse_generator(self) -> None:

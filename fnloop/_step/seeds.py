@@ -3,8 +3,9 @@
 Run eagerly, a step draws from torch's generator seeded for it (``seeded``);
 traced, from its seed as an input of the graph (``fnloop/_compile/seeding.py``).
 A world-size-invariant step (``invariant.py``) draws each slice of the batch
-from the slice's own seed, ``step_seed(seed, iteration, slice)``, whichever
-rank runs it (``slice_seeded``).
+from the slice's own seed, a function of the step's seed and the slice
+(``slice_seeds``), whichever rank runs it. Run eagerly, it finds the step's
+seed where ``seeded`` put it, in the generator (``step_seed_of``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["seeded", "slice_seeded", "slice_seeds", "step_seed"]
+__all__ = ["seeded", "slice_seeded", "slice_seeds", "step_seed", "step_seed_of"]
 
 _MASK = (1 << 64) - 1
 
@@ -47,10 +48,6 @@ def _generator(device: torch.device) -> torch.Generator:
     return torch.default_generator
 
 
-_STEP: list[tuple[int, int]] = []
-"""The ``(seed, iteration)`` of the steps being run eagerly inside ``seeded``, innermost last."""
-
-
 @contextlib.contextmanager
 def seeded(device: torch.device, seed: int, iteration: int, rank: int = 0) -> Iterator[None]:
     """The device's generator seeded for step ``iteration``, and put back as it was after."""
@@ -59,29 +56,39 @@ def seeded(device: torch.device, seed: int, iteration: int, rank: int = 0) -> It
     generator = _generator(device)
     saved = generator.get_state()
     generator.manual_seed(step_seed(seed, iteration, rank))
-    _STEP.append((seed, iteration))
     try:
         yield
     finally:
-        _STEP.pop()
         generator.set_state(saved)
 
 
-def slice_seeds(seed: int, iteration: int, slices: int) -> list[int]:
-    """The seeds of the ``slices`` slices of step ``iteration``: slice ``g`` draws from ``step_seed(seed, iteration, g)``.
+def slice_seeds(step: int, slices: int) -> list[int]:
+    """The seeds of the ``slices`` slices of a step seeded ``step`` (its ``step_seed``): slice 0 draws what the whole step would.
 
     Examples:
-        >>> slice_seeds(0, 3, 2) == [step_seed(0, 3), step_seed(0, 3, 1)]
-        True
+        >>> seeds = slice_seeds(step_seed(0, 3), 4)
+        >>> seeds[0] == step_seed(0, 3), len(set(seeds))
+        (True, 4)
     """
-    return [step_seed(seed, iteration, g) for g in range(slices)]
+    return [step if g == 0 else step_seed(step, 0, g) for g in range(slices)]
+
+
+def step_seed_of(device: torch.device) -> int:
+    """The seed the device's generator was last given: inside ``seeded``, the step's (``step_seed``).
+
+    torch's own record of it (``Generator.initial_seed``), which the eager
+    step's random ops draw from already: no other channel carries it.
+    """
+    return _generator(device).initial_seed()
 
 
 @contextlib.contextmanager
-def slice_seeded(device: torch.device, g: int) -> Iterator[None]:
-    """Inside an eager step (``seeded``), the generator seeded for slice ``g`` of it, whichever rank runs it."""
-    if not _STEP:
-        raise RuntimeError("slice_seeded: no step is being seeded (call it inside seeded(...))")
+def slice_seeded(device: torch.device, seed: int) -> Iterator[None]:
+    """The device's generator seeded ``seed`` (a slice's, ``slice_seeds``) for the block; put back as it was after."""
     generator = _generator(device)
-    generator.manual_seed(step_seed(*_STEP[-1], g))
-    yield
+    saved = generator.get_state()
+    generator.manual_seed(seed)
+    try:
+        yield
+    finally:
+        generator.set_state(saved)
