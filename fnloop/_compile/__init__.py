@@ -12,7 +12,8 @@ Modules: ``jit.py`` (``Jit``, ``Entry``: one graph per signature, a budget),
 inductor error came from), ``seeding.py`` (random ops drawn from a seed
 input: ``Draws``), ``loop.py`` (``scan`` over a traced body), ``cache.py``
 (compiled graphs on disk), ``probes.py`` (inductor's CPU probes remembered),
-``options.py`` (fnloop's inductor settings, the backends), ``known.py``
+``identity.py`` (a key of what a trace reads: a restart loads its graph
+without tracing), ``options.py`` (fnloop's inductor settings, the backends), ``known.py``
 (inductor's known miscompiles, and the route around each), ``batching.py`` (a batch as
 tensors and a static structure), ``regather.py`` (a sharded step's block
 gathered anew for its backward: a pass over the traced graph),
@@ -73,6 +74,7 @@ Before changing anything here, run the models suite (``tests/test_models.py``),
 from fnloop._compile.batching import flatten_batch, unflatten_batch
 from fnloop._compile.cache import CompileCache, default_cache
 from fnloop._compile.errors import CompileFailed, OverBudget, RandomInGraph, TraceError, TraceFailed
+from fnloop._compile.identity import fingerprint
 from fnloop._compile.jit import Entry, Jit
 from fnloop._compile.loop import HAS_SCAN, scan
 from fnloop._compile.options import BACKENDS, default_backend, default_options, inductor_options
@@ -99,6 +101,7 @@ __all__ = [
     "default_backend",
     "default_cache",
     "default_options",
+    "fingerprint",
     "flatten_batch",
     "inductor_options",
     "scan",

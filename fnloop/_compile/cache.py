@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import platform
@@ -55,9 +56,10 @@ from typing import Any
 import torch
 
 from fnloop._atomic import write_atomically
+from fnloop._compile.identity import installed, local_files, settings
 from fnloop._core.messages import got
 
-__all__ = ["CompileCache", "default_cache", "graph_key"]
+__all__ = ["CompileCache", "default_cache", "graph_key", "start_key"]
 
 _log = logging.getLogger(__name__)
 
@@ -69,6 +71,9 @@ _FORMAT = b"fnloop-compiled-graph 1\n"
 
 _SUFFIX = ".graph"
 _LOCK = ".lock"
+_START = b"fnloop-start 1\n"
+"""The first line of every start file (``start_key``): the graph a step's key found, without tracing."""
+_START_SUFFIX = ".start"
 
 
 def default_directory() -> Path | None:
@@ -182,15 +187,52 @@ class CompileCache:
             return False
         return True
 
+    def forget(self, key: str) -> None:
+        """Remove the graph of ``key``, if it is there (a file that would not load)."""
+        with contextlib.suppress(OSError):
+            self.path(key).unlink()
+
+    def start(self, key: str) -> dict[str, Any] | None:
+        """What the start file of ``key`` (``start_key``) holds: the graph's key and what its trace learned; ``None`` if missing or damaged."""
+        try:
+            data = (self.directory / f"{key}{_START_SUFFIX}").read_bytes()
+        except OSError:
+            return None
+        payload = _checked(data, _START)
+        if payload is None:
+            return None
+        try:
+            found = json.loads(payload)
+        except ValueError:
+            return None
+        return found if isinstance(found, dict) and isinstance(found.get("graph"), str) else None
+
+    def keep_start(self, key: str, record: dict[str, Any]) -> bool:
+        """Write the start file of ``key``: ``record`` names the graph (``graph``: its key here) and what its trace learned."""
+        try:
+            payload = json.dumps(record, sort_keys=True).encode()
+        except (TypeError, ValueError):  # a context that is not JSON's: later starts trace
+            return False
+        if json.loads(payload) != record:  # a tuple or a key that would not come back as it was
+            return False
+        digest = hashlib.sha256(payload).hexdigest().encode()
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            _write_atomic(self.directory / f"{key}{_START_SUFFIX}", _START + digest + b"\n" + payload)
+        except OSError as exc:
+            _log.warning("fnloop: could not write the compile cache's start file %s: %s", key, exc)
+            return False
+        return True
+
     def __repr__(self) -> str:
         return f"CompileCache({str(self.directory)!r})"
 
 
-def _checked(data: bytes) -> bytes | None:
+def _checked(data: bytes, header: bytes = _FORMAT) -> bytes | None:
     """The payload of a cache file, or ``None`` if its header or checksum is wrong."""
-    if not data.startswith(_FORMAT):
+    if not data.startswith(header):
         return None
-    rest = data[len(_FORMAT) :]
+    rest = data[len(header) :]
     digest, newline, payload = rest.partition(b"\n")
     if not newline or hashlib.sha256(payload).hexdigest().encode() != digest:
         return None
@@ -250,6 +292,41 @@ def graph_key(graph: torch.fx.GraphModule, leaves: Sequence[torch.Tensor], optio
         put(*_device(leaf.device))
     # Inductor lowers some ops otherwise under torch's deterministic algorithms (an accumulating index_put).
     put(_inductor_config(options), torch.are_deterministic_algorithms_enabled())
+    return hasher.hexdigest()
+
+
+def start_key(
+    identity: str,
+    structure: str,
+    leaves: Sequence[torch.Tensor],
+    options: Mapping[str, Any],
+    no_random: str | None,
+) -> str:
+    """A hash of everything a step's graph depends on, computed without tracing it (see ``identity.py``).
+
+    ``identity``: the ``fingerprint`` of what the traced function reads
+    (the model, the loss function, the optimizer, ...); ``structure``: the
+    call's structure, as text; ``leaves``: the call's tensors, of which the
+    signature counts, as in ``graph_key``; ``options``: inductor's settings
+    as given; ``no_random``: the refusal a graph drawing from the generator
+    meets. Beside them: the code (``installed``, ``local_files``), torch's
+    settings, the machine and this file's format.
+    """
+    hasher = hashlib.sha256()
+
+    def put(*parts: object) -> None:
+        for part in parts:
+            hasher.update(repr(part).encode())
+            hasher.update(b"\x00")
+
+    put(_START, identity, structure, no_random, installed(), local_files(), settings())
+    put(platform.machine(), sys.platform)
+    storages: dict[tuple[str, int], int] = {}
+    for index, leaf in enumerate(leaves):
+        shares = _storage(leaf, storages, index)
+        put(tuple(leaf.shape), leaf.stride(), leaf.storage_offset(), leaf.dtype, leaf.requires_grad, shares)
+        put(*_device(leaf.device))
+    put(_inductor_config(options))
     return hasher.hexdigest()
 
 

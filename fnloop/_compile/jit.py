@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
 import torch
 
-from fnloop._compile.cache import CompileCache, default_cache, graph_key
+from fnloop._compile.cache import CompileCache, default_cache, graph_key, start_key
 from fnloop._compile.errors import CompileFailed, OverBudget, RandomInGraph
 from fnloop._compile.known import routed, scatter_fallbacks
 from fnloop._compile.options import checked_backend, default_options, inductor_options
@@ -40,6 +41,22 @@ def _signature(leaves: Sequence[torch.Tensor]) -> list[tuple[Any, ...]]:
     return [(t.shape, t.stride(), t.dtype, t.device) for t in leaves]
 
 
+@attrs.frozen(eq=False)
+class Built:
+    """What ``_compile`` made of a function: the compiled graph, what its trace learned, and its key in the cache.
+
+    ``key``: the graph's file in the compile cache, where it was saved or
+    found there (``None``: it is not there, so no start file may name it).
+    """
+
+    compiled: Flat
+    draws: bool
+    context: Any
+    accumulates: tuple[str, ...]
+    random: bool
+    key: str | None = None
+
+
 def _compile(
     function: Traceable,
     leaves: list[torch.Tensor],
@@ -47,7 +64,7 @@ def _compile(
     cache: CompileCache | None = None,
     no_random: str | None = None,
     backend: str = "inductor",
-) -> tuple[Flat, bool, Any, tuple[str, ...], bool]:
+) -> Built:
     """``function`` traced on ``leaves`` and compiled: the graph, whether it draws from torch's generator, its context, its accumulating ops, whether it draws at all.
 
     Random ops the trace knows (dropout's, ``rand``, ``randn``, ...) draw
@@ -68,7 +85,7 @@ def _compile(
     nodes = traced.nodes
     random = bool(traced.draws) or traced.seeded > 0
     if backend == "graph":
-        return traced.graph, bool(traced.draws), traced.context, accumulating(nodes), random
+        return Built(traced.graph, bool(traced.draws), traced.context, accumulating(nodes), random)
     if _shards(nodes) and regathered(traced.graph):  # a block's gather made anew for its backward
         nodes = [
             n for m in traced.graph.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes
@@ -82,8 +99,8 @@ def _compile(
     def failed(exc: BaseException) -> CompileFailed:
         return located(function, leaves, drawn, exc)
 
-    compiled = _built(traced.graph, leaves, options, cache, nodes, failed)
-    return compiled, bool(traced.draws), traced.context, accumulating(nodes), random
+    compiled, key = _built(traced.graph, leaves, options, cache, nodes, failed)
+    return Built(compiled, bool(traced.draws), traced.context, accumulating(nodes), random, key)
 
 
 def _built(
@@ -93,8 +110,8 @@ def _built(
     cache: CompileCache | None,
     nodes: list[torch.fx.Node],
     failed: Callable[[BaseException], CompileFailed],
-) -> Flat:
-    """What inductor builds from ``graph``, or finds in ``cache``; ``failed`` makes inductor's errors ours."""
+) -> tuple[Flat, str | None]:
+    """What inductor builds from ``graph``, or finds in ``cache``, and its key there (``None``: not kept); ``failed`` makes inductor's errors ours."""
     from torch._inductor import standalone_compile as standalone
 
     # Around torch 2.13's scatter miscompile (known.py): the scatters left to torch's kernels (which
@@ -114,7 +131,7 @@ def _built(
         if cache is not None and key is not None:
             found = cache.load(key)
             if found is not None:
-                return found
+                return found, key
         # A loop's graph cannot be saved: inductor would warn so at every compile.
         quiet = (
             _quiet("torch._inductor.standalone_compile") if _has_loops(nodes) else contextlib.nullcontext()
@@ -124,9 +141,8 @@ def _built(
                 compiled = standalone(graph, list[Any](leaves), dynamic_shapes="from_example_inputs")
         except Exception as exc:
             raise failed(exc) from exc
-        if cache is not None and key is not None:
-            cache.save(key, compiled)
-    return compiled
+        saved = cache is not None and key is not None and cache.save(key, compiled)
+    return compiled, key if saved else None
 
 
 @contextlib.contextmanager
@@ -197,8 +213,11 @@ class Jit:
         cache: CompileCache | _Default | None = DEFAULT,
         no_random: str | None = None,
         backend: str = "inductor",
+        identity: Callable[[], str | None] | None = None,
     ) -> None:
         self._make = make
+        self._identity = identity
+        self._identified: list[str | None] = []  # the identity, once asked
         self.backend = checked_backend(backend)
         """``"inductor"`` compiles each graph; ``"graph"`` runs the traced graph op by op, nothing compiled."""
         self.no_random = no_random
@@ -211,6 +230,8 @@ class Jit:
         self._last: Entry | None = None
         self._last_structure: Hashable = None
         self.compiles = 0
+        self.traces = 0
+        self.started = 0
 
     def entry(self, structure: Hashable, leaves: list[torch.Tensor]) -> Entry:
         """The compiled graph for ``leaves`` put together as ``structure``."""
@@ -226,16 +247,56 @@ class Jit:
         if found is None:
             if self.budget is not None and self.compiles >= self.budget:
                 raise OverBudget(self._change(structure, signature))
-            function = self._make(structure)
-            found = Entry(
-                structure,
-                signature,
-                *_compile(function, leaves, self.options, self.cache, self.no_random, self.backend),
-            )
+            function = self._make(structure)  # built every time: its checks and warnings are the call's
+            start = self._start_key(structure, leaves)
+            found = None if start is None else self._start(start, structure, signature)
+            if found is None:
+                built = _compile(function, leaves, self.options, self.cache, self.no_random, self.backend)
+                self.traces += 1
+                found = Entry(
+                    structure,
+                    signature,
+                    built.compiled,
+                    built.draws,
+                    built.context,
+                    built.accumulates,
+                    built.random,
+                )
+                if start is not None and built.key is not None:
+                    assert self.cache is not None
+                    self.cache.keep_start(start, {"graph": built.key, **_learned(found)})
             self._cache[(structure, tuple(signature))] = found
             self.compiles += 1
         self._last, self._last_structure = found, structure
         return found
+
+    def _start_key(self, structure: Hashable, leaves: list[torch.Tensor]) -> str | None:
+        """The key of the start file of this call (``cache.start_key``), or ``None`` where there is none."""
+        if self.cache is None or self.backend != "inductor" or self._identity is None:
+            return None
+        if not self._identified:
+            self._identified.append(self._identity())
+        identity, text = self._identified[0], repr(structure)
+        if identity is None or " at 0x" in text:  # something described by its address: trace
+            return None
+        return start_key(identity + _compiler(), text, leaves, self.options, self.no_random)
+
+    def _start(self, key: str, structure: Hashable, signature: list[tuple[Any, ...]]) -> Entry | None:
+        """The graph the start file ``key`` names, loaded without a trace; ``None`` where it is not there."""
+        assert self.cache is not None
+        record = self.cache.start(key)
+        if record is None:
+            return None
+        with remembered_probes(self.cache.directory):
+            compiled = self.cache.load(record["graph"])
+        if compiled is None:  # gone, or damaged: compiled again and saved whole
+            self.cache.forget(record["graph"])
+            return None
+        self.started += 1
+        accumulates = tuple(record.get("accumulates", ()))
+        return Entry(
+            structure, signature, compiled, record["draws"], record["context"], accumulates, record["random"]
+        )
 
     @property
     def last(self) -> Entry | None:
@@ -275,6 +336,33 @@ class Entry:
     context: Any
     accumulates: tuple[str, ...] = ()
     random: bool = False
+
+
+def _compiler() -> str:
+    """The compile path's own functions, by name, as this module finds them now: one replaced is another start key."""
+    inductor = getattr(sys.modules.get("torch._inductor"), "standalone_compile", None)
+    path = (
+        _compile,
+        _built,
+        trace,
+        graph_key,
+        routed,
+        scatter_fallbacks,
+        regathered,
+        default_options,
+        inductor,
+    )
+    return repr([f"{getattr(f, '__module__', '?')}.{getattr(f, '__qualname__', '?')}" for f in path])
+
+
+def _learned(entry: Entry) -> dict[str, Any]:
+    """What a start file keeps of an entry beside its graph: what the trace learned."""
+    return {
+        "draws": entry.draws,
+        "context": entry.context,
+        "accumulates": list(entry.accumulates),
+        "random": entry.random,
+    }
 
 
 def _describe(meta: tuple[Any, ...]) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -18,6 +19,7 @@ from fnloop._compile import (
     TraceError,
     TraceFailed,
     default_backend,
+    fingerprint,
     flatten_batch,
     unflatten_batch,
 )
@@ -146,7 +148,8 @@ def eval_step(
         return flat
 
     backend = default_backend(backend)
-    jit = Jit(make, options=options, backend=backend) if compile else None
+    identity = functools.partial(fingerprint, model, fn)  # what the traced step reads besides its inputs
+    jit = Jit(make, options=options, backend=backend, identity=identity) if compile else None
     return EvalStep(model, kernel, jit, (fn, compile, None if options is None else dict(options), backend))
 
 

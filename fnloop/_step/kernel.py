@@ -139,7 +139,7 @@ class Kernel:
     """The statistics the step records beside the loss (``statistics.py``): ``None``, ``"model"``,
     ``"blocks"`` or ``"parameters"``."""
     fixed: frozenset[str] = attrs.field()
-    _checked: list[bool] = attrs.field(factory=list, alias="_checked")
+    _checked: list[bool] = attrs.field(factory=list, alias="_checked", eq=False)
     """Whether a forward has run: the first checks the model's activation checkpointing."""
 
     @fixed.default
