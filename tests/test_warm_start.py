@@ -74,6 +74,15 @@ def test_a_restart_loads_its_graph_without_tracing_and_trains_the_same_bits(tmp_
     assert len(list(tmp_path.glob("*.start"))) == 2
     assert not torch.equal(other.params["0.weight"], first.params["0.weight"])
 
+    # An evaluation step the same way.
+    outputs = []
+    for traces_started in [(1, 0), (0, 1)]:
+        evaluate = fl.eval_step(model(), lambda f, b: {"logits": f(b[0])})
+        evaluate.jit.cache = CompileCache(tmp_path)
+        outputs.append(evaluate(first, BATCH)["logits"])
+        assert (evaluate.jit.traces, evaluate.jit.started) == traces_started
+    assert torch.equal(*outputs)
+
 
 _FIELD = """
 import json, threading, torch, transformers, fnloop as fl
@@ -201,15 +210,20 @@ def test_the_options_the_settings_and_the_code_change_the_start_key(tmp_path: Pa
         sys.modules.pop("user_helper", None)
 
 
+@pytest.mark.inductor("the graph of a step without a start key, compiled and found by its traced graph")
 def test_what_only_an_address_describes_has_no_key_and_the_step_is_traced(tmp_path: Path) -> None:
-    locked = model()
-    locked.guard = threading.Lock()  # type: ignore[assignment]
-    assert fingerprint(_kernel(locked)) is None
     assert fingerprint(object()) is None
-    optimizer = fl.optim.sgd(0.1)
-    step = fl.train_step(locked, loss, optimizer, backend="inductor")
-    step.jit.cache = CompileCache(tmp_path)
-    assert step.jit._start_key("form", [torch.ones(2)]) is None
+    for _ in range(2):
+        locked = model()
+        locked.guard = threading.Lock()  # type: ignore[assignment]
+        assert fingerprint(_kernel(locked)) is None
+        optimizer = fl.optim.sgd(0.1)
+        step = fl.train_step(locked, loss, optimizer)
+        step.jit.cache = CompileCache(tmp_path)
+        step(fl.init(locked, optimizer, seed=0, max_iter=1), BATCH)
+        assert (step.jit.traces, step.jit.started) == (1, 0)
+    assert list(tmp_path.glob("*.start")) == []
+    assert len(list(tmp_path.glob("*.graph"))) == 1  # the second found the first's graph by its trace
 
 
 def _with(module: torch.nn.Sequential, index: str, **settings: Any) -> torch.nn.Module:

@@ -28,6 +28,7 @@ import torch
 
 from fnloop._compile.cache import CompileCache, default_cache, graph_key, start_key
 from fnloop._compile.errors import CompileFailed, OverBudget, RandomInGraph
+from fnloop._compile.identity import fingerprint
 from fnloop._compile.known import routed, scatter_fallbacks
 from fnloop._compile.options import checked_backend, default_options, inductor_options
 from fnloop._compile.probes import remembered_probes
@@ -213,11 +214,10 @@ class Jit:
         cache: CompileCache | _Default | None = DEFAULT,
         no_random: str | None = None,
         backend: str = "inductor",
-        identity: Callable[[], str | None] | None = None,
+        identity: Callable[[], object] | None = None,
     ) -> None:
         self._make = make
         self._identity = identity
-        self._identified: list[str | None] = []  # the identity, once asked
         self.backend = checked_backend(backend)
         """``"inductor"`` compiles each graph; ``"graph"`` runs the traced graph op by op, nothing compiled."""
         self.no_random = no_random
@@ -248,7 +248,7 @@ class Jit:
             if self.budget is not None and self.compiles >= self.budget:
                 raise OverBudget(self._change(structure, signature))
             function = self._make(structure)  # built every time: its checks and warnings are the call's
-            start = self._start_key(structure, leaves)
+            start = self._start_key(structure, leaves, function)
             found = None if start is None else self._start(start, structure, signature)
             if found is None:
                 built = _compile(function, leaves, self.options, self.cache, self.no_random, self.backend)
@@ -270,14 +270,20 @@ class Jit:
         self._last, self._last_structure = found, structure
         return found
 
-    def _start_key(self, structure: Hashable, leaves: list[torch.Tensor]) -> str | None:
-        """The key of the start file of this call (``cache.start_key``), or ``None`` where there is none."""
+    def _start_key(self, structure: Hashable, leaves: list[torch.Tensor], function: Traceable) -> str | None:
+        """The key of the start file of this call (``cache.start_key``), or ``None`` where there is none.
+
+        Its identity is the ``fingerprint`` of ``function`` (the closures it is
+        built from: the model, the loss function, the optimizer, and the
+        stages between them) and of what ``identity`` adds.
+        """
         if self.cache is None or self.backend != "inductor" or self._identity is None:
             return None
-        if not self._identified:
-            self._identified.append(self._identity())
-        identity, text = self._identified[0], repr(structure)
-        if identity is None or " at 0x" in text:  # something described by its address: trace
+        text = repr(structure)
+        if " at 0x" in text:  # something described by its address: trace
+            return None
+        identity = fingerprint(function, self._identity())
+        if identity is None:
             return None
         return start_key(identity + _compiler(), text, leaves, self.options, self.no_random)
 

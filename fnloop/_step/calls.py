@@ -147,6 +147,9 @@ class Jits(NamedTuple):
 class _OneRun:
     """A single run's state: one seed, the step's own names."""
 
+    def __repr__(self) -> str:  # part of a compiled graph's structure: no address
+        return "ONE_RUN"
+
     def layout(
         self, state: TrainState, batches: Sequence[Any], *, rank: int, world: int, scan: bool, stop: bool
     ) -> Layout:
@@ -239,6 +242,9 @@ def _columns(out: Outputs, how: Recording, n: int, metrics: Metrics) -> dict[str
 
 class _Members:
     """A population's stacked members: a seed each, which ones still train, their metrics under ``name/m``."""
+
+    def __repr__(self) -> str:
+        return "MEMBERS"
 
     def layout(
         self, state: TrainState, batches: Sequence[Any], *, rank: int, world: int, scan: bool, stop: bool

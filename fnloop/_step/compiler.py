@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from fnloop._compile import HAS_SCAN, Draws, Jit, Traceable, fingerprint, scan, unflatten_batch
+from fnloop._compile import HAS_SCAN, Draws, Jit, Traceable, scan, unflatten_batch
 from fnloop._step.composed import transformed
 from fnloop._step.errors import _RANDOM_STEPS
 from fnloop._step.guard import kept
@@ -110,13 +110,12 @@ def compile_step(
             update = updates[layout] = transformed(kernel, Placement.of(plan, layout, group))
         return (one if layout.steps == 1 else several)(update, form)
 
-    def identity() -> str | None:  # what the traced step reads besides its inputs (identity.py)
-        ranks = (
+    def identity() -> object:  # what the traced step reads besides its closures and inputs: the ranks
+        return (
             None
             if group is None
             else (dist.get_backend(group), dist.get_world_size(group), dist.get_rank(group))
         )
-        return fingerprint(kernel, plan, ranks, steps)
 
     no_random = _RANDOM_STEPS.format(n=steps) if steps > 1 else None
     return Jit(make, budget, options, no_random=no_random, backend=backend, identity=identity)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -19,7 +18,6 @@ from fnloop._compile import (
     TraceError,
     TraceFailed,
     default_backend,
-    fingerprint,
     flatten_batch,
     unflatten_batch,
 )
@@ -148,8 +146,7 @@ def eval_step(
         return flat
 
     backend = default_backend(backend)
-    identity = functools.partial(fingerprint, model, fn)  # what the traced step reads besides its inputs
-    jit = Jit(make, options=options, backend=backend, identity=identity) if compile else None
+    jit = Jit(make, options=options, backend=backend, identity=tuple) if compile else None
     return EvalStep(model, kernel, jit, (fn, compile, None if options is None else dict(options), backend))
 
 
