@@ -27,7 +27,7 @@ PURE = {"a": lambda x, y: [x.sum() + y.sum()], "b": lambda x, y: [x.sum() - y.su
 
 def fake_compile(function, leaves, options, cache=None, no_random=None, backend="inductor"):
     _, context = function(None, *leaves)  # the trace
-    return function.pure, False, context, (), False
+    return _jit.Built(function.pure, False, context, (), False)
 
 
 def make(structure):

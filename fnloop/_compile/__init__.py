@@ -12,8 +12,9 @@ Modules: ``jit.py`` (``Jit``, ``Entry``: one graph per signature, a budget),
 inductor error came from), ``seeding.py`` (random ops drawn from a seed
 input: ``Draws``), ``loop.py`` (``scan`` over a traced body), ``cache.py``
 (compiled graphs on disk), ``probes.py`` (inductor's CPU probes remembered),
-``identity.py`` (a key of what a trace reads: a restart loads its graph
-without tracing), ``options.py`` (fnloop's inductor settings, the backends), ``known.py``
+``keys.py`` (the cache's keys), ``identity.py`` and ``loaded.py`` (what a trace
+reads, and the code and settings loaded: a restart finds its graph without
+tracing), ``options.py`` (fnloop's inductor settings, the backends), ``known.py``
 (inductor's known miscompiles, and the route around each), ``batching.py`` (a batch as
 tensors and a static structure), ``regather.py`` (a sharded step's block
 gathered anew for its backward: a pass over the traced graph),
