@@ -222,7 +222,7 @@ def test_functions_of_a_notebook_run_forked_and_their_errors_come_back(tmp_path:
     notebook.stdin.write(NOTEBOOK)
     notebook.stdin.close()
     pids = [tmp_path / "pids" / f"pid{rank}" for rank in range(2)]
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 360  # four launches, one interrupted: minutes on a loaded machine
     while not all(p.exists() for p in pids) and notebook.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
     try:
