@@ -87,7 +87,8 @@ def _compile(
     random = bool(traced.draws) or traced.seeded > 0
     if backend == "graph":
         return Built(traced.graph, bool(traced.draws), traced.context, accumulating(nodes), random)
-    if _shards(nodes) and regathered(traced.graph):  # a block's gather made anew for its backward
+    regather = _shards(nodes) and regathered(traced.graph)  # a block's gather made anew for its backward
+    if _dead_constants_dropped(traced.graph) or regather:
         nodes = [
             n for m in traced.graph.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes
         ]
@@ -168,6 +169,30 @@ def _shards(nodes: list[torch.fx.Node]) -> bool:
         isinstance(node.target, torch._ops.OpOverload) and node.target.name().split("::")[-1] in names
         for node in nodes
     )
+
+
+def _dead_constants_dropped(graph: torch.fx.GraphModule) -> bool:
+    """Drop the tensor constants that nothing reads (a pure op of one, whose result nothing reads); whether any was.
+
+    A model's forward may make a tensor it never uses (``torch.tensor([])``
+    in ``transformers``' masks): traced, it is a constant copied into the
+    graph and dropped, which inductor would drop too. Dropped here, the
+    graph holds no constant, so the compile cache keeps it (see ``_built``).
+    """
+    dropped = False
+    for node in list(graph.graph.nodes):
+        if node.op != "get_attr" or not isinstance(getattr(graph, str(node.target), None), torch.Tensor):
+            continue
+        readers = list(node.users)
+        if all(not reader.users and not reader.is_impure() for reader in readers):
+            for reader in readers:
+                graph.graph.erase_node(reader)
+            graph.graph.erase_node(node)
+            delattr(graph, str(node.target))
+            dropped = True
+    if dropped:
+        graph.recompile()
+    return dropped
 
 
 def _has_constants(graph: torch.fx.GraphModule) -> bool:
