@@ -368,16 +368,16 @@ def test_a_process_killed_holding_a_graphs_lock_leaves_it_free(tmp_path: Path) -
 def test_a_tensor_made_and_never_read_leaves_no_constant_and_the_graph_is_kept() -> None:
     # transformers' GPT-2 makes torch.tensor([]) in its masks and never reads it: traced, a constant
     # that would keep the whole graph out of the cache (torch 2.13 cannot reload constants).
-    from fnloop._compile.jit import _dead_constants_dropped, _has_constants
+    from fnloop._compile.trace import dead_constants_dropped, has_constants
 
     def f(x: torch.Tensor) -> list[torch.Tensor]:
         torch.tensor([])
         return [x * torch.tensor([2.0, 3.0])]
 
     graph = make_fx(f, tracing_mode="fake")(torch.ones(2))
-    assert _dead_constants_dropped(graph)
-    assert _has_constants(graph)  # the one read stays, with its value
+    assert dead_constants_dropped(graph)
+    assert has_constants(graph)  # the one read stays, with its value
     assert torch.equal(graph(torch.ones(2))[0], torch.tensor([2.0, 3.0]))
     unread = make_fx(lambda x: (torch.tensor([]), [x + 1])[1], tracing_mode="fake")(torch.ones(2))
-    assert _dead_constants_dropped(unread) and not _has_constants(unread)
-    assert not _dead_constants_dropped(unread)  # nothing left to drop
+    assert dead_constants_dropped(unread) and not has_constants(unread)
+    assert not dead_constants_dropped(unread)  # nothing left to drop

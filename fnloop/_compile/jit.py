@@ -33,7 +33,15 @@ from fnloop._compile.known import routed, scatter_fallbacks
 from fnloop._compile.options import checked_backend, default_options, inductor_options
 from fnloop._compile.probes import remembered_probes
 from fnloop._compile.regather import regathered
-from fnloop._compile.trace import Flat, Traceable, accumulating, located, trace
+from fnloop._compile.trace import (
+    Flat,
+    Traceable,
+    accumulating,
+    dead_constants_dropped,
+    has_constants,
+    located,
+    trace,
+)
 
 __all__ = ["Entry", "Jit"]
 
@@ -88,7 +96,7 @@ def _compile(
     if backend == "graph":
         return Built(traced.graph, bool(traced.draws), traced.context, accumulating(nodes), random)
     regather = _shards(nodes) and regathered(traced.graph)  # a block's gather made anew for its backward
-    if _dead_constants_dropped(traced.graph) or regather:
+    if dead_constants_dropped(traced.graph) or regather:
         nodes = [
             n for m in traced.graph.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes
         ]
@@ -128,7 +136,7 @@ def _built(
         # (and crashes under the C++ wrapper); inductor's own cache still serves it,
         # to the processes that waited. Nor is a graph with a loop (torch 2.13's
         # caches refuse higher-order operators).
-        if cache is not None and (_has_constants(graph) or _has_loops(nodes)):
+        if cache is not None and (has_constants(graph) or _has_loops(nodes)):
             cache = None
         if cache is not None and key is not None:
             found = cache.load(key)
@@ -168,37 +176,6 @@ def _shards(nodes: list[torch.fx.Node]) -> bool:
     return any(
         isinstance(node.target, torch._ops.OpOverload) and node.target.name().split("::")[-1] in names
         for node in nodes
-    )
-
-
-def _dead_constants_dropped(graph: torch.fx.GraphModule) -> bool:
-    """Drop the tensor constants that nothing reads (a pure op of one, whose result nothing reads); whether any was.
-
-    A model's forward may make a tensor it never uses (``torch.tensor([])``
-    in ``transformers``' masks): traced, it is a constant copied into the
-    graph and dropped, which inductor would drop too. Dropped here, the
-    graph holds no constant, so the compile cache keeps it (see ``_built``).
-    """
-    dropped = False
-    for node in list(graph.graph.nodes):
-        if node.op != "get_attr" or not isinstance(getattr(graph, str(node.target), None), torch.Tensor):
-            continue
-        readers = list(node.users)
-        if all(not reader.users and not reader.is_impure() for reader in readers):
-            for reader in readers:
-                graph.graph.erase_node(reader)
-            graph.graph.erase_node(node)
-            delattr(graph, str(node.target))
-            dropped = True
-    if dropped:
-        graph.recompile()
-    return dropped
-
-
-def _has_constants(graph: torch.fx.GraphModule) -> bool:
-    return any(
-        node.op == "get_attr" and isinstance(getattr(graph, str(node.target), None), torch.Tensor)
-        for node in graph.graph.nodes
     )
 
 

@@ -28,7 +28,17 @@ from fnloop._compile.errors import (
 from fnloop._compile.patches import compiling, onednn_off, quiet_shape_rules
 from fnloop._compile.seeding import Draws
 
-__all__ = ["Flat", "Traceable", "Traced", "accumulating", "decompositions", "generator_draws", "trace"]
+__all__ = [
+    "Flat",
+    "Traceable",
+    "Traced",
+    "accumulating",
+    "dead_constants_dropped",
+    "decompositions",
+    "generator_draws",
+    "has_constants",
+    "trace",
+]
 
 Flat = Callable[..., Sequence[torch.Tensor]]
 """A function of flat tensors to a list of tensors (what a compiled graph is)."""
@@ -257,3 +267,34 @@ def located(
         if names and node.name == names[-1]:
             return CompileFailed(str(node.target), user_frames(node.meta.get("stack_trace")))
     return CompileFailed(target[0] if target else None, None)
+
+
+def dead_constants_dropped(graph: torch.fx.GraphModule) -> bool:
+    """Drop the tensor constants that nothing reads (a pure op of one, whose result nothing reads); whether any was.
+
+    A model's forward may make a tensor it never uses (``torch.tensor([])``
+    in ``transformers``' masks): traced, it is a constant copied into the
+    graph and dropped, which inductor would drop too. Dropped here, the
+    graph holds no constant, so the compile cache keeps it (see ``jit._built``).
+    """
+    dropped = False
+    for node in list(graph.graph.nodes):
+        if node.op != "get_attr" or not isinstance(getattr(graph, str(node.target), None), torch.Tensor):
+            continue
+        readers = list(node.users)
+        if all(not reader.users and not reader.is_impure() for reader in readers):
+            for reader in readers:
+                graph.graph.erase_node(reader)
+            graph.graph.erase_node(node)
+            delattr(graph, str(node.target))
+            dropped = True
+    if dropped:
+        graph.recompile()
+    return dropped
+
+
+def has_constants(graph: torch.fx.GraphModule) -> bool:
+    return any(
+        node.op == "get_attr" and isinstance(getattr(graph, str(node.target), None), torch.Tensor)
+        for node in graph.graph.nodes
+    )
