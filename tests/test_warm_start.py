@@ -237,3 +237,15 @@ def _weighted(weight: Any) -> Any:
         return loss(f, batch) * weight
 
     return weighted
+
+
+def test_a_transformers_models_private_settings_change_the_key() -> None:
+    # transformers keeps its implementation choices in a config's private attributes, beside the
+    # dataclass's fields (set_experts_implementation("eager") made a Python loop over experts).
+    import transformers
+
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=32)
+    gpt2 = transformers.GPT2LMHeadModel(config)
+    before = fingerprint(_kernel(gpt2))
+    gpt2.set_attn_implementation("eager" if gpt2.config._attn_implementation != "eager" else "sdpa")
+    assert fingerprint(_kernel(gpt2)) not in (None, before)

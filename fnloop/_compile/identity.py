@@ -34,7 +34,6 @@ changed at run time (a registry of a library's), which the graph would read.
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import functools
 import hashlib
@@ -191,12 +190,7 @@ class _Walk:
                 if field.eq:  # a field out of the value's equality is not part of it (a cache, a flag)
                     self.emit(field.name)
                     self.put(getattr(value, field.name))
-        elif dataclasses.is_dataclass(value):
-            self.emit("dataclass", _name(type(value)))
-            for field in dataclasses.fields(value):
-                self.emit(field.name)
-                self.put(getattr(value, field.name))
-        else:
+        else:  # a dataclass too: its instance may hold more than its fields (a config's private settings)
             self._object(value)
 
     def _module(self, module: torch.nn.Module) -> None:
