@@ -249,3 +249,15 @@ def test_a_transformers_models_private_settings_change_the_key() -> None:
     before = fingerprint(_kernel(gpt2))
     gpt2.set_attn_implementation("eager" if gpt2.config._attn_implementation != "eager" else "sdpa")
     assert fingerprint(_kernel(gpt2)) not in (None, before)
+
+
+def test_a_start_file_round_trips_and_a_partial_or_damaged_one_is_ignored(tmp_path: Path) -> None:
+    cache = CompileCache(tmp_path)
+    record = {"graph": "a" * 64, "draws": False, "context": ["loss"], "accumulates": [], "random": True}
+    assert cache.keep_start("k", record) and cache.start("k") == record
+    assert cache.keep_start("partial", {"graph": "a" * 64}) and cache.start("partial") is None
+    path = tmp_path / "k.start"
+    path.write_bytes(path.read_bytes()[:-3])  # truncated: its checksum no longer holds
+    assert cache.start("k") is None
+    assert cache.start("missing") is None
+    assert not cache.keep_start("tuple", {**record, "context": ("loss",)})  # would come back a list

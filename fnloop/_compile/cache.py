@@ -199,7 +199,9 @@ class CompileCache:
             found = json.loads(payload)
         except ValueError:
             return None
-        return found if isinstance(found, dict) and isinstance(found.get("graph"), str) else None
+        fields = {"graph": str, "draws": bool, "context": object, "accumulates": list, "random": bool}
+        whole = isinstance(found, dict) and all(isinstance(found.get(k), t) for k, t in fields.items())
+        return found if whole else None  # a file of another fnloop: trace instead
 
     def keep_start(self, key: str, record: dict[str, Any]) -> bool:
         """Write the start file of ``key``: ``record`` names the graph (``graph``: its key here) and what its trace learned."""

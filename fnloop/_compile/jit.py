@@ -301,7 +301,7 @@ class Jit:
             self.cache.forget(record["graph"])
             return None
         self.started += 1
-        accumulates = tuple(record.get("accumulates", ()))
+        accumulates = tuple(record["accumulates"])
         return Entry(
             structure, signature, compiled, record["draws"], record["context"], accumulates, record["random"]
         )
