@@ -234,7 +234,7 @@ class _Walk:
                 self.put(cell.cell_contents)
             except ValueError:  # an empty cell
                 self.emit("empty cell")
-        if is_installed(getattr(sys.modules.get(function.__module__), "__file__", None)):
+        if _installed_code(function.__module__):
             return  # installed code: its distribution's version stands for it
         self._code(function.__code__)
         for name in sorted(_names(function.__code__)):
@@ -250,9 +250,8 @@ class _Walk:
             self.put(const)
 
     def _class(self, cls: type) -> None:
-        module = sys.modules.get(cls.__module__)
         self.emit("class", cls.__module__, cls.__qualname__)
-        if cls.__module__ == "builtins" or is_installed(getattr(module, "__file__", None)):
+        if cls.__module__ == "builtins" or _installed_code(cls.__module__):
             return
         # A class of one's own (a script's, a notebook's): its body, and its bases'.
         for base in cls.__mro__[1:]:
@@ -287,6 +286,11 @@ class _Walk:
             if hasattr(value, slot):
                 self.emit(slot)
                 self.put(getattr(value, slot))
+
+
+def _installed_code(module: str) -> bool:
+    """Whether the module named ``module`` is loaded from the standard library or an installed distribution."""
+    return is_installed(getattr(sys.modules.get(module), "__file__", None))
 
 
 def _name(cls: type) -> str:
