@@ -135,11 +135,10 @@ def _targets(node: ast.Assign | ast.AnnAssign) -> list[ast.Name]:
     return [t for t in targets if isinstance(t, ast.Name)]
 
 
-def test_one_channel_in_the_step_and_the_seeding_and_one_in_the_optimizers() -> None:
+def test_one_channel_in_the_step_the_seeding_and_the_optimizers() -> None:
     # Everything else reaches the step as an argument or a record. Draws._tracing: torch's tracer,
-    # not fnloop, calls the random ops' decompositions. _INJECTING: the user's make sits between
-    # inject and the checks (fnloop/optim/_helpers.py).
+    # not fnloop, calls the random ops' decompositions. The optimizers have none: an injected
+    # setting is told from one given by hand by a walk of the optimizer's records at init.
     step = set().union(*(_channels(p) for p in [*STEP.glob("*.py"), COMPILE / "seeding.py"]))
     optim = set().union(*(_channels(p) for p in (STEP.parent / "optim").glob("*.py")))
-    assert step == {"seeding.py:Draws._tracing"}
-    assert optim == {"_helpers.py:_INJECTING"}
+    assert step | optim == {"seeding.py:Draws._tracing"}

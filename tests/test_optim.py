@@ -572,7 +572,7 @@ def test_negative_lr() -> None:
     with pytest.raises(ValueError, match=r"'lr' must be at least 0.0 \(got -0.1\)"):
         sgd(-0.1)
     with pytest.raises(TypeError, match="'lr' must be a float or a schedule, not a tensor"):
-        adamw(torch.tensor(1e-3))
+        adamw(torch.ones(2))
     with pytest.raises(TypeError, match="'lr' must be a finite float"):
         adam("0.001")  # type: ignore[arg-type]
 
@@ -732,3 +732,57 @@ def test_every_optimizer_compiles_to_what_it_computes_eagerly() -> None:
 def test_partition_with_its_arguments_swapped_says_so() -> None:
     with pytest.raises(TypeError, match="look swapped"):
         O.partition({"all": sgd(0.1)}, lambda name, p: "all")
+
+
+@pytest.mark.parametrize(
+    ("make", "path"),
+    [
+        (lambda t: adamw(t), "lr"),
+        (lambda t: adamw(1e-3, weight_decay=t), "weight_decay"),
+        (lambda t: adam(1e-3, betas=(t, 0.999)), "b1"),
+        (lambda t: sgd(0.1, momentum=t), "momentum"),
+        (lambda t: adamw(O.cosine(t, 10)), "lr"),
+        (lambda t: O.Optimizer(O.chain(O.clip_by_global_norm(t), O.scale_by_learning_rate(0.1))), "max_norm"),
+    ],
+    ids=["lr", "weight_decay", "betas", "momentum", "schedule", "chain"],
+)
+def test_a_tensor_setting_given_by_hand_is_refused_where_the_optimizer_meets_a_model(
+    make: Callable[[torch.Tensor], Any], path: str
+) -> None:
+    # Built by hand, the optimizer takes a 0-d tensor as torch.optim does, and steps with it;
+    # init and train_step refuse it, naming where it sits, since a compiled graph would bake it in.
+    import fnloop as fl
+
+    opt = make(torch.tensor(0.5))
+    params = {"w": torch.ones(2)}
+    new, _ = opt.update({"w": torch.ones(2)}, opt.init(params), params, torch.tensor(0))
+    assert new["w"].shape == (2,)
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(
+        TypeError, match=rf"init: the optimizer holds a tensor as a setting \(optimizer\..*{path}"
+    ):
+        fl.init(model, opt, seed=0, max_iter=1)
+    with pytest.raises(TypeError, match=r"train_step: .*fnloop\.optim\.inject"):
+        fl.train_step(model, lambda out, batch: out.sum(), opt, compile=False)
+
+
+def test_tensors_that_are_the_states_or_the_users_own_are_not_refused() -> None:
+    import fnloop as fl
+
+    class Preconditioned(NamedTuple):  # a transformation of the user's, holding a tensor of its own
+        scale: torch.Tensor
+
+        def init(self, params: Any) -> Any:
+            return O.EmptyState()
+
+        def update(self, updates: Any, state: Any, params: Any = None, iteration: Any = None) -> Any:
+            return {k: -self.scale * u for k, u in updates.items()}, state
+
+    model = torch.nn.Linear(2, 1)
+    for opt in (
+        O.inject(adamw, lr=1e-3, weight_decay=0.1),
+        O.inject(lambda lr: adamw(O.cosine(lr, 10)), lr=1e-3),
+        O.Optimizer(Preconditioned(torch.tensor(0.1))),
+    ):
+        assert list(O._inject.tensor_settings(opt)) == []
+        fl.init(model, opt, seed=0, max_iter=1)

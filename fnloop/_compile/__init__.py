@@ -52,10 +52,10 @@ decompositions are called by torch's tracer, not by fnloop, so they find the
 seed of the step being traced there; the world-size-invariant step's slices
 find theirs the same way (``fnloop/_step/invariant.py``). Run eagerly, those
 slices find the step's seed in torch's generator, where ``seeded`` put it
-(``fnloop/_step/seeds.py``, ``step_seed_of``). One more is left outside the
-room: ``inject``'s hyperparameters taken as tensors (``fnloop/optim/_helpers.py``,
-``_INJECTING``, which says why: the user's own ``make`` sits between ``inject``
-and the checks).
+(``fnloop/_step/seeds.py``, ``step_seed_of``). The optimizers have none: a
+setting given as a 0-d tensor is taken as it is, and one given by hand rather
+than by ``inject`` is refused where the optimizer meets a model, by a walk of
+its records (``fnloop/optim/_inject.py``, ``tensor_settings``).
 
 Supported: torch 2.13 to 2.15 (``pyproject.toml``'s floor; CI runs the suite on
 2.13.0, ``constraints.txt``, and a tier of it on 2.15.0). Inductor's known

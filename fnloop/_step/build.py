@@ -31,6 +31,7 @@ from fnloop._step.units import Blocks, units_of
 from fnloop.distributed import _group, rank, world_size
 from fnloop.optim import Optimizer
 from fnloop.optim._base import fixed_learning_rates
+from fnloop.optim._inject import refuse_tensor_settings
 
 __all__ = [
     "CompileError",
@@ -199,6 +200,7 @@ def train_step(
             f"train_step() expected a fnloop.optim.Optimizer, got {article} {where}.{kind.__qualname__}; "
             "build one with fnloop.optim.sgd/adam/adamw (the same numbers as torch.optim's)."
         )
+    refuse_tensor_settings(optimizer, "train_step")
     accumulate = _check_positive("accumulate", accumulate)
     if type(recompiles) is not int or recompiles < 0:
         raise ValueError(f"'recompiles' must be an int >= 0 ({got(recompiles)}).")

@@ -18,6 +18,7 @@ from fnloop._step.placement import state_shards
 from fnloop._step.sharding import kept_of, parts
 from fnloop.distributed import broadcast_tensors
 from fnloop.optim import Optimizer
+from fnloop.optim._inject import refuse_tensor_settings
 
 __all__ = ["init"]
 
@@ -92,6 +93,7 @@ def init(
             "fnloop's optimizers are pure functions of the state: build one with "
             "fnloop.optim.sgd/adam/adamw (the same numbers as torch.optim's)."
         )
+    refuse_tensor_settings(optimizer, "init")
     if type(seed) is not int or seed < 0:
         raise ValueError(f"'seed' must be a non-negative int ({got(seed)}).")
     config = plain(config, "init(config=...)")  # refused before any tensor is made

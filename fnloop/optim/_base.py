@@ -23,8 +23,7 @@ from fnloop.optim._helpers import (  # noqa: F401 - shared by the optimizers, im
     apply_updates,
     check_keys,
     first_device,
-    injected,
-    injecting,
+    is_setting,
     kept_unless,
     zero_count,
 )

@@ -1,18 +1,18 @@
 """What the optimizers share: settings checked as numbers, keys checked, a device, counters, a skipped update.
 
-A setting is a finite float in its range, or, while ``inject`` builds an
-optimizer from a state's hyperparameters (``injecting``), the 0-d tensor it is
-given. ``_INJECTING`` is the one flag of the package set for a block rather
-than passed: between ``inject`` and the checks sits the user's own ``make``
-(``inject(make, lr=...)``), which passes the settings on, or computes with
-them, before any check sees them, so no argument of fnloop's can reach the checks.
+A setting is a finite float in its range, or a 0-d floating tensor taken as
+it is: ``inject`` builds the optimizer from a state's hyperparameters, and
+checked them as floats first. A tensor given by hand is refused where an
+optimizer meets a model (``fnloop.init``, ``fnloop.train_step``), by a walk of
+the optimizer's own records (``tensor_settings``): between ``inject`` and the
+checks sits the user's own ``make`` (``inject(make, lr=...)``), so no argument
+of fnloop's could tell the checks where a tensor came from.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -24,8 +24,7 @@ __all__ = [
     "apply_updates",
     "check_keys",
     "first_device",
-    "injected",
-    "injecting",
+    "is_setting",
     "kept_unless",
     "zero_count",
 ]
@@ -93,30 +92,17 @@ def apply_updates(
     return {k: (p + updates[k]).to(p.dtype) for k, p in params.items()}
 
 
-_INJECTING: list[bool] = []
-
-
-@contextlib.contextmanager
-def injecting() -> Iterator[None]:
-    """For the block, settings may be 0-d tensors (a state's hyperparameters, see ``inject``), taken as they are."""
-    _INJECTING.append(True)
-    try:
-        yield
-    finally:
-        _INJECTING.pop()
-
-
-def injected(value: object) -> bool:
-    """Whether ``value`` is a hyperparameter tensor given by ``inject`` (inside ``injecting``)."""
-    return bool(_INJECTING) and isinstance(value, torch.Tensor) and value.ndim == 0
+def is_setting(value: object) -> bool:
+    """Whether ``value`` is a setting given as a 0-d floating tensor (a state's, given by ``inject``)."""
+    return isinstance(value, torch.Tensor) and value.ndim == 0 and value.is_floating_point()
 
 
 def _number(name: str, value: object, *, low: float = 0.0, below: float | None = None) -> float:
     """``value`` as a float, checked to lie in ``[low, below)``; the error names ``name``.
 
-    Inside ``injecting``, a 0-d tensor is returned as it is: ``inject`` checked its value as a float.
+    A 0-d floating tensor is returned as it is: ``inject`` checked its value as a float.
     """
-    if injected(value):
+    if is_setting(value):
         return value  # type: ignore[return-value]
     if type(value) not in (int, float) or not math.isfinite(value):  # type: ignore[arg-type]
         raise TypeError(f"'{name}' must be a finite float ({got(value)}).")

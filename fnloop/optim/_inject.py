@@ -9,7 +9,9 @@ together, and a hook can change them between steps.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import functools
+import types
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
 import attrs
@@ -23,13 +25,12 @@ from fnloop.optim._base import (
     Params,
     Sum,
     first_device,
-    injecting,
     learning_rates,
     over_shards,
     update_in_place,
 )
 
-__all__ = ["InjectedState", "inject"]
+__all__ = ["InjectedState", "inject", "refuse_tensor_settings", "tensor_settings"]
 
 
 class InjectedState(NamedTuple):
@@ -52,8 +53,7 @@ class _Injected:
     summed: Sum | None = attrs.field(default=None, eq=False)
 
     def built(self, hyperparams: Mapping[str, torch.Tensor]) -> GradientTransformation:
-        with injecting():
-            built = self.make(**hyperparams).transform
+        built = self.make(**hyperparams).transform
         return built if self.summed is None else over_shards(built, self.summed)
 
     def over_shards(self, sum_: Sum, /) -> _Injected:
@@ -132,3 +132,60 @@ def inject(make: Callable[..., Optimizer], **hyperparams: float) -> Optimizer:
             f"inject(make, ...): make(**hyperparams) must return a fnloop.optim.Optimizer ({got(built)})."
         )
     return Optimizer(_Injected(make, tuple((k, float(v)) for k, v in hyperparams.items())))
+
+
+def tensor_settings(optimizer: Optimizer) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(where, tensor)`` for each tensor that ``optimizer``'s own records hold as a setting.
+
+    Walks the records, containers and functions of ``fnloop.optim`` that build
+    ``optimizer`` (an ``adamw(lr=torch.tensor(1e-3))``'s ``lr``); an ``inject``
+    and a transformation of your own are not walked: their tensors are the
+    state's, or yours.
+    """
+    seen: set[int] = set()
+
+    def walk(value: Any, where: str) -> Iterator[tuple[str, torch.Tensor]]:
+        if isinstance(value, torch.Tensor):
+            yield where, value
+            return
+        if id(value) in seen or isinstance(value, _Injected):
+            return
+        seen.add(id(value))
+        if type(value) in (tuple, list):
+            for i, item in enumerate(value):
+                yield from walk(item, f"{where}[{i}]")
+        elif type(value) is dict:
+            for key, item in value.items():
+                yield from walk(item, f"{where}[{key!r}]")
+        elif not _own(value):
+            return
+        elif attrs.has(type(value)):
+            for field in attrs.fields(type(value)):
+                yield from walk(getattr(value, field.name), f"{where}.{field.name}")
+        elif isinstance(value, functools.partial):
+            yield from walk((value.func, value.args, value.keywords), where)
+        elif isinstance(value, types.FunctionType):
+            for name, cell in zip(value.__code__.co_freevars, value.__closure__ or ()):
+                yield from walk(cell.cell_contents, f"{where}.<{name}>")
+            yield from walk(value.__defaults__ or (), f"{where}.<defaults>")
+
+    yield from walk(optimizer, "optimizer")
+
+
+def _own(value: Any) -> bool:
+    """Whether ``value`` (a record or a function) is one of ``fnloop.optim``'s."""
+    function = isinstance(value, types.FunctionType)
+    module = (value.__module__ if function else type(value).__module__) or ""
+    return module.startswith("fnloop.optim")
+
+
+def refuse_tensor_settings(optimizer: Optimizer, where: str) -> None:
+    """Raise ``TypeError`` if ``optimizer`` holds a tensor as a setting, naming it and the fix."""
+    for path, tensor in tensor_settings(optimizer):
+        raise TypeError(
+            f"{where}: the optimizer holds a tensor as a setting ({path} is {got(tensor)}); a "
+            "setting must be a float or a schedule, not a tensor. A tensor would be baked into the "
+            "compiled graph and left out of checkpoints: give a float (lr=1e-3), a schedule "
+            "(fnloop.optim.cosine(...)), or keep the value in the state with "
+            "fnloop.optim.inject(make, lr=1e-3), which a hook may change."
+        )

@@ -19,7 +19,7 @@ from fnloop.optim._base import (
     LearningRate,
     Params,
     _number,
-    injected,
+    is_setting,
 )
 
 __all__ = ["check_lr", "scale_by_learning_rate"]
@@ -67,7 +67,7 @@ def check_lr(lr: object) -> LearningRate:
     """``lr`` as a float or a schedule; raise if it is neither or is negative."""
     if (mistake := _torch_lr_mistake(lr)) is not None:
         raise TypeError(mistake)
-    if injected(lr):
+    if is_setting(lr):  # a state's (inject); one given by hand is refused by fnloop.init
         return lr  # type: ignore[return-value]
     if isinstance(lr, torch.Tensor):
         raise TypeError(

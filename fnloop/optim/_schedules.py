@@ -16,7 +16,7 @@ import attrs
 import torch
 
 from fnloop._core.messages import got
-from fnloop.optim._base import Schedule, injected
+from fnloop.optim._base import Schedule, is_setting
 
 __all__ = ["constant", "cosine", "join", "linear_warmup", "multistep", "warmup", "warmup_multistep"]
 
@@ -26,7 +26,7 @@ def _as_iteration(iteration: torch.Tensor | int) -> torch.Tensor:
 
 
 def _float(name: str, value: object) -> float:
-    if injected(value):  # a state's hyperparameter (fnloop.optim.inject), checked as a float there
+    if is_setting(value):  # a state's hyperparameter (fnloop.optim.inject), checked as a float there
         return value  # type: ignore[return-value]
     if type(value) not in (int, float) or not math.isfinite(value):  # type: ignore[arg-type]
         raise TypeError(f"'{name}' must be a finite float ({got(value)}).")
