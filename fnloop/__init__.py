@@ -44,6 +44,7 @@ from fnloop._step.build import (
 from fnloop._step.check import ParameterCheck, StepCheck, check_step
 from fnloop._step.eval import EvalStep, eval_step
 from fnloop._version import __version__ as __version__
+from fnloop._weights import save_weights
 from fnloop.checkpoint import load, save
 
 __all__ = [
@@ -99,6 +100,7 @@ __all__ = [
     "request",
     "run",
     "save",
+    "save_weights",
     "scan",
     "state_dict",
     "state_names",

@@ -20,13 +20,14 @@ from torch.utils import _pytree as pytree
 from fnloop._core.messages import got
 from fnloop._core.shards import sharded_tensors
 from fnloop._core.state import TrainState
+from fnloop._weights import model_keys, module_order, some_names, to_rank0
 
 __all__ = ["load_state_dict", "state_dict", "unshard"]
 
-_EXTRA_STATE = "_extra_state"  # torch's key suffix for a module's get_extra_state()
 
-
-def state_dict(state: TrainState, model: torch.nn.Module | None = None) -> OrderedDict[str, torch.Tensor]:
+def state_dict(
+    state: TrainState, model: torch.nn.Module | None = None, *, rank0_only: bool = False
+) -> OrderedDict[str, torch.Tensor]:
     """``state``'s parameters and buffers as a ``state_dict`` that ``model.load_state_dict`` accepts strictly.
 
     Without ``model``, every parameter and buffer of the state, each module's
@@ -40,9 +41,17 @@ def state_dict(state: TrainState, model: torch.nn.Module | None = None) -> Order
     the module's the same way): ``load_state_dict`` and ``torch.save`` copy
     them, so clone one only to write into it.
 
+    Of a sharded state it is a collective (every rank calls it): each rank
+    gets the whole model, gathered, or with ``rank0_only`` rank 0 alone does,
+    gathered one tensor at a time, and every other rank an empty dict, holding
+    no more than its share meanwhile (FSDP2's full state dict with
+    ``cpu_offload``). To write the weights to a file without any rank holding
+    them whole, ``fnloop.save_weights``.
+
     Args:
         state: a state whose params and buffers came from ``fnloop.init(model, ...)``.
         model: the module, for its exact keys and order (needed for tied weights).
+        rank0_only: the whole model on rank 0 alone, an empty dict elsewhere.
 
     Returns:
         An ``OrderedDict`` of name -> tensor, detached.
@@ -63,27 +72,22 @@ def state_dict(state: TrainState, model: torch.nn.Module | None = None) -> Order
     """
     if type(state) is not TrainState:
         raise TypeError(f"state_dict() expected a fnloop.TrainState ({got(state)}).")
-    if state.shards is not None:
+    if type(rank0_only) is not bool:
+        raise TypeError(f"state_dict(rank0_only=...) must be a bool ({got(rank0_only)}).")
+    if rank0_only:
+        tensors = _on_rank0(state)
+        if tensors is None:
+            return OrderedDict()
+    else:
         state = unshard(state)
-    tensors = {**state.params, **state.buffers}
+        tensors = {**state.params, **state.buffers}
     if model is None:
-        return OrderedDict((key, _detached(tensors[key])) for key in _module_order(state))
+        return OrderedDict((key, _detached(tensors[key])) for key in module_order(state))
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"'model' must be a torch.nn.Module or None ({got(model)}).")
-    # A tied weight is one parameter under several names; the state keeps the first name only.
-    alias = {id(t): name for name, t in (*model.named_parameters(), *model.named_buffers())}
     out: OrderedDict[str, torch.Tensor] = OrderedDict()
-    for key, value in model.state_dict(keep_vars=True).items():
-        name = key if key in tensors else alias.get(id(value))
-        if name in tensors:
-            out[key] = _detached(tensors[name])
-        elif key.endswith(_EXTRA_STATE):
-            out[key] = value
-        else:
-            raise KeyError(
-                f"the model has {key!r} but the state has no such parameter or buffer (it has "
-                f"{_some(tensors)}): pass the module the state was built from, fnloop.init(model, ...)."
-            )
+    for key, name, value in model_keys(tensors, model):
+        out[key] = value if name is None else _detached(tensors[name])
     return out
 
 
@@ -143,23 +147,27 @@ def _gatherer(state: TrainState) -> Any:
     return whole
 
 
-def _module_order(state: TrainState) -> list[str]:
-    """The state's keys grouped by module: its parameters, then its buffers."""
-    by_module: dict[str, list[str]] = {}
-    for key in (*state.params, *state.buffers):
-        by_module.setdefault(key.rpartition(".")[0], []).append(key)
-    return [key for keys in by_module.values() for key in keys]
+def _on_rank0(state: TrainState) -> dict[str, torch.Tensor] | None:
+    """``state``'s whole parameters and buffers on rank 0, gathered one at a time; ``None`` elsewhere."""
+    from fnloop.distributed import rank
+
+    pieces, whole_shape = to_rank0(state)
+    tensors = {}
+    for name, tensor in (*state.params.items(), *state.buffers.items()):
+        arrived = pieces(tensor, tensor)
+        if arrived is None:
+            continue
+        blocks = list(arrived)
+        whole = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+        rows = whole_shape(tensor)[0] if tensor.ndim else None
+        tensors[name] = whole if rows is None or whole.shape[0] == rows else whole[:rows]
+    return tensors if rank() == 0 else None
 
 
 def _detached(tensor: torch.Tensor) -> torch.Tensor:
     # The very tensor when it is already detached: a caller holding it then counts as a reference,
     # so the fold never donates (writes in place) a tensor someone kept.
     return tensor.detach() if tensor.requires_grad else tensor
-
-
-def _some(keys: Mapping[str, object]) -> str:
-    names = list(keys)
-    return ", ".join(map(repr, names[:5])) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
 
 def load_state_dict(
@@ -218,7 +226,7 @@ def load_state_dict(
             if strict and not _tied(key, value, state_dict, params):
                 raise KeyError(
                     f"state_dict has {key!r}, which the state has no parameter or buffer for (it has "
-                    f"{_some({**params, **buffers})}). Is it the state_dict of the model the state was built "
+                    f"{some_names({**params, **buffers})}). Is it the state_dict of the model the state was built "
                     "from? Drop the extra entries, or pass strict=False to ignore them."
                 )
             continue
@@ -233,7 +241,7 @@ def load_state_dict(
     missing = [k for k in (*state.params, *state.buffers) if k not in state_dict]
     if strict and missing:
         raise KeyError(
-            f"state_dict lacks {_some(dict.fromkeys(missing))} of the state. Give every parameter and "
+            f"state_dict lacks {some_names(dict.fromkeys(missing))} of the state. Give every parameter and "
             "buffer, or pass strict=False to keep the state's values for the missing ones (a "
             "non-persistent buffer, registered with persistent=False, is never in a module's state_dict)."
         )

@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 
 import torch
+from exported import exported_model
 from worker_exit import jobs, leave
 
 import fnloop as fl
@@ -54,10 +55,46 @@ def main() -> None:
 
     torch.set_num_threads(1)
     fl.distributed.setup()
-    _warm()
+    if "--export" not in sys.argv:
+        _warm()
     for job in jobs(sys.argv[1:]):
-        run(job)
+        (export if "--export" in job else run)(job)
     leave(fl.distributed.rank())
+
+
+def export(argv: list[str]) -> None:
+    """The Llama made sharded under the limit, then its weights written to ``RESULTS/model.safetensors``:
+    ``--export weights`` by ``fl.save_weights`` (one tensor at a time on rank 0), ``--export gathered``
+    by ``safetensors.torch.save_file`` of ``fl.state_dict`` (the whole model on every rank)."""
+    import safetensors.torch
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("results")
+    parser.add_argument("--export", choices=("weights", "gathered"), required=True)
+    parser.add_argument("--limit", type=int, required=True, help="MiB each rank may charge after joining")
+    args = parser.parse_args(argv)
+    rank = fl.distributed.rank()
+    out = Path(args.results)
+    out.mkdir(parents=True, exist_ok=True)
+    model = exported_model()
+    if rank == 0:
+        model.config.save_pretrained(out)
+    group = _limited(f"{out.name}-{os.getpid()}", args.limit * 2**20)
+    state = fl.init(
+        model, fl.optim.sgd(0.1), seed=0, max_iter=1, shard="full", init_weights=model._init_weights
+    )
+    held = sum(t.numel() * t.element_size() for t in state.params.values())
+    made = int((group / "memory.max_usage_in_bytes").read_text())
+    (group / "memory.max_usage_in_bytes").write_text("0")  # the export's own peak from here
+    if args.export == "weights":
+        fl.save_weights(state, out / "model.safetensors", model)
+    else:
+        whole = fl.state_dict(state, model)
+        if rank == 0:
+            safetensors.torch.save_file(whole, out / "model.safetensors")
+    peak = int((group / "memory.max_usage_in_bytes").read_text())
+    (group / "cgroup.procs").parent.parent.joinpath("cgroup.procs").write_text(str(os.getpid()))  # out again
+    (out / f"rank{rank}.json").write_text(json.dumps({"held": held, "made": made, "peak": peak}))
 
 
 def _warm() -> None:

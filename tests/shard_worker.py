@@ -5,10 +5,12 @@
 It trains a small network of three blocks whose first dimensions do not divide by the
 world size (the chunks are padded) with AdamW behind a global-norm clip, on fixed data
 (global batch 8), and saves what the tests compare into ``RESULTS/rank{r}.pt``:
-the whole parameters (``fl.state_dict``, gathered), the loss and global-norm
+the whole parameters (``fl.state_dict``, gathered; and ``rank0_only``, as ``alone``), the loss and global-norm
 history, the bytes of the state this rank holds, and the number of compiled
 graphs. ``--then`` starts another job in the same processes, after the one before ended (one launch,
-several runs: the tests share launches where they need the same ranks). Each job also writes the
+several runs: the tests share launches where they need the same ranks). Every job also writes its
+weights with ``fl.save_weights`` into ``RESULTS/model.safetensors`` (and a transformers model's
+``config.json`` beside them). Each job also writes the
 warnings it gave into ``RESULTS/warnings{r}.json``.
 
 Options:
@@ -349,9 +351,16 @@ def run(argv: list[str]) -> Path:
         raise
     whole = fl.state_dict(final)
     out.mkdir(parents=True, exist_ok=True)
+    # The weights to a file and to rank 0 alone, one tensor at a time (and, for transformers' models,
+    # the config beside them: the folder is what from_pretrained reads).
+    fl.save_weights(final, out / "model.safetensors", None if args.model == "net" else net)
+    if args.model != "net" and rank == 0:
+        net.config.save_pretrained(out)
+    alone = fl.state_dict(final, rank0_only=True)
     torch.save(
         {
             "params": {k: v.clone() for k, v in whole.items()},
+            "alone": {k: v.clone() for k, v in alone.items()},
             "losses": [float(v) for _, v in final.metrics.series["loss"]],
             "norms": [float(_clip_state(fl.unshard(final)).global_norm)] if final.iteration else [],
             "spikes": int(final.opt_state.inner.skipped) if args.watch else None,

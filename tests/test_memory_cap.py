@@ -66,3 +66,44 @@ def test_a_model_whose_state_is_over_twice_what_a_rank_may_hold_trains_under_the
         mine = json.loads((tmp_path / "full-limited" / f"rank{rank}.json").read_text())
         assert mine["peak"] <= LIMIT * 2**20 and mine["held"] * 4 == whole
         assert mine["losses"] == reference["losses"]  # the limit changes nothing
+
+
+EXPORT_LIMIT = 256
+"""MiB a rank may charge while it makes its part of a 517 MiB model and writes the whole to one file."""
+
+
+def test_a_sharded_model_twice_what_a_rank_may_hold_is_written_to_one_file_under_the_limit(
+    tmp_path: Path,
+) -> None:
+    # fl.save_weights gathers one tensor at a time to rank 0, which writes it: no rank holds the model.
+    # The same export through fl.state_dict (the whole model on every rank) is killed by the limit.
+    assert os.access("/sys/fs/cgroup/memory", os.W_OK), "this test needs the cgroup v1 memory controller"
+    limit = ["--limit", str(EXPORT_LIMIT)]
+    written = launch(tmp_path, tmp_path / "cache", ["weights", "--export", "weights", *limit])
+    assert written.returncode == 0, written.stderr[-4000:]
+    gathered = launch(tmp_path, tmp_path / "cache", ["gathered", "--export", "gathered", *limit])
+    assert gathered.returncode != 0 and not (tmp_path / "gathered" / "rank0.json").exists()
+    assert "Signals.SIGKILL" in gathered.stderr or "-9" in gathered.stderr  # killed by the kernel
+    ranks = [json.loads((tmp_path / "weights" / f"rank{r}.json").read_text()) for r in range(4)]
+    # Each rank's charge while exporting is its share and a block, whatever the file's size. Measured:
+    # rank 0 26 MiB over its share (a block of the embedding, 15.6 MiB, and the 4 MiB of the file not
+    # yet flushed), the others 1.5 MiB; a whole tensor gathered would be 62.5 MiB.
+    assert all(r["made"] <= EXPORT_LIMIT * 2**20 for r in ranks)
+    assert ranks[0]["peak"] <= ranks[0]["held"] + 40 * 2**20
+    assert all(r["peak"] <= r["held"] + 8 * 2**20 for r in ranks[1:])
+    whole = (tmp_path / "weights" / "model.safetensors").stat().st_size
+    assert whole > 2 * EXPORT_LIMIT * 2**20 and sum(r["held"] for r in ranks) >= whole - 2**20
+
+    # The file loads into transformers, and holds the weights a whole fl.init makes in one process.
+    import torch
+    from transformers import LlamaForCausalLM
+
+    import fnloop as fl
+    from tests.exported import exported_model
+
+    model = exported_model()
+    reference = fl.init(model, fl.optim.sgd(0.1), seed=0, max_iter=1, init_weights=model._init_weights)
+    loaded = LlamaForCausalLM.from_pretrained(tmp_path / "weights").state_dict()
+    expected = fl.state_dict(reference, model)
+    assert loaded.keys() == expected.keys()
+    assert all(torch.equal(loaded[k], expected[k]) for k in expected)

@@ -572,9 +572,42 @@ def test_transformers_models_train_block_by_block_and_resume_bit_exact_or_reshar
         assert resumed["began"] == 3
         assert all(torch.equal(resumed["params"][k], run["params"][k]) for k in run["params"])
         assert resumed["losses"] == run["losses"]
+    # The weights written tensor by tensor load into transformers, tied ones tied again.
+    from transformers import AutoModelForCausalLM
+
+    loaded = dict(AutoModelForCausalLM.from_pretrained(language / name).named_parameters())
+    whole = result(language / name)["params"]  # the parameters and buffers, non-persistent ones too
+    assert len(loaded) > 10 and loaded.keys() <= whole.keys()
+    assert all(torch.equal(loaded[k].detach(), whole[k]) for k in loaded)
     one = result(language / f"{name}-one")
     assert one["shards"] == (1, 0) and one["began"] == 3
     # The same global batches in one process: the losses agree up to bf16's rounding.
     assert (
         max(abs(a - b) for a, b in zip(one["losses"], result(language / name)["losses"], strict=True)) < 2e-2
     )
+
+
+@pytest.mark.parametrize(
+    ("launch_", "job", "ranks"),
+    [
+        ("two", "full", 2),
+        ("two", "optimizer", 2),
+        ("two", "dp", 2),
+        ("four", "full-eager", 4),
+        ("four", "hsdp-eager", 4),
+    ],
+)
+def test_the_weights_reach_rank_0_alone_and_a_file_one_tensor_at_a_time_equal_to_the_gathered_ones(
+    request: pytest.FixtureRequest, launch_: str, job: str, ranks: int
+) -> None:
+    import safetensors.torch
+
+    results = request.getfixturevalue(launch_) / job
+    gathered = result(results)["params"]  # fl.state_dict: every rank gathers the whole model
+    written = safetensors.torch.load_file(results / "model.safetensors")
+    assert written.keys() == gathered.keys()
+    assert all(torch.equal(written[k], gathered[k]) for k in gathered)
+    assert result(results)["alone"].keys() == gathered.keys()
+    assert all(torch.equal(result(results)["alone"][k], gathered[k]) for k in gathered)
+    for rank in range(1, ranks):
+        assert result(results, rank)["alone"] == {}
