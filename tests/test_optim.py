@@ -741,7 +741,7 @@ def test_partition_with_its_arguments_swapped_says_so() -> None:
         (lambda t: adamw(1e-3, weight_decay=t), "weight_decay"),
         (lambda t: adam(1e-3, betas=(t, 0.999)), "b1"),
         (lambda t: sgd(0.1, momentum=t), "momentum"),
-        (lambda t: adamw(O.cosine(t, 10)), "lr"),
+        (lambda t: adamw(O.cosine(t, 10)), "lr.base"),
         (lambda t: O.Optimizer(O.chain(O.clip_by_global_norm(t), O.scale_by_learning_rate(0.1))), "max_norm"),
     ],
     ids=["lr", "weight_decay", "betas", "momentum", "schedule", "chain"],
@@ -759,7 +759,8 @@ def test_a_tensor_setting_given_by_hand_is_refused_where_the_optimizer_meets_a_m
     assert new["w"].shape == (2,)
     model = torch.nn.Linear(2, 1)
     with pytest.raises(
-        TypeError, match=rf"init: the optimizer holds a tensor as a setting \(optimizer\..*{path}"
+        TypeError,
+        match=rf"init: the optimizer holds a tensor as a setting, at optimizer\..*{path} \(got tensor",
     ):
         fl.init(model, opt, seed=0, max_iter=1)
     with pytest.raises(TypeError, match=r"train_step: .*fnloop\.optim\.inject"):

@@ -183,7 +183,7 @@ def refuse_tensor_settings(optimizer: Optimizer, where: str) -> None:
     """Raise ``TypeError`` if ``optimizer`` holds a tensor as a setting, naming it and the fix."""
     for path, tensor in tensor_settings(optimizer):
         raise TypeError(
-            f"{where}: the optimizer holds a tensor as a setting ({path} is {got(tensor)}); a "
+            f"{where}: the optimizer holds a tensor as a setting, at {path} ({got(tensor)}); a "
             "setting must be a float or a schedule, not a tensor. A tensor would be baked into the "
             "compiled graph and left out of checkpoints: give a float (lr=1e-3), a schedule "
             "(fnloop.optim.cosine(...)), or keep the value in the state with "
