@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, overload
 
 import attrs
 import torch
@@ -91,13 +91,20 @@ def state_dict(
     return out
 
 
-def unshard(state: TrainState) -> TrainState:
+@overload
+def unshard(state: TrainState, *, rank0_only: Literal[False] = False) -> TrainState: ...
+@overload
+def unshard(state: TrainState, *, rank0_only: bool) -> TrainState | None: ...
+def unshard(state: TrainState, *, rank0_only: bool = False) -> TrainState | None:
     """The whole state of a sharded one: every rank's chunks of each tensor gathered, padding cut off.
 
     A collective: every rank of the run calls it, and each gets the whole
     state (``shards`` is ``None``), its parameters and optimizer state as
-    ``fnloop.init`` without ``shard=`` would have them. A state that is not
-    sharded is returned as it is. ``state_dict`` calls it for a sharded state.
+    ``fnloop.init`` without ``shard=`` would have them. With ``rank0_only``,
+    rank 0 alone gets it, each tensor sent to it one block at a time, and
+    every other rank gets ``None``, holding no more than its share meanwhile.
+    A state that is not sharded is returned as it is (``None`` on the other
+    ranks with ``rank0_only``). ``state_dict`` calls it for a sharded state.
 
     Examples:
         >>> import fnloop as fl
@@ -107,6 +114,15 @@ def unshard(state: TrainState) -> TrainState:
     """
     if type(state) is not TrainState:
         raise TypeError(f"unshard() expected a fnloop.TrainState ({got(state)}).")
+    if type(rank0_only) is not bool:
+        raise TypeError(f"unshard(rank0_only=...) must be a bool ({got(rank0_only)}).")
+    if rank0_only:
+        from fnloop.distributed import rank
+
+        whole_on_rank0 = _whole_on_rank0(state)
+        params = {k: whole_on_rank0(v) for k, v in state.params.items()}
+        opt_state = pytree.tree_map(whole_on_rank0, state.opt_state)
+        return attrs.evolve(state, params=params, opt_state=opt_state, shards=None) if rank() == 0 else None
     if state.shards is None:
         return state
     whole = _gatherer(state)
@@ -151,17 +167,29 @@ def _on_rank0(state: TrainState) -> dict[str, torch.Tensor] | None:
     """``state``'s whole parameters and buffers on rank 0, gathered one at a time; ``None`` elsewhere."""
     from fnloop.distributed import rank
 
+    whole = _whole_on_rank0(state)
+    tensors = {name: whole(t) for name, t in (*state.params.items(), *state.buffers.items())}
+    return tensors if rank() == 0 else None
+
+
+def _whole_on_rank0(state: TrainState) -> Any:
+    """``tensor -> the whole tensor`` on rank 0 (a tensor of ``state`` sent to it one block at a time),
+    and on the other ranks their own tensor, sent; anything else as it is. Called for the same tensors
+    in the same order on every rank."""
     pieces, whole_shape = to_rank0(state)
-    tensors = {}
-    for name, tensor in (*state.params.items(), *state.buffers.items()):
+
+    def whole(tensor: Any) -> Any:
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
         arrived = pieces(tensor, tensor)
         if arrived is None:
-            continue
+            return tensor
         blocks = list(arrived)
-        whole = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
+        joined = blocks[0] if len(blocks) == 1 else torch.cat(blocks)
         rows = whole_shape(tensor)[0] if tensor.ndim else None
-        tensors[name] = whole if rows is None or whole.shape[0] == rows else whole[:rows]
-    return tensors if rank() == 0 else None
+        return joined if rows is None or joined.shape[0] == rows else joined[:rows]
+
+    return whole
 
 
 def _detached(tensor: torch.Tensor) -> torch.Tensor:

@@ -42,8 +42,8 @@ Pieces = Callable[[torch.Tensor, torch.Tensor], "Iterator[torch.Tensor] | None"]
 def to_rank0(state: TrainState) -> tuple[Pieces, Callable[[torch.Tensor], torch.Size]]:
     """How ``state``'s tensors reach rank 0, one block at a time: ``(pieces, whole_shape)``.
 
-    ``pieces(tensor, payload)`` sends ``payload`` (``tensor`` itself, or it
-    cast) to rank 0. For a tensor of the state that holds a chunk, each other
+    ``pieces(tensor, payload)`` sends ``payload`` (``tensor``, a parameter,
+    buffer or optimizer state's tensor of ``state``, itself or cast) to rank 0. For a tensor of the state that holds a chunk, each other
     rank of the first copy sends its chunk (every such rank calls it for the
     same tensors in the same order), and rank 0 gets an iterator of the chunks
     in rank order, each received when the one before has been taken: it holds
@@ -58,7 +58,7 @@ def to_rank0(state: TrainState) -> tuple[Pieces, Callable[[torch.Tensor], torch.
 
     first = rank() == 0
     shards = state.shards
-    chunks = {} if shards is None else sharded_tensors(state.params, {}, shards)
+    chunks = {} if shards is None else sharded_tensors(state.params, state.opt_state, shards)
     if shards is None or not chunks or _group() is None:  # nothing to gather: one process's chunks are whole
         return (lambda tensor, payload: iter([payload]) if first else None), (lambda tensor: tensor.shape)
 

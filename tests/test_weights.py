@@ -98,10 +98,14 @@ def test_bad_arguments_are_refused_with_what_was_expected(tmp_path: Path) -> Non
     assert not (tmp_path / "x").exists()
 
 
-def test_state_dict_of_rank_0_alone_is_the_states_own_tensors_in_one_process() -> None:
+def test_rank_0_alone_in_one_process_is_the_states_own_tensors() -> None:
     model, state = _state()
     alone, every = fl.state_dict(state, model, rank0_only=True), fl.state_dict(state, model)
-    assert list(alone) == list(every) and all(alone[k] is every[k] or alone[k].equal(every[k]) for k in every)
+    assert list(alone) == list(every) and all(alone[k] is every[k] for k in every)
+    sharded = fl.init(model, fl.optim.adamw(0.1), seed=0, max_iter=1, shard="full")
+    whole = fl.unshard(sharded, rank0_only=True)
+    assert whole is not None and whole.shards is None
+    assert all(whole.params[k] is sharded.params[k] for k in sharded.params)  # one rank: the chunks are whole
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +128,14 @@ def test_every_layout_writes_one_file_and_gives_rank_0_alone_the_gathered_weight
     assert ranks[0]["alone"].keys() == whole.keys()
     assert all(torch.equal(ranks[0]["alone"][k], whole[k]) for k in whole)
     assert all(r["alone"] == {} for r in ranks[1:])
+    # unshard(rank0_only=True): rank 0 alone gets the whole state, the parameters and the optimizer's
+    unsharded, alone = ranks[0]["unshard"], ranks[0]["unshard_alone"]
+    assert alone["shards"] is None and unsharded["shards"] is None
+    assert alone["params"].keys() == unsharded["params"].keys()
+    assert all(torch.equal(alone["params"][k], v) for k, v in unsharded["params"].items())
+    assert alone["opt_state"].keys() == unsharded["opt_state"].keys() and len(alone["opt_state"]) > 2
+    assert all(torch.equal(alone["opt_state"][k], v) for k, v in unsharded["opt_state"].items())
+    assert all(r["unshard_alone"] is None for r in ranks[1:])
     written = safetensors.torch.load_file(four / layout / "model.safetensors")
     assert written.keys() == whole.keys()
     for key, value in whole.items():

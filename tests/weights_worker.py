@@ -4,8 +4,8 @@
 
 For each layout (data parallel, ``shard="optimizer"``, ``shard="full"``, and a 2-D mesh of two copies),
 every rank writes ``RESULTS/<layout>/rank{r}.pt``: the whole parameters and buffers every rank
-gathers (``fl.state_dict``), what ``fl.state_dict(rank0_only=True)`` gave it, and whether
-``fl.save_weights`` of the layout (in bfloat16) raised. Rank 0 writes each layout's file; then
+gathers (``fl.state_dict``), what ``fl.state_dict(rank0_only=True)`` gave it, and the same of
+``fl.unshard`` (parameters and optimizer state). Rank 0 writes each layout's file; then
 ``failed``: rank 0's path lies under a regular file, and every rank says what it raised.
 """
 
@@ -34,7 +34,16 @@ def main() -> None:
         fl.save_weights(state, out / name / "model.safetensors", dtype=torch.bfloat16, metadata={"run": name})
         alone = fl.state_dict(state, rank0_only=True)
         whole = fl.state_dict(state)
-        torch.save({"whole": dict(whole), "alone": dict(alone)}, out / name / f"rank{rank}.pt")
+        gathered, to_rank0 = fl.unshard(state), fl.unshard(state, rank0_only=True)
+        torch.save(
+            {
+                "whole": dict(whole),
+                "alone": dict(alone),
+                "unshard": _tensors(gathered),
+                "unshard_alone": None if to_rank0 is None else _tensors(to_rank0),
+            },
+            out / name / f"rank{rank}.pt",
+        )
     blocked = out / "failed" / "file"
     if rank == 0:
         blocked.parent.mkdir(parents=True)
@@ -45,6 +54,18 @@ def main() -> None:
     except OSError as error:
         said = f"{type(error).__name__}: {error}"
     torch.save({"said": said}, out / "failed" / f"rank{rank}.pt")
+
+
+def _tensors(state: fl.TrainState) -> dict:
+    """The parameters and the optimizer state's leaves, by path, and whether the state is whole."""
+    from torch.utils import _pytree as pytree
+
+    leaves = pytree.tree_flatten_with_path(state.opt_state)[0]
+    return {
+        "params": dict(state.params),
+        "opt_state": {pytree.keystr(path): leaf for path, leaf in leaves},
+        "shards": state.shards,
+    }
 
 
 if __name__ == "__main__":
