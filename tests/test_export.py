@@ -182,3 +182,29 @@ def test_the_exported_state_dict_is_a_round_trip():
     back = fl.load_state_dict(fl.init(net(), fl.optim.adamw(0.05), seed=0, max_iter=5), fl.state_dict(final))
     testing.assert_identical(back.params, final.params)
     testing.assert_identical(back.buffers, final.buffers)
+
+
+@pytest.mark.parametrize("backend", [None, "graph"], ids=["eager", "traced"])
+def test_a_module_moved_to_meta_after_init_trains_the_same_bits(backend: str | None) -> None:
+    # After init the step reads the state's tensors, never the module's: model.to("meta") frees the
+    # module's copy (docs/concepts.md#memory-the-modules-own-tensors), and names still resolve.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
+    optimizer = fl.optim.adamw(1e-2)
+    state = fl.init(model, optimizer, seed=0, max_iter=6)
+    data = (torch.randn(24, 4), torch.randint(0, 3, (24,)))
+
+    def loss_fn(forward, batch):
+        return F.cross_entropy(forward(batch[0]), batch[1])
+
+    def trained() -> fl.TrainState:
+        options = {"compile": False} if backend is None else {"backend": backend}
+        step = fl.train_step(model, loss_fn, optimizer, **options)
+        return fl.run(state, step, fl.data.batches(data, batch_size=8, seed=0))
+
+    before = trained()
+    model.to("meta")
+    after = trained()
+    assert all(torch.equal(after.params[k], before.params[k]) for k in before.params)
+    assert all(torch.equal(after.buffers[k], before.buffers[k]) for k in before.buffers)
+    assert list(fl.state_dict(after, model)) == list(fl.state_dict(before))
