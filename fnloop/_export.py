@@ -43,8 +43,8 @@ def state_dict(
 
     Of a sharded state it is a collective (every rank calls it): each rank
     gets the whole model, gathered, or with ``rank0_only`` rank 0 alone does,
-    gathered one tensor at a time, and every other rank an empty dict, holding
-    no more than its share meanwhile (FSDP2's full state dict with
+    each rank's chunks sent to it one at a time, and every other rank an empty
+    dict, holding no more than its share meanwhile (FSDP2's full state dict with
     ``cpu_offload``). To write the weights to a file without any rank holding
     them whole, ``fnloop.save_weights``.
 

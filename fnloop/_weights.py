@@ -1,13 +1,14 @@
-"""The trained weights out of a sharded run without any rank holding them whole: one tensor at a time.
+"""The trained weights out of a sharded run without any rank holding them whole: one block at a time.
 
 ``save_weights`` writes a state's parameters and buffers as one safetensors
 file (what ``from_pretrained`` and ``safetensors.torch.load_file`` read). Of a
-sharded state, each tensor's chunks are gathered to rank 0 one tensor at a
-time and written at their place in the file as they arrive, so rank 0 holds
-its share plus one whole tensor, and every other rank its share alone, as
-FSDP2's full state dict with ``cpu_offload`` (rank 0 only) does.
-``state_dict(state, rank0_only=True)`` gathers the same way into a dict on
-rank 0 alone. See ``docs/export.md#a-model-larger-than-one-rank``.
+sharded state, each rank sends rank 0 its chunk of one tensor after another,
+and rank 0 writes each chunk at its place in the file as it arrives, flushing
+it out of the page cache: rank 0 holds its share plus one chunk, every other
+rank its share alone (FSDP2's full state dict with ``cpu_offload`` holds a
+whole tensor). ``state_dict(state, rank0_only=True)`` and ``unshard(state,
+rank0_only=True)`` take the tensors to rank 0 the same way (``to_rank0``).
+See ``docs/export.md#a-model-larger-than-one-rank``.
 """
 
 from __future__ import annotations
@@ -42,12 +43,12 @@ Pieces = Callable[[torch.Tensor, torch.Tensor], "Iterator[torch.Tensor] | None"]
 def to_rank0(state: TrainState) -> tuple[Pieces, Callable[[torch.Tensor], torch.Size]]:
     """How ``state``'s tensors reach rank 0, one block at a time: ``(pieces, whole_shape)``.
 
-    ``pieces(tensor, payload)`` sends ``payload`` (``tensor``, a parameter,
-    buffer or optimizer state's tensor of ``state``, itself or cast) to rank 0. For a tensor of the state that holds a chunk, each other
-    rank of the first copy sends its chunk (every such rank calls it for the
-    same tensors in the same order), and rank 0 gets an iterator of the chunks
-    in rank order, each received when the one before has been taken: it holds
-    one at a time. The iterator must be run to its end (the senders wait for
+    ``pieces(tensor, payload)`` sends ``payload`` (``tensor`` itself, a
+    parameter, buffer or optimizer state's tensor of ``state``, or it cast) to
+    rank 0. For a tensor that holds a chunk, each other rank of the first copy
+    sends its chunk (every such rank calls it for the same tensors in the same
+    order), and rank 0 gets an iterator of the chunks in rank order, each
+    received when the one before has been taken: it holds one at a time. The iterator must be run to its end (the senders wait for
     it). A whole tensor costs nothing: rank 0 keeps its own.
     ``whole_shape(tensor)`` is the shape of the whole tensor (a chunk's last
     rows are padding beyond it).
@@ -97,7 +98,7 @@ def save_weights(
     """Write ``state``'s parameters and buffers to ``path`` as one safetensors file, tensor by tensor.
 
     With ``model`` (the module the state was built from), the keys of
-    ``model.state_dict()`` in its order, each tensor once: a tied weight under
+    ``model.state_dict()``, each tensor once: a tied weight under
     its first name, as ``save_pretrained`` writes it, and no non-persistent
     buffer; so ``from_pretrained`` of a folder holding this file as
     ``model.safetensors`` and the model's ``config.json`` gives the trained
@@ -107,10 +108,11 @@ def save_weights(
     was there.
 
     A sharded state (``init(..., shard=...)``): a collective, every rank calls
-    it. Each tensor's chunks are gathered to rank 0 alone, one tensor at a
-    time, and written as they arrive: rank 0 holds its share of the state plus
-    one whole tensor, the other ranks their share alone, so a model larger
-    than one rank's memory is exported under the memory it trained in. In a
+    it. Each rank sends rank 0 its chunk of one tensor after another, and
+    rank 0 writes each at its place as it arrives, flushed out of the page
+    cache every 4 MiB: rank 0 holds its share of the state plus one chunk, the
+    other ranks their share alone, so a model larger than one rank's memory is
+    exported under the memory it trained in. In a
     run of several ranks that is not sharded, rank 0 writes; every rank
     returns once the file is whole.
 
