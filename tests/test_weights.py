@@ -1,4 +1,5 @@
-"""``fl.save_weights`` and ``fl.state_dict(rank0_only=True)``: in one process, and on 4 ranks of every layout.
+"""``fl.save_weights``, ``fl.state_dict(rank0_only=True)`` and ``fl.unshard(rank0_only=True)``: in one
+process, and on 4 ranks of every layout.
 
 The memory they take under a limit, on a model twice what a rank may hold, is
 ``tests/test_memory_cap.py``'s; transformers' models written by a sharded run and read back by
@@ -28,7 +29,6 @@ WORKER = str(Path(__file__).with_name("weights_worker.py"))
 def _state() -> tuple[torch.nn.Module, fl.TrainState]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4), torch.nn.Linear(4, 3))
-    model[2].weight = torch.nn.Parameter(torch.randn(3, 4))
     return model, fl.init(model, fl.optim.sgd(0.1), seed=0, max_iter=1)
 
 
