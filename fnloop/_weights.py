@@ -13,7 +13,6 @@ See ``docs/export.md#a-model-larger-than-one-rank``.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -25,7 +24,7 @@ from fnloop._atomic import write_atomically
 from fnloop._core.messages import got
 from fnloop._core.shards import sharded_tensors
 from fnloop._core.state import TrainState
-from fnloop.checkpoint._safetensors import layout
+from fnloop.checkpoint._safetensors import framed, layout
 from fnloop.checkpoint._transfer import _bytes, _pwrite
 
 __all__ = ["model_keys", "module_order", "save_weights", "some_names", "to_rank0"]
@@ -149,7 +148,7 @@ def save_weights(
         isinstance(metadata, Mapping) and all(type(k) is str and type(v) is str for k, v in metadata.items())
     ):
         raise TypeError(f"save_weights(metadata=...) must map str to str ({got(metadata)}).")
-    from fnloop.distributed import rank
+    from fnloop.distributed import broadcast_object, rank
 
     path = Path(path)
     pieces, whole_shape = to_rank0(state)
@@ -174,7 +173,7 @@ def save_weights(
     entries = layout({key: kept_as(tensors[name]) for key, name in names.items()})
     # Every rank gathers in the layout's order; rank 0 writes each tensor as its pieces arrive.
     arriving = ((key, pieces(tensors[names[key]], cast(tensors[names[key]]))) for key in entries)
-    failed, failure = 0, None
+    failure = None
     if rank() == 0:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -182,11 +181,12 @@ def save_weights(
                 path, lambda fd: _write(fd, entries, arriving, {"format": "pt", **(metadata or {})})
             )
         except OSError as error:
-            failed, failure = 1, error
+            failure = error
     for _, blocks in arriving:  # what rank 0 did not take (it failed first), and the other ranks' part
         for _ in blocks or ():
             pass
-    if _all_of(failed):
+    # Rank 0's verdict to every rank: a barrier too, so every rank returns with the file whole.
+    if broadcast_object(failure is not None):
         raise (
             failure
             if failure is not None
@@ -249,10 +249,9 @@ def _write(
     On a failure, the blocks of the tensor at hand are still received; the
     caller receives the rest.
     """
-    text = json.dumps({"__metadata__": metadata, **entries}, separators=(",", ":")).encode()
-    text += b" " * (-(8 + len(text)) % 8)  # tensors start 8-byte aligned, as safetensors does
-    _pwrite(fd, memoryview(len(text).to_bytes(8, "little") + text), 0)
-    start = 8 + len(text)
+    head = framed(metadata, entries)
+    _pwrite(fd, memoryview(head), 0)
+    start = len(head)
     for name, blocks in arriving:
         begin, end = entries[name]["data_offsets"]
         at, failure = start + begin, None
@@ -283,19 +282,3 @@ def _written_out(fd: int, view: memoryview, at: int) -> None:
         if len(piece) >= _SMALL:
             os.fdatasync(fd)
             os.posix_fadvise(fd, at + begin, len(piece), os.POSIX_FADV_DONTNEED)
-
-
-def _all_of(failed: int) -> int:
-    """How many ranks failed, summed over every rank: a barrier too, so every rank returns with the file whole."""
-    import torch.distributed as dist
-
-    from fnloop.distributed import _group
-
-    group = _group()
-    if group is None:
-        return failed
-    flag = torch.tensor([failed], dtype=torch.int64)
-    if dist.get_backend(group) == "nccl":
-        flag = flag.cuda()
-    dist.all_reduce(flag, group=group)
-    return int(flag.item())

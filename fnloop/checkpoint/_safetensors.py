@@ -29,6 +29,7 @@ __all__ = [
     "Entry",
     "check_format",
     "damaged",
+    "framed",
     "header",
     "layout",
     "read_header",
@@ -99,6 +100,17 @@ def header(
         "fnloop.skeleton": skeleton,
         **({} if index is None else {INDEX: index}),
     }
+    return framed(metadata, entries)
+
+
+def framed(metadata: dict[str, str], entries: dict[str, dict[str, Any]]) -> bytes:
+    """A safetensors header of ``metadata`` and ``entries``: its length, then it, padded to 8 bytes.
+
+    Examples:
+        >>> head = framed({"format": "pt"}, {})
+        >>> len(head) % 8, int.from_bytes(head[:8], "little") == len(head) - 8, head[8:].strip()
+        (0, True, b'{"__metadata__":{"format":"pt"}}')
+    """
     text = json.dumps({"__metadata__": metadata, **entries}, separators=(",", ":")).encode()
     text += b" " * (-(8 + len(text)) % 8)  # tensors start 8-byte aligned, as safetensors does
     return len(text).to_bytes(8, "little") + text
