@@ -28,6 +28,7 @@ from fnloop._core.state import (
     with_hook_state,
 )
 from fnloop._core.stateful import stateful
+from fnloop._core.tensor_parallel import TensorParallel
 from fnloop._export import load_state_dict, state_dict, unshard
 from fnloop._lr_find import LRFinding, find_lr
 from fnloop._population import member, members, population
@@ -43,6 +44,7 @@ from fnloop._step.build import (
 )
 from fnloop._step.check import ParameterCheck, StepCheck, check_step
 from fnloop._step.eval import EvalStep, eval_step
+from fnloop._step.tensor_plans import TensorPlan
 from fnloop._version import __version__ as __version__
 from fnloop._weights import save_weights
 from fnloop.checkpoint import load, save
@@ -66,6 +68,8 @@ __all__ = [
     "Schedule",
     "RecompileError",
     "Shards",
+    "TensorParallel",
+    "TensorPlan",
     "SlowStart",
     "Step",
     "StepCheck",

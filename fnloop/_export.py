@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 from fnloop._core.messages import got
 from fnloop._core.shards import sharded_tensors
 from fnloop._core.state import TrainState
+from fnloop._core.tensor_parallel import joined, split_tensors
 from fnloop._weights import model_keys, module_order, some_names, to_rank0
 
 __all__ = ["load_state_dict", "state_dict", "unshard"]
@@ -122,7 +123,14 @@ def unshard(state: TrainState, *, rank0_only: bool = False) -> TrainState | None
         whole_on_rank0 = _whole_on_rank0(state)
         params = {k: whole_on_rank0(v) for k, v in state.params.items()}
         opt_state = pytree.tree_map(whole_on_rank0, state.opt_state)
-        return attrs.evolve(state, params=params, opt_state=opt_state, shards=None) if rank() == 0 else None
+        whole_state = attrs.evolve(state, params=params, opt_state=opt_state, shards=None, tensor=None)
+        return whole_state if rank() == 0 else None
+    if state.tensor is not None:
+        whole = _joiner(state)
+        params = {k: whole(v) for k, v in state.params.items()}
+        return attrs.evolve(
+            state, params=params, opt_state=pytree.tree_map(whole, state.opt_state), tensor=None
+        )
     if state.shards is None:
         return state
     whole = _gatherer(state)
@@ -132,6 +140,9 @@ def unshard(state: TrainState, *, rank0_only: bool = False) -> TrainState | None
 
 def whole_params(state: TrainState) -> dict[str, torch.Tensor]:
     """The whole parameters of ``state``: gathered from every rank if they are sharded (a collective)."""
+    if state.tensor is not None:
+        whole = _joiner(state)
+        return {k: whole(v) for k, v in state.params.items()}
     if state.shards is None or not state.shards.params:
         return dict(state.params)
     whole = _gatherer(state)
@@ -159,6 +170,28 @@ def _gatherer(state: TrainState) -> Any:
             gather(every, tensor.contiguous(), group=group)
             tensor = every
         return tensor[: shards.whole(name)]
+
+    return whole
+
+
+def _joiner(state: TrainState) -> Any:
+    """``tensor -> the whole tensor`` for a tensor-parallel ``state``'s slices, gathered from its copy's ranks."""
+    import torch.distributed as dist
+
+    from fnloop.distributed import tensor_groups
+
+    tensor = state.tensor
+    assert tensor is not None
+    split = split_tensors(state.params, state.opt_state, tensor)
+    group = tensor_groups(tensor.degree)[0]
+
+    def whole(t: Any) -> Any:
+        name = split.get(id(t))
+        if name is None or group is None:
+            return t
+        every = [torch.empty_like(t) for _ in range(tensor.degree)]
+        dist.all_gather(every, t.contiguous(), group=group)
+        return joined(every, *tensor.split(name))
 
     return whole
 

@@ -24,6 +24,7 @@ from fnloop._atomic import write_atomically
 from fnloop._core.messages import got
 from fnloop._core.shards import sharded_tensors
 from fnloop._core.state import TrainState
+from fnloop._core.tensor_parallel import TensorParallel, joined, split_tensors
 from fnloop.checkpoint._safetensors import framed, layout
 from fnloop.checkpoint._transfer import _bytes, _pwrite
 
@@ -57,6 +58,8 @@ def to_rank0(state: TrainState) -> tuple[Pieces, Callable[[torch.Tensor], torch.
     from fnloop.distributed import _group, rank
 
     first = rank() == 0
+    if state.tensor is not None and _group() is not None:
+        return _slices_to_rank0(state, state.tensor, first)
     shards = state.shards
     chunks = {} if shards is None else sharded_tensors(state.params, state.opt_state, shards)
     if shards is None or not chunks or _group() is None:  # nothing to gather: one process's chunks are whole
@@ -82,6 +85,41 @@ def to_rank0(state: TrainState) -> tuple[Pieces, Callable[[torch.Tensor], torch.
     def whole_shape(tensor: torch.Tensor) -> torch.Size:
         name = chunks.get(id(tensor))
         return tensor.shape if name is None else torch.Size((shards.whole(name), *tensor.shape[1:]))
+
+    return pieces, whole_shape
+
+
+def _slices_to_rank0(
+    state: TrainState, tensor: TensorParallel, first: bool
+) -> tuple[Pieces, Callable[[torch.Tensor], torch.Size]]:
+    """``to_rank0`` of a tensor-parallel state: each split tensor's slices sent to rank 0 by the first copy's ranks, joined there."""
+    import torch.distributed as dist
+
+    from fnloop.distributed import rank
+
+    split = split_tensors(state.params, state.opt_state, tensor)
+    sends = rank() < tensor.degree  # the first copy: ranks 0 .. degree - 1
+
+    def pieces(t: torch.Tensor, payload: torch.Tensor) -> Iterator[torch.Tensor] | None:
+        name = split.get(id(t))
+        if name is None:
+            return iter([payload]) if first else None
+        if first:
+            slices = [payload.contiguous()]
+            for source in range(1, tensor.degree):
+                slices.append(torch.empty_like(slices[0]))
+                dist.recv(slices[-1], src=source)
+            return iter([joined(slices, *tensor.split(name))])
+        if sends:
+            dist.send(payload.contiguous(), dst=0)
+        return None
+
+    def whole_shape(t: torch.Tensor) -> torch.Size:
+        name = split.get(id(t))
+        if name is None:
+            return t.shape
+        dim, _ = tensor.split(name)
+        return torch.Size((*t.shape[:dim], t.shape[dim] * tensor.degree, *t.shape[dim + 1 :]))
 
     return pieces, whole_shape
 

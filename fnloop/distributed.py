@@ -175,6 +175,20 @@ def mesh_groups(replicas: int) -> tuple[Any, Any]:
     return _meshes[key]
 
 
+def tensor_groups(degree: int) -> tuple[Any, Any]:
+    """This rank's groups of a tensor-parallel run: ``(the ranks splitting its copy's layers, the copies)``.
+
+    Blocks of ``degree`` consecutive ranks split the layers (a machine's
+    processes, where the fast links are); the second group links the ranks
+    of the same place in each copy (``None`` for one copy). Made on first use,
+    by every rank.
+    """
+    world = world_size()
+    if world == degree:
+        return _group(), None
+    return mesh_groups(world // degree)
+
+
 def rank() -> int:
     """This process's rank (0 in a single process)."""
     setup()

@@ -24,6 +24,8 @@ OWNERS = {
     "collectives.py",
     "units.py",
     "inputs.py",  # the door that reads a call
+    "tensor.py",
+    "tensor_plans.py",
 }
 LAYOUT_WORDS = re.compile(r"shard|group|replica|slice|unit|total|tree")
 KERNEL_WORDS = re.compile(r"shard|block|slice|unit|member|replica")
@@ -66,7 +68,16 @@ def test_no_import_cycle_among_the_steps_modules() -> None:
 
 
 def test_no_transformation_imports_another() -> None:
-    transformations = {"accumulate", "replicas", "sharding", "blocks", "invariant", "members", "statistics"}
+    transformations = {
+        "accumulate",
+        "replicas",
+        "sharding",
+        "blocks",
+        "invariant",
+        "members",
+        "statistics",
+        "tensor",
+    }
     for name in transformations:
         imported = _imports(STEP / f"{name}.py") & transformations
         assert not imported, f"{name}.py imports {sorted(imported)}: give it what it needs as an argument"

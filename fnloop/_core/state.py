@@ -14,6 +14,7 @@ from fnloop._core.messages import got, non_negative_int
 from fnloop._core.metrics import Metrics, Scalar
 from fnloop._core.population import Population
 from fnloop._core.shards import Shards
+from fnloop._core.tensor_parallel import TensorParallel
 
 _new = object.__new__
 _set = object.__setattr__
@@ -73,6 +74,14 @@ def _shards(instance: object, attribute: attrs.Attribute, value: object) -> None
         raise TypeError(
             f"'{attribute.name}' must be a fnloop.Shards or None ({got(value)}); fnloop.init(..., "
             "shard=...) builds a sharded state."
+        )
+
+
+def _tensor(instance: object, attribute: attrs.Attribute, value: object) -> None:
+    if value is not None and type(value) is not TensorParallel:
+        raise TypeError(
+            f"'{attribute.name}' must be a fnloop.TensorParallel or None ({got(value)}); "
+            "fnloop.init(..., tensor=...) builds a tensor-parallel state."
         )
 
 
@@ -241,6 +250,9 @@ class TrainState:
         shards: how the state is split across ranks (a ``Shards``), or ``None``
             for a whole state. ``fnloop.init(..., shard=...)`` sets it; a
             checkpoint records it in its index, not in the state's entries.
+        tensor: how the state's layers are split across a group of ranks
+            (tensor parallelism, a ``TensorParallel``), or ``None``.
+            ``fnloop.init(..., tensor=...)`` sets it.
         population: for a population's state (``fnloop.population``), its
             members (a ``Population``): the tensors then hold every member's,
             stacked on a new first dimension. ``None`` for a single run.
@@ -270,6 +282,7 @@ class TrainState:
     extra: Any = None
     config: Mapping[str, Any] | None = attrs.field(default=None, converter=plain)
     shards: Shards | None = attrs.field(default=None, validator=_shards)
+    tensor: TensorParallel | None = attrs.field(default=None, validator=_tensor)
     population: Population | None = attrs.field(default=None, validator=_population)
     clock: Clock = attrs.field(default=_STOPPED, validator=_clock)
     effects: tuple[Effect, ...] = attrs.field(default=(), validator=_effects)

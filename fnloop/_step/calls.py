@@ -64,7 +64,7 @@ class Recording(NamedTuple):
 
 
 Eager = Callable[..., tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
-"""The kernel run eagerly on one run's tensors: ``(params, buffers, opt_state, iteration, batch, shards)``."""
+"""The kernel run eagerly on one run's tensors: ``(params, buffers, opt_state, iteration, batch, layout)``."""
 
 Tensor = Callable[[Any, Callable[[], torch.Tensor]], torch.Tensor]
 """A long-lived input tensor by key, made once (``Memo.tensor``)."""
@@ -171,9 +171,7 @@ class _OneRun:
         layout: Layout,
     ) -> Outputs:
         with seeded(iteration.device, state.rng, state.iteration, rank):
-            return Outputs(
-                *function(state.params, state.buffers, state.opt_state, iteration, batch, layout.shards)
-            )
+            return Outputs(*function(state.params, state.buffers, state.opt_state, iteration, batch, layout))
 
     def inputs(
         self,

@@ -46,12 +46,15 @@ class Groups:
             chunks' gradients are all-reduced; ``None``: one copy.
         size: the number of ranks in ``every``; 1 in one process, where
             the groups are ``None`` and nothing is exchanged.
+        tensor: the ranks that split each layer of one copy of the model
+            (tensor parallelism), ``every`` then linking the copies; ``None``: none.
     """
 
     every: Any = None
     shard: Any = None
     across: Any = None
     size: int = 1
+    tensor: Any = None
 
 
 def groups_of(replicas: int, ranks: int, group: Any) -> Groups:

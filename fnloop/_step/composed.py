@@ -13,7 +13,6 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from fnloop._core.shards import Shards
 from fnloop._step.kernel import Gradient, Kernel, Stepped, Update, UpdateStage, state_of
 from fnloop._step.layout import Layout
 from fnloop._step.members import only_training
@@ -58,7 +57,7 @@ def _composed(
 
 
 def in_place(kernel: Kernel, plan: Plan, group: Any) -> Callable[..., Any]:
-    """The step run eagerly on a single run's state it may write into: ``(..., batch, shards) -> (loss, finite, metrics)``.
+    """The step run eagerly on a single run's state it may write into: ``(..., batch, layout) -> (loss, finite, metrics)``.
 
     Whether the step is finite is read on the host (free on a CPU; one sync
     per step on a GPU), and a finite one updates params and optimizer state
@@ -70,14 +69,15 @@ def in_place(kernel: Kernel, plan: Plan, group: Any) -> Callable[..., Any]:
     """
     # Per layout, built once: whether the step writes in place, and what it runs (the gradient
     # stage then, else the pure step).
-    places: dict[Shards | None, tuple[bool, Callable[..., Any]]] = {}
+    places: dict[Layout, tuple[bool, Callable[..., Any]]] = {}
 
-    def placed(shards: Shards | None) -> tuple[bool, Callable[..., Any]]:
-        found = places.get(shards)
+    def placed(layout: Layout) -> tuple[bool, Callable[..., Any]]:
+        key = Layout(shards=layout.shards, tensor=layout.tensor)  # what the eager step depends on
+        found = places.get(key)
         if found is None:
-            placement = Placement.of(plan, Layout(shards=shards), group)
+            placement = Placement.of(plan, key, group)
             writes = placement.writes_in_place(kernel)
-            found = places[shards] = (
+            found = places[key] = (
                 writes,
                 placement.gradient(kernel) if writes else transformed(kernel, placement),
             )
@@ -89,9 +89,9 @@ def in_place(kernel: Kernel, plan: Plan, group: Any) -> Callable[..., Any]:
         opt_state: Any,
         iteration: torch.Tensor,
         batch: Any,
-        shards: Shards | None,
+        layout: Layout,
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        writes, run = placed(shards)
+        writes, run = placed(layout)
         if not writes:  # the pure step, written into the state
             stepped = run(params, buffers, opt_state, iteration, batch)
             if stepped.finite:

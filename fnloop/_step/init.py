@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -11,11 +12,13 @@ from fnloop._core.config import plain
 from fnloop._core.messages import got
 from fnloop._core.shards import Shards
 from fnloop._core.state import TrainState
+from fnloop._core.tensor_parallel import TensorParallel, local_slice
 from fnloop._step.eval import plain_module
 from fnloop._step.kernel import frozen
 from fnloop._step.materialize import InitWeights, is_meta, materialized
-from fnloop._step.placement import state_shards
-from fnloop._step.sharding import kept_of, parts
+from fnloop._step.sharding import kept_of, parts, state_shards
+from fnloop._step.tensor import tensor_slices
+from fnloop._step.tensor_plans import TensorPlan, tensor_layout
 from fnloop.distributed import broadcast_tensors
 from fnloop.optim import Optimizer
 from fnloop.optim._inject import refuse_tensor_settings
@@ -34,6 +37,8 @@ def init(
     shard: str | None = None,
     replicate: int = 1,
     init_weights: InitWeights | None = None,
+    tensor: int = 1,
+    tensor_plan: TensorPlan | Mapping[str, Any] | None = None,
 ) -> TrainState:
     """A state for training ``model`` with ``optimizer`` from iteration 0.
 
@@ -76,6 +81,16 @@ def init(
             state needs it (this rank's rows, when sharded), from a seed of
             ``seed`` and the module's name. See
             ``docs/distributed.md#a-model-larger-than-one-process``.
+        tensor: split each layer of the plan across this many consecutive
+            ranks (tensor parallelism, Megatron-LM's; torchtitan's
+            ``tensor_parallel_degree``); the world is ``tensor`` times the
+            number of copies, which train as data parallel. ``state.tensor``
+            records the split. See ``docs/distributed.md#tensor-parallelism``.
+        tensor_plan: how the layers are split (a ``TensorPlan``, or its
+            ``layers`` dict: module pattern -> ``"colwise"``, ``"rowwise"``,
+            ``"gathered"``, ``"vocab"``, or torch's ``ColwiseParallel()`` /
+            ``RowwiseParallel()``); ``None``: the built-in plan of a
+            ``transformers`` Llama, Mistral, Qwen2 or GPT-2.
 
     Examples:
         >>> import fnloop as fl
@@ -101,14 +116,15 @@ def init(
     if init_weights is not None and not callable(init_weights):
         raise TypeError(f"init(init_weights=...) must be a function of a module ({got(init_weights)}).")
     shards = state_shards(shard, replicate, dict(model.named_parameters()))
+    split = tensor_layout(model, tensor, tensor_plan, shards)
     if is_meta(model):  # made here, module by module, each rank's part kept
-        params, buffers, trained = _materialized(model, seed, init_weights, shards)
+        params, buffers, trained = _materialized(model, seed, init_weights, shards, split)
     else:
         params = {name: p.detach().clone() for name, p in model.named_parameters()}
         buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
         # Data parallel: every rank starts from rank 0's initialization, as DistributedDataParallel does.
         broadcast_tensors([*params.values(), *buffers.values()])
-        params, trained = parts(params, shards)
+        params, trained = parts(params if split is None else tensor_slices(params, split), shards)
     return TrainState(
         max_iter=max_iter,
         params=params,
@@ -118,22 +134,43 @@ def init(
         extra=extra,
         config=config,
         shards=shards,
+        tensor=split,
     )
 
 
 def _materialized(
-    model: torch.nn.Module, seed: int, init_weights: InitWeights | None, shards: Shards | None
+    model: torch.nn.Module,
+    seed: int,
+    init_weights: InitWeights | None,
+    shards: Shards | None,
+    split: TensorParallel | None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """The params, buffers and trained tensors of a model on the meta device, made module by module.
 
-    Only with ``shard="full"`` is a parameter kept as this rank's chunk alone.
+    Only with ``shard="full"`` is a parameter kept as this rank's chunk alone,
+    and with ``tensor`` as this rank's slice.
     """
     params: dict[str, torch.Tensor] = {}
     buffers: dict[str, torch.Tensor] = {}
-    for name, tensor, parameter in materialized(model, seed, init_weights, kept_of(shards)):
+    keep = kept_of(shards)
+    if split is not None:
+        keep = _slicing(split)
+    for name, tensor, parameter in materialized(model, seed, init_weights, keep):
         (params if parameter else buffers)[name] = tensor
     params, trained = parts({name: params[name] for name, _ in model.named_parameters()}, shards, made=True)
     return params, buffers, trained
+
+
+def _slicing(split: TensorParallel) -> Callable[[str, torch.Tensor], torch.Tensor]:
+    """What a rank keeps of a tensor made whole: its slice of a split parameter, else a copy."""
+    dims = {n: (dim, parts) for n, dim, parts in split.params}
+
+    def kept(name: str, whole: torch.Tensor) -> torch.Tensor:
+        if name in dims:
+            return local_slice(whole, *dims[name], split.degree, split.rank)
+        return whole.clone()
+
+    return kept
 
 
 def _refuse_fsdp(model: torch.nn.Module) -> None:

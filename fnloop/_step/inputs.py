@@ -16,6 +16,7 @@ from fnloop._compile import flatten_batch
 from fnloop._core.population import PerMember, Population
 from fnloop._core.shards import Shards
 from fnloop._core.state import TrainState
+from fnloop._core.tensor_parallel import TensorParallel
 from fnloop._step.layout import Layout
 
 __all__ = ["member_batch", "members_layout", "one_run_layout", "stacked"]
@@ -31,22 +32,29 @@ def one_run_layout(
     """
     for batch in batches:
         _not_per_member(batch)
-    return _layout(None, True, _sharded(state, rank, world), len(batches) if scan else 1, stop, ())
+    steps = len(batches) if scan else 1
+    return _layout(None, True, _sharded(state, rank, world), steps, stop, (), _split(state, rank, world))
 
 
 def members_layout(state: TrainState, batches: Sequence[Any], *, world: int, stop: bool) -> Layout:
     """The layout of a call of the step on a population's ``state``, checked: one step, given which members train."""
     population = _population_of(state, world)
     shared = type(batches[0]) is not PerMember
-    return _layout(population.size, shared, None, 1, stop, ("which members train",))
+    return _layout(population.size, shared, None, 1, stop, ("which members train",), None)
 
 
 @functools.lru_cache(maxsize=256)
 def _layout(
-    members: int | None, shared: bool, shards: Shards | None, steps: int, stop: bool, given: tuple[str, ...]
+    members: int | None,
+    shared: bool,
+    shards: Shards | None,
+    steps: int,
+    stop: bool,
+    given: tuple[str, ...],
+    tensor: TensorParallel | None,
 ) -> Layout:
     # One object per distinct layout: a call's compiled graph is found by comparing it with the last call's.
-    return Layout(members, shared, shards, steps, stop, given)
+    return Layout(members, shared, shards, steps, stop, given, tensor)
 
 
 def member_batch(batch: Any, population: Population, i: int) -> Any:
@@ -70,11 +78,26 @@ def _sharded(state: TrainState, rank: int, world: int) -> Shards | None:
     return shards
 
 
+def _split(state: TrainState, rank: int, world: int) -> TensorParallel | None:
+    """The state's ``TensorParallel`` layout, checked against the process group this process is in."""
+    tensor = state.tensor
+    if tensor is None:
+        return None
+    if world % tensor.degree or rank % tensor.degree != tensor.rank:
+        raise ValueError(
+            f"the state holds rank {tensor.rank}'s slices of a model split over {tensor.degree} ranks "
+            f"(tensor parallelism), but this process is rank {rank} of {world}. A tensor-parallel "
+            "state trains on the ranks it was built for: build it with fnloop.init(..., tensor=...) "
+            "on each rank of this run."
+        )
+    return tensor
+
+
 def _population_of(state: TrainState, world: int) -> Population:
     """The state's ``Population``, refused where a population's step does not run yet."""
     population = state.population
     assert population is not None
-    if state.shards is not None or world > 1:
+    if state.shards is not None or state.tensor is not None or world > 1:
         raise ValueError(
             "a population's step runs in a single process: its members are the batch of one step, "
             "not shards or replicas of one another. Train the population without torchrun and "

@@ -11,6 +11,7 @@ from __future__ import annotations
 import attrs
 
 from fnloop._core.shards import Shards
+from fnloop._core.tensor_parallel import TensorParallel
 
 __all__ = ["Layout"]
 
@@ -28,6 +29,7 @@ class Layout:
         given: what the step is given beside the state, the iteration, the
             seeds and the batch, one tensor each, named for a message (a
             population's: which members train).
+        tensor: the state's tensor-parallel layout, or ``None``.
     """
 
     members: int | None = None
@@ -36,3 +38,4 @@ class Layout:
     steps: int = 1
     stop: bool = True
     given: tuple[str, ...] = ()
+    tensor: TensorParallel | None = None

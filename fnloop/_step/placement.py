@@ -16,6 +16,7 @@ running the gradient stage::
     sliced            value_and_grad -> sliced (invariant.py)                   invariant
     sliced, gathered  ... -> on_whole_params                                    invariant, "full", at once
     sliced blocks     value_and_grad(held by blocks, tree) -> sliced(summed)    invariant, "full", in blocks
+    tensor            value_and_grad(held in slices) -> accumulated [-> replicated]  tensor parallel [x copies]
 
 and hands out the rest from the same record: the update stage (the
 optimizer's, with its sums over the model, ``total``; the statistics'
@@ -36,7 +37,7 @@ import attrs
 import torch
 
 from fnloop._core.messages import got
-from fnloop._core.shards import MODES, Shards
+from fnloop._core.shards import Shards
 from fnloop._step.accumulate import accumulated
 from fnloop._step.blocks import blockwise, held_by_blocks
 from fnloop._step.collectives import Groups, all_ranks, groups_of, summed
@@ -48,10 +49,11 @@ from fnloop._step.replicas import replicated
 from fnloop._step.seeds import slice_seeds, step_seed
 from fnloop._step.sharding import on_whole_params, sharded_gradient, sharded_update
 from fnloop._step.statistics import Squares, with_statistics
+from fnloop._step.tensor import TensorSquares, tensor_hold, tensor_parallel_groups
 from fnloop._step.units import Units
-from fnloop.distributed import mesh_groups, rank, world_size
+from fnloop.distributed import world_size
 
-__all__ = ["Placement", "Plan", "checked_slices", "state_shards"]
+__all__ = ["Placement", "Plan", "checked_slices"]
 
 
 _WHOLE_UNDER_INVARIANT = (
@@ -88,6 +90,12 @@ class Plan:
         """A world-size-invariant step runs a single run's whole state, or one sharded over every rank; refuse the rest."""
         if self.slices is None:
             return
+        if layout.tensor is not None:
+            raise ValueError(
+                f"train_step(invariant={self.slices}) on a tensor-parallel state (init(..., tensor="
+                f"{layout.tensor.degree})): the invariant mode runs whole or sharded states, not "
+                "layers split across ranks. Leave invariant out, or tensor out of init."
+            )
         if layout.members is not None:
             raise ValueError(
                 f"train_step(invariant={self.slices}) on a population: a population runs in one "
@@ -139,8 +147,10 @@ class Placement:
     def of(cls, plan: Plan, layout: Layout, group: Any) -> Placement:
         """The placement of ``layout`` under ``plan``, checked once."""
         plan.check(layout)
-        shards = layout.shards
-        if shards is not None:
+        shards, tensor = layout.shards, layout.tensor
+        if tensor is not None:
+            groups = tensor_parallel_groups(tensor.degree, torch.distributed.get_world_size(group))
+        elif shards is not None:
             groups = groups_of(shards.replicas, shards.ranks, group)
         elif group is not None:
             groups = Groups(group, None, None, torch.distributed.get_world_size(group))
@@ -163,6 +173,8 @@ class Placement:
         many = self.group is not None
         if self.layout.members is not None:
             return "members"
+        if self.layout.tensor is not None:
+            return "tensor"
         gathers = shards is not None and shards.params and many  # a "full" state's chunks, gathered
         if slices is not None:
             if gathers and self.in_blocks:
@@ -199,6 +211,10 @@ class Placement:
         if self.plan.slices is not None:  # each tensor's rows' squares, in one order at any world size
             rows = RowSquares(self.chunks, None if self.layout.shards is None else self.group)
             return rows, Squares(functools.partial(_row_squares, rows))
+        tensor = self.layout.tensor
+        if tensor is not None:  # this rank's slices, and the whole tensors counted once
+            squares = TensorSquares(tensor.names, tensor.rank == 0, self.groups.tensor)
+            return squares, Squares(squares.statistics, squares)
         if self.layout.shards is not None and self.group is not None:  # this rank's chunks, all-reduced
             total = functools.partial(summed, group=self.groups.shard)
             names, world = self.chunks.names, float(self.chunks.world)
@@ -234,6 +250,8 @@ class Placement:
             return member_finite(kernel)
         if self.layout.shards is not None and self.group is not None:
             return lambda loss, grads: all_ranks(kernel.finite(loss, grads), self.group)
+        if self.layout.tensor is not None:  # each rank of a copy saw its slices
+            return lambda loss, grads: all_ranks(kernel.finite(loss, grads), self.groups.tensor)
         return kernel.finite
 
     def writes_in_place(self, kernel: Kernel) -> bool:
@@ -272,6 +290,14 @@ def _blocks(p: Placement, kernel: Kernel) -> Gradient:
     return blockwise(gradient, shards, p.groups)
 
 
+def _tensor(p: Placement, kernel: Kernel) -> Gradient:
+    tensor = p.layout.tensor
+    assert tensor is not None
+    hold = tensor_hold(kernel.model, tensor, p.groups.tensor)
+    gradient = accumulated(value_and_grad(kernel.forward, kernel.fixed, hold=hold), kernel.accumulate)
+    return gradient if p.groups.every is None else replicated(gradient, p.groups.every)
+
+
 def _sliced(p: Placement, kernel: Kernel) -> Gradient:
     assert p.plan.slices is not None
     return sliced(_value_and_grad(kernel), p.plan.slices, p.group, p.chunks, low_bits=p.in_blocks)
@@ -301,6 +327,7 @@ _GRADIENTS: dict[str, Callable[[Placement, Kernel], Gradient]] = {
     "sliced": _sliced,
     "sliced, gathered": _sliced_gathered,
     "sliced blocks": _sliced_blocks,
+    "tensor": _tensor,
 }
 """The table: each row's gradient stage."""
 
@@ -352,37 +379,3 @@ def checked_slices(slices: object, accumulate: int) -> int:
             f"{math.lcm(slices, world)}, the same in every launch)."
         )
     return slices
-
-
-def state_shards(mode: str | None, replicate: int, params: dict[str, torch.Tensor]) -> Shards | None:
-    """The layout ``init(..., shard=mode, replicate=replicate)`` gives ``params`` on this process's rank."""
-    if type(replicate) is not int or replicate < 1:
-        raise ValueError(
-            f"init(replicate=...) must be a positive int: the copies of a sharded state ({got(replicate)})."
-        )
-    if mode is None:
-        if replicate != 1:
-            raise ValueError(
-                f"init(replicate={replicate}) keeps copies of a sharded state, but shard is None: "
-                "pass shard='full' (or 'optimizer') with it, or leave replicate out (data parallel "
-                "replicates the whole state on every rank already)."
-            )
-        return None
-    if mode not in MODES:
-        raise ValueError(
-            f"init(shard=...) must be None, or one of {MODES}: 'full' shards parameters, gradients "
-            f"and optimizer state, 'optimizer' gradients and optimizer state ({got(mode)})."
-        )
-    rows = {k: v.shape[0] for k, v in params.items() if v.ndim and v.is_floating_point()}
-    world, at = world_size(), rank()
-    if world % replicate:
-        raise ValueError(
-            f"init(replicate={replicate}): the {world} rank(s) of this run do not split into "
-            f"{replicate} equal blocks. Pass a replicate that divides the world size (the number "
-            "of machines, say, with every machine's processes sharding one copy)."
-        )
-    if replicate == 1:
-        return Shards(mode, world, at, rows)
-    mesh_groups(replicate)  # made now, by every rank together (new_group is a collective)
-    per = world // replicate
-    return Shards(mode, per, at % per, rows, replicas=replicate, replica=at // per)

@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from fnloop._core.shards import Shards
+from fnloop._core.messages import got
+from fnloop._core.shards import MODES, Shards
 from fnloop._step.collectives import (
     Groups,
     across_copies,
@@ -39,8 +40,10 @@ from fnloop._step.collectives import (
     reduce_scatter,
 )
 from fnloop._step.kernel import Gradient, Grads, Updated, UpdateStage
+from fnloop.distributed import mesh_groups, rank, world_size
 
 __all__ = [
+    "state_shards",
     "kept_of",
     "parts",
     "chunk",
@@ -183,3 +186,37 @@ def kept_of(shards: Shards | None) -> Callable[[str, torch.Tensor], torch.Tensor
         return chunk(whole, shards, name) if name in split else whole.clone()  # type: ignore[arg-type]
 
     return kept
+
+
+def state_shards(mode: str | None, replicate: int, params: dict[str, torch.Tensor]) -> Shards | None:
+    """The layout ``init(..., shard=mode, replicate=replicate)`` gives ``params`` on this process's rank."""
+    if type(replicate) is not int or replicate < 1:
+        raise ValueError(
+            f"init(replicate=...) must be a positive int: the copies of a sharded state ({got(replicate)})."
+        )
+    if mode is None:
+        if replicate != 1:
+            raise ValueError(
+                f"init(replicate={replicate}) keeps copies of a sharded state, but shard is None: "
+                "pass shard='full' (or 'optimizer') with it, or leave replicate out (data parallel "
+                "replicates the whole state on every rank already)."
+            )
+        return None
+    if mode not in MODES:
+        raise ValueError(
+            f"init(shard=...) must be None, or one of {MODES}: 'full' shards parameters, gradients "
+            f"and optimizer state, 'optimizer' gradients and optimizer state ({got(mode)})."
+        )
+    rows = {k: v.shape[0] for k, v in params.items() if v.ndim and v.is_floating_point()}
+    world, at = world_size(), rank()
+    if world % replicate:
+        raise ValueError(
+            f"init(replicate={replicate}): the {world} rank(s) of this run do not split into "
+            f"{replicate} equal blocks. Pass a replicate that divides the world size (the number "
+            "of machines, say, with every machine's processes sharding one copy)."
+        )
+    if replicate == 1:
+        return Shards(mode, world, at, rows)
+    mesh_groups(replicate)  # made now, by every rank together (new_group is a collective)
+    per = world // replicate
+    return Shards(mode, per, at % per, rows, replicas=replicate, replica=at // per)

@@ -218,7 +218,8 @@ class TrainStep(Applied):
         if not self.model.training:
             self.model.train()
         i, params, buffers = state.iteration, state.params, state.buffers
-        rank = self.plan.seed_rank(self.rank)
+        # The ranks splitting one copy of a layer draw alike: a whole tensor's dropout is one mask.
+        rank = self.plan.seed_rank(self.rank if layout.tensor is None else self.rank // layout.tensor.degree)
         device = leaves[0].device if leaves else _device(params)
         iteration = self._memo.tensor(("iteration", device), lambda: _zero(device))
         iteration.fill_(i)

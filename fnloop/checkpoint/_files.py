@@ -152,6 +152,13 @@ def save(state: TrainState, path: StrPath) -> Path:
             "code, which a checkpoint does not hold. Save from an effect (the fold performs effects on "
             "the state with its effects cleared), or drop them: attrs.evolve(state, effects=())."
         )
+    if state.tensor is not None:
+        raise NotImplementedError(
+            f"save(): this state is rank {state.tensor.rank}'s slices of a model split over "
+            f"{state.tensor.degree} ranks (init(..., tensor={state.tensor.degree})), and checkpoints of "
+            "tensor-parallel states are not supported yet: a file of one rank's slices could not be "
+            "resumed. Train without checkpoints for now, or without tensor=."
+        )
     if state.shards is not None:
         return save_sharded(state, Path(path), write_file)
     skeleton, tensors = encode_state(state)

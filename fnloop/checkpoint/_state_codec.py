@@ -23,9 +23,12 @@ from fnloop.checkpoint._fill import as_plain, describe, fill, mismatch
 
 __all__ = ["STATE_FIELDS", "encode_state", "encode_state_keyed", "fill_state"]
 
-STATE_FIELDS = tuple(f.name for f in attrs.fields(TrainState) if f.name not in ("effects", "clock", "shards"))
+STATE_FIELDS = tuple(
+    f.name for f in attrs.fields(TrainState) if f.name not in ("effects", "clock", "shards", "tensor")
+)
 """The fields of TrainState a checkpoint's entries hold: all but ``effects``, which carry code, ``clock``,
-and ``shards``, which a sharded checkpoint's index holds (``fnloop.checkpoint._sharded``)."""
+``shards``, which a sharded checkpoint's index holds (``fnloop.checkpoint._sharded``), and ``tensor``
+(a tensor-parallel state is not saved yet)."""
 
 _DROPPED = ("time",)
 """Entries files of earlier versions hold and this one reads past: the clock's ``time`` was saved then."""
@@ -85,7 +88,7 @@ def fill_state(raw: Any, like: TrainState, where: str, shards: Shards | None = N
         else:
             values[name] = fill(raw[name], getattr(like, name), at)
     try:
-        return TrainState(**values, shards=like.shards)
+        return TrainState(**values, shards=like.shards, tensor=like.tensor)
     except (TypeError, ValueError) as exc:
         raise mismatch(where, f"the saved fields do not make a TrainState: {exc}") from exc
 

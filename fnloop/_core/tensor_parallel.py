@@ -1,0 +1,106 @@
+"""How a tensor-parallel state is split: ``TensorParallel``, plain data kept in ``TrainState.tensor``.
+
+Each group of ``degree`` consecutive ranks holds one copy of the model with
+its tensor-parallel layers split among them, Megatron-LM's layout: a
+column-wise layer's output features (and bias), a row-wise layer's input
+features, an embedding's vocabulary rows. Rank ``r`` of the group holds the
+``r``-th of ``degree`` equal slices of each split dimension; a tensor made of
+``parts`` projections side by side (GPT-2's fused query-key-value) holds the
+``r``-th slice of each part, in order. The other tensors (norms, a row-wise
+layer's bias) are whole on every rank. The groups are copies of one another:
+data parallel across them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+from torch.utils import _pytree as pytree
+
+__all__ = ["TensorParallel", "joined", "local_slice", "split_tensors"]
+
+
+@attrs.frozen(cache_hash=True)
+class TensorParallel:
+    """The layout of a tensor-parallel state: which layers are split, how, and which rank's slices this is.
+
+    Args:
+        degree: how many ranks split each layer (``T``); the world is
+            ``degree`` times the number of copies.
+        rank: this rank's place in its group, ``0 .. degree - 1``.
+        layers: ``(module name, style, parts)`` for each split module: the
+            style (``"colwise"``, ``"rowwise"``, ``"gathered"``, ``"vocab"``)
+            says which dimension is split and which collective runs around it.
+        divided: ``(module name, attribute)``: module attributes that count
+            what is split (heads, a fused projection's width), divided by
+            ``degree`` while the step runs.
+        params: ``(parameter name, dimension, parts)`` for each split parameter.
+
+    Examples:
+        >>> t = TensorParallel(2, 1, (("fc", "colwise", 1),), (), (("fc.weight", 0, 1),))
+        >>> t.split("fc.weight"), t.names
+        ((0, 1), frozenset({'fc.weight'}))
+    """
+
+    degree: int
+    rank: int
+    layers: tuple[tuple[str, str, int], ...]
+    divided: tuple[tuple[str, str], ...]
+    params: tuple[tuple[str, int, int], ...]
+
+    @property
+    def names(self) -> frozenset[str]:
+        """The split parameters' names."""
+        return frozenset(name for name, _, _ in self.params)
+
+    def split(self, name: str) -> tuple[int, int]:
+        """``(dimension, parts)`` of the split parameter ``name``."""
+        for n, dim, parts in self.params:
+            if n == name:
+                return dim, parts
+        raise KeyError(name)
+
+
+def local_slice(whole: torch.Tensor, dim: int, parts: int, degree: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s slice of ``whole`` on ``dim``: the ``rank``-th of ``degree`` slices of each of its ``parts`` (a new tensor).
+
+    Examples:
+        >>> local_slice(torch.arange(12).view(2, 6), 1, 3, 2, 1)
+        tensor([[ 1,  3,  5],
+                [ 7,  9, 11]])
+    """
+    shape = whole.shape
+    pieces = whole.reshape(*shape[:dim], parts, degree, shape[dim] // (parts * degree), *shape[dim + 1 :])
+    mine = pieces.select(dim + 1, rank)
+    return mine.reshape(*shape[:dim], shape[dim] // degree, *shape[dim + 1 :]).clone()
+
+
+def joined(slices: list[torch.Tensor], dim: int, parts: int) -> torch.Tensor:
+    """The whole tensor of every rank's slice (``local_slice``'s), in rank order.
+
+    Examples:
+        >>> whole = torch.arange(12).view(2, 6)
+        >>> bool((joined([local_slice(whole, 1, 3, 2, r) for r in range(2)], 1, 3) == whole).all())
+        True
+    """
+    pieces = [s.chunk(parts, dim) for s in slices]
+    return torch.cat([pieces[r][p] for p in range(parts) for r in range(len(slices))], dim)
+
+
+def split_tensors(params: Any, opt_state: Any, tensor: TensorParallel) -> dict[int, str]:
+    """``id(tensor) -> parameter name`` for every tensor of ``params`` and ``opt_state`` that holds a slice.
+
+    An optimizer state's leaf is one when it sits under a key naming a split
+    parameter and has that slice's shape (``mu['fc.weight']``).
+    """
+    split = tensor.names
+    found = {id(params[name]): name for name in split if name in params}
+    for path, leaf in pytree.tree_flatten_with_path(opt_state)[0]:
+        if not isinstance(leaf, torch.Tensor) or leaf.ndim == 0:
+            continue
+        names = [k.key for k in path if isinstance(k, pytree.MappingKey) and k.key in split]
+        if names and names[-1] in params and leaf.shape == params[names[-1]].shape:
+            found[id(leaf)] = names[-1]
+    return found

@@ -1,0 +1,257 @@
+"""Tensor parallelism: each layer of a plan split across a group of ranks, its collectives in the step's graph.
+
+Megatron-LM's scheme, in the vocabulary of torch's ``parallelize_module``
+and torchtitan's plans. A plan (``TensorPlan``, ``tensor_plans.py``) names
+modules by pattern and gives each a style:
+
+==============  ==========================================  ================================================
+style           what a rank holds                           the collectives (forward / backward)
+==============  ==========================================  ================================================
+``colwise``     a ``Linear``'s output features and bias     input: identity / all-reduce; output stays split
+``rowwise``     a ``Linear``'s input features               output: all-reduce / identity; bias added after
+``gathered``    as ``colwise``                              as ``colwise``; output all-gathered / sliced
+``vocab``       an ``Embedding``'s rows (the vocabulary)    ids outside the rows masked; output all-reduce
+==============  ==========================================  ================================================
+
+So a column-wise layer followed by a row-wise one (attention's projections,
+an MLP) costs one all-reduce in the forward and one in the backward.
+``transformers``' ``Conv1D`` (GPT-2's, weight ``[in, out]``) takes the same
+styles. A fused projection of ``parts`` side by side (``("colwise", 3)``,
+GPT-2's query-key-value) is split part by part. Attributes that count what
+is split (heads, widths) are divided by the degree while the step runs
+(``TensorPlan.divide``), so the module's own code runs on its slices.
+
+The transformation is a way of holding the model (``tensor_hold``): the
+module holds this rank's slices, with hooks that run the collectives; the
+gradient stage around it is a single run's, and its gradients are this
+rank's slices of the whole gradients. Copies of the group (``W = T x D``)
+average their gradients as data parallel does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import attrs
+import torch
+
+from fnloop._core.tensor_parallel import TensorParallel, local_slice
+from fnloop._step.collectives import Groups, all_gather, done, summed
+from fnloop._step.kernel import _holding
+from fnloop.distributed import tensor_groups
+
+__all__ = ["TensorSquares", "tensor_hold", "tensor_parallel_groups", "tensor_slices"]
+
+
+def tensor_parallel_groups(degree: int, world: int) -> Groups:
+    """The groups of a tensor-parallel run of ``world`` ranks: ``degree`` consecutive ranks split the layers, the copies are data parallel."""
+    split, copies = tensor_groups(degree)
+    if copies is None:
+        return Groups(tensor=split)
+    return Groups(copies, None, None, world // degree, tensor=split)
+
+
+def tensor_slices(tensors: Mapping[str, torch.Tensor], tp: TensorParallel) -> dict[str, torch.Tensor]:
+    """This rank's slices of the split tensors of ``tensors`` (whole ones), the others as they are."""
+    split = {n: (dim, parts) for n, dim, parts in tp.params}
+    return {
+        name: local_slice(t, *split[name], tp.degree, tp.rank) if name in split else t
+        for name, t in tensors.items()
+    }
+
+
+class _Copy(torch.autograd.Function):
+    """Identity in the forward, all-reduce of the gradient in the backward: a column-wise layer's input (Megatron's f)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return done(summed(grad.contiguous(), ctx.group)), None
+
+
+class _Reduce(torch.autograd.Function):
+    """All-reduce in the forward, identity in the backward: a row-wise layer's output (Megatron's g)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+        return done(summed(x.contiguous(), group))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad, None
+
+
+class _GatherLast(torch.autograd.Function):
+    """Every rank's slice put together on the last dimension; the gradient: this rank's slice of it."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any, degree: int, rank: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.degree, ctx.rank = degree, rank
+        every = all_gather(x.contiguous(), group)
+        return torch.cat(every.chunk(degree, dim=0), dim=-1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+        return grad.chunk(ctx.degree, dim=-1)[ctx.rank].contiguous(), None, None, None
+
+
+def tensor_hold(
+    model: torch.nn.Module, tp: TensorParallel, group: Any
+) -> Callable[[dict[str, torch.Tensor]], contextlib.AbstractContextManager[None]]:
+    """How the step holds ``model`` on this rank's slices (``value_and_grad``'s ``hold``): the collectives hooked in."""
+    modules = dict(model.named_modules())
+    degree, rank = tp.degree, tp.rank
+
+    @contextlib.contextmanager
+    def hold(tensors: dict[str, torch.Tensor]) -> Iterator[None]:
+        held = dict(tensors)
+        copied = _Copies(group)
+        with contextlib.ExitStack() as stack:
+            for name, style, _ in tp.layers:
+                module = modules[name]
+                bias = f"{name}.bias" if name else "bias"
+                if style == "rowwise" and bias in held:  # added once, after the sum over the ranks
+                    stack.enter_context(_hooked(module, *_rowwise(held[bias], group)))
+                    held[bias] = torch.zeros_like(held[bias])
+                elif style == "vocab":
+                    stack.enter_context(_hooked(module, *_vocab(module, held, name, tp, group)))
+                    stack.enter_context(_set(module, "padding_idx", _local_padding(module, tp)))
+                elif style == "rowwise":
+                    stack.enter_context(_hooked(module, None, lambda out: _Reduce.apply(out, group)))
+                else:
+                    after = (
+                        (lambda out: _GatherLast.apply(out, group, degree, rank))
+                        if style == "gathered"
+                        else None
+                    )
+                    stack.enter_context(_hooked(module, copied, after))
+            for name, attribute in tp.divided:
+                module = modules[name]
+                stack.enter_context(_set(module, attribute, getattr(module, attribute) // degree))
+            stack.enter_context(_holding(model, held))
+            yield
+
+    return hold
+
+
+class _Copies:
+    """A column-wise layer's input passed through ``_Copy``, once per input tensor.
+
+    Layers that read one input (attention's query, key and value; an MLP's
+    gate and up projections) share its copy, so its gradient, summed from all
+    of them first, is all-reduced once: one collective per block, as
+    Megatron-LM's fused projections have. Each input is kept while the model
+    is held, so that its ``id`` stays its own.
+    """
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        found = self.seen.get(id(x))
+        if found is None:
+            found = self.seen[id(x)] = (x, _Copy.apply(x, self.group))
+        return found[1]
+
+
+def _rowwise(bias: torch.Tensor, group: Any) -> tuple[None, Callable[[torch.Tensor], torch.Tensor]]:
+    return None, lambda out: _Reduce.apply(out, group) + bias
+
+
+def _vocab(
+    module: torch.nn.Module, held: Mapping[str, torch.Tensor], name: str, tp: TensorParallel, group: Any
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
+    assert isinstance(module, torch.nn.Embedding)
+    rows = module.num_embeddings // tp.degree
+    start = tp.rank * rows
+    outside: list[torch.Tensor] = []
+
+    def before(ids: torch.Tensor) -> torch.Tensor:
+        away = (ids < start) | (ids >= start + rows)
+        outside.append(away)
+        return (ids - start).masked_fill(away, 0)
+
+    def after(out: torch.Tensor) -> torch.Tensor:
+        return _Reduce.apply(out.masked_fill(outside.pop().unsqueeze(-1), 0.0), group)
+
+    return before, after
+
+
+def _local_padding(module: torch.nn.Module, tp: TensorParallel) -> int | None:
+    assert isinstance(module, torch.nn.Embedding)
+    padding = module.padding_idx
+    rows = module.num_embeddings // tp.degree
+    if padding is None or not tp.rank * rows <= padding < (tp.rank + 1) * rows:
+        return None
+    return padding - tp.rank * rows
+
+
+@contextlib.contextmanager
+def _hooked(
+    module: torch.nn.Module,
+    before: Callable[[torch.Tensor], torch.Tensor] | None,
+    after: Callable[[torch.Tensor], torch.Tensor] | None,
+) -> Iterator[None]:
+    """``module`` with its first input passed through ``before`` and its output through ``after`` for the block."""
+    handles = []
+    if before is not None:
+        handles.append(module.register_forward_pre_hook(lambda m, args: (before(args[0]), *args[1:])))
+    if after is not None:
+        handles.append(module.register_forward_hook(lambda m, args, out: after(out)))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
+def _set(module: torch.nn.Module, attribute: str, value: Any) -> Iterator[None]:
+    before = getattr(module, attribute)
+    object.__setattr__(module, attribute, value)
+    try:
+        yield
+    finally:
+        object.__setattr__(module, attribute, before)
+
+
+@attrs.frozen
+class TensorSquares:
+    """The sums over the whole model of a tensor-parallel step's update (``SquaresSum``).
+
+    A split tensor's sum of squares is the sum of its slices'; a whole one is
+    counted once, from the group's first rank. ``group``: the ranks of one
+    copy of the model.
+    """
+
+    names: frozenset[str]
+    first: bool
+    group: Any
+
+    def __call__(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` summed over the group (a count of non-finite gradients, say)."""
+        return done(summed(value, self.group))
+
+    def own(self, tensors: Mapping[str, torch.Tensor], names: list[str], dtype: torch.dtype) -> torch.Tensor:
+        """``[len(names)]``: each tensor's part of its sum of squares held here (a whole one's on the first rank)."""
+        return torch.stack(
+            [
+                torch.linalg.vector_norm(tensors[n], dtype=dtype).square()
+                * (1.0 if n in self.names or self.first else 0.0)
+                for n in names
+            ]
+        )
+
+    def squares(self, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        return self(self.own(tensors, list(tensors), dtype))
+
+    def statistics(self, tensors: Mapping[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
+        """For ``Squares``: each tensor's part, to be summed over the group with the others."""
+        return dict(zip(names, self.own(tensors, names, torch.float32).unbind()))

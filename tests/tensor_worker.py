@@ -1,0 +1,152 @@
+"""Tensor-parallel jobs, each run the same way at any world size: alone it is the reference.
+
+    python tests/tensor_worker.py RESULTS JOB[:BACKEND]...                         # one process, whole
+    torchrun --standalone --nproc_per_node=2 tests/tensor_worker.py RESULTS JOB... # T=2
+    torchrun --standalone --nproc_per_node=4 tests/tensor_worker.py RESULTS JOB... # T=2 x 2 copies
+
+Each job writes ``RESULTS/<job>/rank{r}.pt``: its losses and recorded metrics, the whole parameters
+(``fl.unshard``), the bytes this rank's parameters and optimizer state take and those of the split
+layers alone, and the collectives in the step's graph (counted where the compiler sees it). The
+global batch is the same at every world size; each copy of the model takes its rows.
+
+Jobs (a compiled one's backend after a colon: ``llama:inductor``; else the suite's, ``$FNLOOP_BACKEND``):
+
+- ``llama``: ``transformers``' Llama (2 layers, tiny), compiled, AdamW after a global-norm clip,
+  ``stats="model"``, 30 steps; then written with ``fl.save_weights``.
+- ``gpt2``: GPT-2 (2 layers, tiny), compiled, 30 steps, its residual and embedding dropout at the
+  default 0.1 (replicated regions) and attention dropout 0.
+- ``eager``: the Llama run op by op, two micro-batches a step, 6 steps.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils import _pytree as pytree
+
+import fnloop as fl
+
+VOCAB, ROWS, CONTEXT = 64, 8, 16
+
+
+def llama() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=CONTEXT,
+    )
+    return LlamaForCausalLM(config)
+
+
+def gpt2() -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=CONTEXT, attn_pdrop=0.0)
+    return GPT2LMHeadModel(config)
+
+
+def lm_loss(forward, ids):
+    return forward(input_ids=ids, labels=ids).loss
+
+
+def _watch_graphs(seen: list[dict]) -> None:
+    """Count the collectives of each graph the step traces (before any compiler sees it)."""
+    import fnloop._compile.jit as jit
+
+    real = jit.trace
+    functional = torch.ops._c10d_functional
+
+    def trace(*args, **kwargs):
+        traced = real(*args, **kwargs)
+        targets = [n.target for n in traced.nodes]
+        seen.append(
+            {
+                "all_reduce": targets.count(functional.all_reduce.default),
+                "all_gather": targets.count(functional.all_gather_into_tensor.default),
+                "reduce_scatter": targets.count(functional.reduce_scatter_tensor.default),
+            }
+        )
+        return traced
+
+    jit.trace = trace
+
+
+def leaves(opt_state) -> dict[str, torch.Tensor]:
+    """The optimizer state's tensors by path."""
+    flat = pytree.tree_flatten_with_path(opt_state)[0]
+    return {pytree.keystr(path): t for path, t in flat if isinstance(t, torch.Tensor)}
+
+
+def held(state: fl.TrainState) -> dict[str, int]:
+    """The bytes this rank holds of each parameter and the optimizer state kept for it, by name."""
+    out = {name: t.nbytes for name, t in state.params.items()}
+    for path, t in pytree.tree_flatten_with_path(state.opt_state)[0]:
+        names = [k.key for k in path if isinstance(k, pytree.MappingKey) and k.key in out]
+        if isinstance(t, torch.Tensor) and names:
+            out[names[-1]] += t.nbytes
+    return out
+
+
+def job(spec: str, out: Path, world: int, rank: int, graphs: list[dict]) -> None:
+    name, _, backend = spec.partition(":")
+    torch.manual_seed(0)
+    model = llama() if name != "gpt2" else gpt2()
+    degree = min(world, 2)
+    copies, copy = world // degree, rank // degree
+    generator = torch.Generator().manual_seed(1)
+    steps = 6 if name == "eager" else 30
+    batches = [torch.randint(0, VOCAB, (ROWS, CONTEXT), generator=generator) for _ in range(steps)]
+    mine = [b.chunk(copies)[copy] for b in batches]
+    optimizer = fl.optim.chain(fl.optim.clip_by_global_norm(0.5), fl.optim.adamw(1e-3))
+    state = fl.init(model, optimizer, seed=3, max_iter=steps, tensor=degree)
+    options = (
+        {"compile": False, "accumulate": 2}
+        if name == "eager"
+        else {"stats": "model", "backend": backend or None}
+    )
+    step = fl.train_step(model, lm_loss, optimizer, **options)
+    before = len(graphs)
+    losses, norms = [], []
+    for batch in mine:
+        state = step(state, batch)
+        losses.append(float(state.metrics.latest("loss")[1]))
+        if "grad_norm" in state.metrics.names:
+            norms.append(float(state.metrics.latest("grad_norm")[1]))
+    whole = fl.unshard(state)
+    found = {
+        "losses": losses,
+        "grad_norms": norms,
+        "params": {k: v.clone() for k, v in whole.params.items()},
+        "opt_state": {k: v.clone() for k, v in leaves(whole.opt_state).items()},
+        "held": held(state),
+        "graphs": graphs[before:],
+        "split": sorted(state.tensor.names) if state.tensor is not None else None,
+    }
+    if name == "llama":
+        fl.save_weights(state, out / name / "model.safetensors", model)
+        alone = fl.state_dict(state, rank0_only=True)
+        found["alone"] = {k: v.clone() for k, v in alone.items()}
+    (out / name).mkdir(parents=True, exist_ok=True)
+    torch.save(found, out / name / f"rank{rank}.pt")
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    fl.distributed.setup()
+    out, jobs = Path(sys.argv[1]), sys.argv[2:]
+    graphs: list[dict] = []
+    _watch_graphs(graphs)
+    for name in jobs:
+        job(name, out, fl.distributed.world_size(), fl.distributed.rank(), graphs)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,278 @@
+"""Tensor parallelism: plans, the split state, and the step under torchrun against the same jobs in one process.
+
+The launches (``tests/tensor_worker.py``) are shared by the tests: one process (the reference, whole),
+2 ranks (T=2) and 4 ranks (T=2 x 2 copies, data parallel across them), each running its jobs in one launch.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fnloop as fl
+from conftest import SUITE_BACKEND
+from fnloop._core.tensor_parallel import TensorParallel, joined, local_slice
+from fnloop._step.layout import Layout
+from fnloop._step.placement import Plan
+from fnloop._step.tensor_plans import TensorPlan, builtin_plan, layout_of
+from tests import tensor_worker
+from tests.launches import again_after_native_crash
+
+WORKER = str(Path(__file__).with_name("tensor_worker.py"))
+ONE_CORE_EACH = {"OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+TOLERANCE = 1e-5
+
+
+def _launched(tmp: Path, ranks: int, *jobs: str) -> Path:
+    runner = [sys.executable]
+    if ranks > 1:
+        runner += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    out = tmp / "results"
+    out.mkdir()
+    # fnloop's cache off: the graph is traced (its collectives counted) however warm the caches are.
+    # A job's backend is its own (JOBS), whichever test starts the launch.
+    env = {**os.environ, **ONE_CORE_EACH, "FNLOOP_CACHE_DIR": "off", "FNLOOP_BACKEND": SUITE_BACKEND}
+
+    def run() -> subprocess.CompletedProcess[str]:
+        argv = [*runner, WORKER, str(out), *jobs]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=900, env=env)
+
+    again_after_native_crash(tmp, run, f"{ranks} ranks")
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    return _launched(tmp_path_factory.mktemp("one"), 1, *JOBS)
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory) -> Path:
+    return _launched(tmp_path_factory.mktemp("two"), 2, *JOBS)
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory) -> Path:
+    return _launched(tmp_path_factory.mktemp("four"), 4, "llama", "eager")
+
+
+# The Llama's 30 compiled steps are inductor's (the claim is what it builds); the others run the traced
+# graph op by op, as the suite's compiled steps do (the same graph, its collectives counted alike).
+JOBS = ("llama:inductor", "gpt2", "eager")
+
+
+def _result(out: Path, job: str, rank: int = 0) -> dict:
+    return torch.load(out / job / f"rank{rank}.pt")
+
+
+RUNS = [("two", "llama"), ("two", "gpt2"), ("two", "eager"), ("four", "llama"), ("four", "eager")]
+
+
+@pytest.mark.slow
+@pytest.mark.inductor("the Llama's compiled steps at T=2 equal one process's, as inductor builds them")
+@pytest.mark.parametrize(("world", "job"), RUNS)
+def test_every_loss_parameter_and_moment_is_the_single_process_runs(request, reference, world, job) -> None:
+    """30 compiled steps (6 eager, two micro-batches each) at T=2, and T=2 x 2 copies, end within 1e-5 of one process.
+
+    GPT-2 trains at its residual and embedding dropout (0.1), which run on whole tensors: the ranks
+    of a copy draw one mask, the single process's.
+    """
+    out = request.getfixturevalue(world)
+    mine, whole = _result(out, job), _result(reference, job)
+    assert mine["split"] and whole["split"] is None
+    assert len(mine["losses"]) == len(whole["losses"])
+    for a, b in zip(mine["losses"], whole["losses"]):
+        assert abs(a - b) <= TOLERANCE
+    for a, b in zip(mine["grad_norms"], whole["grad_norms"]):
+        assert abs(a - b) <= TOLERANCE
+    assert mine["params"].keys() == whole["params"].keys()
+    for name, value in whole["params"].items():
+        torch.testing.assert_close(mine["params"][name], value, rtol=0, atol=TOLERANCE, msg=name)
+    assert mine["opt_state"].keys() == whole["opt_state"].keys()
+    for name, value in whole["opt_state"].items():
+        torch.testing.assert_close(mine["opt_state"][name], value, rtol=0, atol=TOLERANCE, msg=name)
+    ranks = 2 if world == "two" else 4
+    for rank in range(1, ranks):  # every rank's whole model (fl.unshard) is the same
+        other = _result(out, job, rank)
+        for name, value in mine["params"].items():
+            assert torch.equal(other["params"][name], value), (rank, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "job"), [("two", "llama"), ("two", "gpt2"), ("four", "llama")])
+def test_the_graph_holds_one_all_reduce_per_block_each_way(request, world, job) -> None:
+    """Per layer, attention and MLP: one all-reduce in the forward (the row-wise output) and one in the
+    backward (the column-wise input's gradient, shared by query, key and value, and by the MLP's two
+    input projections). Beside them: the embedding's forward, the head's input in the backward and
+    its output gathered once; the clip's and the statistics' sums and the finiteness check; and with
+    copies, data parallel's one all-reduce (one dtype)."""
+    graphs = _result(request.getfixturevalue(world), job)["graphs"]
+    assert len(graphs) == 1
+    layers = 2
+    blocks = 2 * 2 * layers  # (attention, MLP) x (forward, backward)
+    ends = 1 + 1  # the embedding's forward; the head's input in the backward
+    sums = 3  # clip_by_global_norm, stats="model", the finiteness of the slices
+    copies = 1 if world == "four" else 0
+    assert graphs[0] == {"all_reduce": blocks + ends + sums + copies, "all_gather": 1, "reduce_scatter": 0}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "job"), [("two", "llama"), ("two", "gpt2"), ("four", "llama")])
+def test_each_rank_holds_half_of_each_split_layer_and_its_optimizer_state(
+    request, reference, world, job
+) -> None:
+    out = request.getfixturevalue(world)
+    mine, whole = _result(out, job), _result(reference, job)
+    split = set(mine["split"])
+    for name, size in whole["held"].items():
+        assert mine["held"][name] == (size // 2 if name in split else size), name
+    linear = [n for n in whole["held"] if n.endswith(("proj.weight", "c_attn.weight", "c_fc.weight"))]
+    assert linear and set(linear) <= split
+
+
+@pytest.mark.slow
+def test_the_weights_written_are_the_whole_model_on_rank0_alone(two, tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    whole = _result(two, "llama")
+    model = tensor_worker.llama()
+    model.load_state_dict(load_file(two / "llama" / "model.safetensors"))
+    for name, value in model.named_parameters():
+        assert torch.equal(value, whole["params"][name]), name
+    assert set(whole["alone"]) == {*whole["params"], *dict(model.named_buffers())}
+    for name, value in whole["alone"].items():
+        assert torch.equal(value, whole["params"].get(name, value)), name
+    assert _result(two, "llama", 1)["alone"] == {}
+
+
+# ------------------------------------------------------------------ in one process: plans and records
+
+
+def _llama(**config) -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    defaults = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1}
+    defaults["num_attention_heads"] = 4
+    return LlamaForCausalLM(LlamaConfig(**{**defaults, **config}))
+
+
+def test_a_slice_and_the_slices_joined_are_each_others_inverse() -> None:
+    whole = torch.arange(2 * 24).view(2, 24)
+    for parts in (1, 3):
+        for degree in (1, 2, 4):
+            slices = [local_slice(whole, 1, parts, degree, r) for r in range(degree)]
+            assert all(s.shape == (2, 24 // degree) for s in slices)
+            assert torch.equal(joined(slices, 1, parts), whole)
+    # GPT-2's fused query-key-value: each rank holds its slice of each of the three.
+    assert local_slice(torch.arange(12), 0, 3, 2, 1).tolist() == [2, 3, 6, 7, 10, 11]
+
+
+def test_the_llama_plan_splits_the_projections_and_the_vocabulary() -> None:
+    model = _llama(num_key_value_heads=2)
+    split = layout_of(model, builtin_plan(model, 2), 2, 1)
+    dims = {name: dim for name, dim, _ in split.params}
+    assert dims == {
+        "model.embed_tokens.weight": 0,
+        **{f"model.layers.0.self_attn.{p}_proj.weight": 0 for p in "qkv"},
+        "model.layers.0.self_attn.o_proj.weight": 1,
+        "model.layers.0.mlp.gate_proj.weight": 0,
+        "model.layers.0.mlp.up_proj.weight": 0,
+        "model.layers.0.mlp.down_proj.weight": 1,
+        "lm_head.weight": 0,
+    }
+    assert split.degree == 2 and split.rank == 1 and split.divided == ()
+
+
+def test_the_gpt2_plan_splits_conv1d_on_its_own_dimensions_and_divides_the_split_size() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=16))
+    split = layout_of(model, builtin_plan(model, 2), 2, 0)
+    params = {name: (dim, parts) for name, dim, parts in split.params}
+    assert params == {
+        "transformer.wte.weight": (0, 1),  # tied with lm_head: split on the same rows
+        "transformer.h.0.attn.c_attn.weight": (1, 3),  # Conv1D: [in, out]
+        "transformer.h.0.attn.c_attn.bias": (0, 3),
+        "transformer.h.0.attn.c_proj.weight": (0, 1),
+        "transformer.h.0.mlp.c_fc.weight": (1, 1),
+        "transformer.h.0.mlp.c_fc.bias": (0, 1),
+        "transformer.h.0.mlp.c_proj.weight": (0, 1),
+    }
+    assert set(split.divided) == {
+        ("transformer.h.0.attn", "split_size"),
+        ("transformer.h.0.attn.c_attn", "nf"),
+        ("transformer.h.0.mlp.c_fc", "nf"),
+    }
+
+
+def test_torch_styles_are_taken_as_the_plans_words() -> None:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    model = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
+    model.append(torch.nn.Linear(4, 8))
+    plan = {
+        "0": RowwiseParallel(input_layouts=Replicate()),
+        "1": ColwiseParallel(),
+        "2": RowwiseParallel(),
+        "3": ColwiseParallel(output_layouts=Replicate()),
+    }
+    split = layout_of(model, TensorPlan(plan), 2, 0)
+    assert [(n, s) for n, s, _ in split.layers] == [
+        ("0", "vocab"),
+        ("1", "colwise"),
+        ("2", "rowwise"),
+        ("3", "gathered"),
+    ]
+
+
+def test_a_plan_that_does_not_fit_the_model_says_where_and_the_fix() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 4))
+    with pytest.raises(ValueError, match=r"'9' matches no module .*named_modules"):
+        layout_of(model, TensorPlan({"9": "colwise"}), 2, 0)
+    with pytest.raises(ValueError, match=r"'colwise' applies to an nn.Linear .* ReLU"):
+        layout_of(model, TensorPlan({"1": "colwise"}), 2, 0)
+    with pytest.raises(ValueError, match=r"must be one of .*'sideways'"):
+        layout_of(model, TensorPlan({"0": "sideways"}), 2, 0)
+    with pytest.raises(ValueError, match=r"0.weight .* has 6 along the dimension split, which 4 ranks"):
+        layout_of(model, TensorPlan({"0": "colwise"}), 4, 0)
+    with pytest.raises(ValueError, match=r"divide\['0'\] names 0.width"):
+        layout_of(model, TensorPlan({"0": "colwise"}, divide={"0": ("width",)}), 2, 0)
+    tied = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 8, bias=False))
+    tied[1].weight = tied[0].weight
+    with pytest.raises(ValueError, match=r"0.weight is tied between '0' and '1'"):
+        layout_of(tied, TensorPlan({"0": "vocab", "1": "rowwise"}), 2, 0)
+    assert layout_of(tied, TensorPlan({"0": "vocab", "1": "gathered"}), 2, 0).params == (("0.weight", 0, 1),)
+
+
+def test_the_built_in_plans_check_the_heads_and_name_the_way_out() -> None:
+    with pytest.raises(ValueError, match=r"config.num_key_value_heads is 1, which 2 ranks"):
+        builtin_plan(_llama(num_key_value_heads=1), 2)
+    with pytest.raises(
+        ValueError, match=r"built-in .* this model is a Sequential.*tensor_plan=fnloop.TensorPlan"
+    ):
+        builtin_plan(torch.nn.Sequential(torch.nn.Linear(2, 2)), 2)
+
+
+def test_init_refuses_what_tensor_parallelism_does_not_do_yet() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    optimizer = fl.optim.sgd(0.1)
+    with pytest.raises(ValueError, match=r"tensor=2\) at 1 rank\(s\).*multiple of 2"):
+        fl.init(model, optimizer, seed=0, max_iter=1, tensor=2, tensor_plan={"0": "colwise"})
+    with pytest.raises(ValueError, match=r"tensor_plan=\.\.\.\) is given, but tensor is 1"):
+        fl.init(model, optimizer, seed=0, max_iter=1, tensor_plan={"0": "colwise"})
+    with pytest.raises(ValueError, match=r"init\(tensor=\.\.\.\) must be a positive int"):
+        fl.init(model, optimizer, seed=0, max_iter=1, tensor=0)
+    state = fl.init(model, optimizer, seed=0, max_iter=1)
+    split = TensorParallel(2, 0, (("0", "colwise", 1),), (), (("0.weight", 0, 1),))
+    with pytest.raises(NotImplementedError, match=r"checkpoints of tensor-parallel states are not supported"):
+        fl.save(fl.TrainState(max_iter=1, params=dict(state.params), tensor=split), "ckpt.safetensors")
+    with pytest.raises(ValueError, match=r"invariant=2\) on a tensor-parallel state"):
+        Plan(slices=2).check(Layout(tensor=split))
+    with pytest.raises(TypeError, match=r"'tensor' must be a fnloop.TensorParallel"):
+        fl.TrainState(max_iter=1, tensor="2")
