@@ -16,6 +16,8 @@ Jobs (a compiled one's backend after a colon: ``llama:inductor``; else the suite
 - ``gpt2``: GPT-2 (2 layers, tiny), compiled, 30 steps, its residual and embedding dropout at the
   default 0.1 (replicated regions) and attention dropout 0.
 - ``eager``: the Llama run op by op, two micro-batches a step, 6 steps.
+- ``resume``: the Llama saved at step 10 of 20 with ``fl.save``, loaded and run on to 20; and a run of
+  4 steps checkpointing every 2 in the background, resumed with ``fl.checkpoint.resume``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import attrs
 import torch
 from torch.utils import _pytree as pytree
 
@@ -138,6 +141,53 @@ def job(spec: str, out: Path, world: int, rank: int, graphs: list[dict]) -> None
     torch.save(found, out / name / f"rank{rank}.pt")
 
 
+def resume(out: Path, world: int, rank: int) -> None:
+    """Save at step 10 of 20 (``fl.save``), load and go on; and a run checkpointing in the background, resumed."""
+    torch.manual_seed(0)
+    model = llama()
+    degree = min(world, 2)
+    copies, copy = world // degree, rank // degree
+    generator = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, VOCAB, (ROWS, CONTEXT), generator=generator)[copy::copies] for _ in range(20)]
+    optimizer = fl.optim.chain(fl.optim.clip_by_global_norm(0.5), fl.optim.adamw(1e-3))
+    template = fl.init(model, optimizer, seed=3, max_iter=20, tensor=degree)
+    step = fl.train_step(model, lm_loss, optimizer)
+    folder = out / "resume"
+    state, at10 = template, None
+    for i, batch in enumerate(batches):
+        if i == 10:
+            fl.save(state, folder / "at10.safetensors")
+            at10 = state
+        state = attrs.evolve(step(state, batch), iteration=i + 1)  # as the fold counts
+    loaded = fl.load(folder / "at10.safetensors", like=template)
+    same_at10 = all(torch.equal(loaded.params[k], at10.params[k]) for k in at10.params) and all(
+        torch.equal(a, b)
+        for a, b in zip(pytree.tree_leaves(loaded.opt_state), pytree.tree_leaves(at10.opt_state))
+    )
+    again = loaded
+    for batch in batches[10:]:
+        again = attrs.evolve(step(again, batch), iteration=again.iteration + 1)
+    short = attrs.evolve(template, max_iter=4)
+    hooks = [fl.every(2, fl.hooks.checkpoint(folder / "ckpt", background=True))]
+    hooked = fl.run(short, step, batches[:4], hooks)
+    resumed = fl.checkpoint.resume(folder / "ckpt", like=short)
+    torch.save(
+        {
+            "same_at10": same_at10,
+            "resumed_same": all(torch.equal(again.params[k], state.params[k]) for k in state.params),
+            "hooked_iteration": resumed.iteration,
+            "hooked_same": all(torch.equal(resumed.params[k], hooked.params[k]) for k in hooked.params)
+            and all(
+                torch.equal(a, b)
+                for a, b in zip(pytree.tree_leaves(resumed.opt_state), pytree.tree_leaves(hooked.opt_state))
+            ),
+            "params": {k: v.clone() for k, v in fl.unshard(state).params.items()},
+            "batches": batches,
+        },
+        folder / f"rank{rank}.pt",
+    )
+
+
 def main() -> None:
     torch.set_num_threads(1)
     fl.distributed.setup()
@@ -145,7 +195,10 @@ def main() -> None:
     graphs: list[dict] = []
     _watch_graphs(graphs)
     for name in jobs:
-        job(name, out, fl.distributed.world_size(), fl.distributed.rank(), graphs)
+        if name == "resume":
+            resume(out, fl.distributed.world_size(), fl.distributed.rank())
+        else:
+            job(name, out, fl.distributed.world_size(), fl.distributed.rank(), graphs)
 
 
 if __name__ == "__main__":

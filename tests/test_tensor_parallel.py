@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
@@ -19,6 +20,7 @@ from conftest import SUITE_BACKEND
 from fnloop._core.tensor_parallel import TensorParallel, joined, local_slice
 from fnloop._step.layout import Layout
 from fnloop._step.placement import Plan
+from fnloop._step.tensor import tensor_slices
 from fnloop._step.tensor_plans import TensorPlan, builtin_plan, layout_of
 from tests import tensor_worker
 from tests.launches import again_after_native_crash
@@ -58,12 +60,12 @@ def two(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def four(tmp_path_factory) -> Path:
-    return _launched(tmp_path_factory.mktemp("four"), 4, "llama", "eager")
+    return _launched(tmp_path_factory.mktemp("four"), 4, "llama", "eager", "resume")
 
 
 # The Llama's 30 compiled steps are inductor's (the claim is what it builds); the others run the traced
 # graph op by op, as the suite's compiled steps do (the same graph, its collectives counted alike).
-JOBS = ("llama:inductor", "gpt2", "eager")
+JOBS = ("llama:inductor", "gpt2", "eager", "resume")
 
 
 def _result(out: Path, job: str, rank: int = 0) -> dict:
@@ -148,6 +150,56 @@ def test_the_weights_written_are_the_whole_model_on_rank0_alone(two, tmp_path) -
     for name, value in whole["alone"].items():
         assert torch.equal(value, whole["params"].get(name, value)), name
     assert _result(two, "llama", 1)["alone"] == {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", ["two", "four"])
+def test_a_checkpoint_resumes_bit_for_bit_at_its_layout(request, world) -> None:
+    """``fl.save`` at step 10 of 20, ``fl.load`` with the run's template, 10 more steps: the same bits as the
+    run that went on, on every rank; and a run checkpointing every 2 steps in the background resumes at 4 with its
+    final state's bits."""
+    out = request.getfixturevalue(world)
+    for rank in range(2 if world == "two" else 4):
+        found = torch.load(out / "resume" / f"rank{rank}.pt")
+        assert found["same_at10"] and found["resumed_same"], rank
+        assert found["hooked_iteration"] == 4 and found["hooked_same"], rank
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", ["two", "four"])
+def test_a_split_runs_checkpoint_goes_on_in_one_process_and_a_whole_runs_goes_on_split(
+    request, reference, world, tmp_path
+) -> None:
+    """The file of a run at T=2 (and T=2 x 2 copies) is the whole state: one process loads it and its 10 more
+    steps end within 1e-5 of the single process's own run; the single process's file, loaded with a T=2 template,
+    is this rank's slices of it."""
+    out = request.getfixturevalue(world)
+    mine = torch.load(reference / "resume" / "rank0.pt")
+    model = tensor_worker.llama()
+    optimizer = fl.optim.chain(fl.optim.clip_by_global_norm(0.5), fl.optim.adamw(1e-3))
+    template = fl.init(model, optimizer, seed=3, max_iter=20)
+    state = fl.load(out / "resume" / "at10.safetensors", like=template)
+    assert state.iteration == 10 and state.tensor is None
+    step = fl.train_step(model, tensor_worker.lm_loss, optimizer)
+    for batch in mine["batches"][10:]:
+        state = attrs.evolve(step(state, batch), iteration=state.iteration + 1)
+    for name, value in mine["params"].items():
+        torch.testing.assert_close(state.params[name], value, rtol=0, atol=TOLERANCE, msg=name)
+    # The whole run's file as rank 1's slices of a T=2 layout.
+    split = layout_of(model, builtin_plan(model, 2), 2, 1)
+    whole = fl.load(reference / "resume" / "at10.safetensors", like=template)
+    sliced = fl.load(
+        reference / "resume" / "at10.safetensors",
+        like=attrs.evolve(
+            template,
+            params=tensor_slices(template.params, split),
+            tensor=split,
+            opt_state=optimizer.init(tensor_slices(template.params, split)),
+        ),
+    )
+    assert sliced.tensor == split
+    for name, dim, parts in split.params:
+        assert torch.equal(sliced.params[name], local_slice(whole.params[name], dim, parts, 2, 1)), name
 
 
 # ------------------------------------------------------------------ in one process: plans and records
@@ -268,11 +320,19 @@ def test_init_refuses_what_tensor_parallelism_does_not_do_yet() -> None:
         fl.init(model, optimizer, seed=0, max_iter=1, tensor_plan={"0": "colwise"})
     with pytest.raises(ValueError, match=r"init\(tensor=\.\.\.\) must be a positive int"):
         fl.init(model, optimizer, seed=0, max_iter=1, tensor=0)
-    state = fl.init(model, optimizer, seed=0, max_iter=1)
     split = TensorParallel(2, 0, (("0", "colwise", 1),), (), (("0.weight", 0, 1),))
-    with pytest.raises(NotImplementedError, match=r"checkpoints of tensor-parallel states are not supported"):
-        fl.save(fl.TrainState(max_iter=1, params=dict(state.params), tensor=split), "ckpt.safetensors")
     with pytest.raises(ValueError, match=r"invariant=2\) on a tensor-parallel state"):
         Plan(slices=2).check(Layout(tensor=split))
     with pytest.raises(TypeError, match=r"'tensor' must be a fnloop.TensorParallel"):
         fl.TrainState(max_iter=1, tensor="2")
+
+
+def test_a_hook_state_of_slices_is_refused_where_a_whole_checkpoint_would_keep_rank0s_alone(tmp_path) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    state = fl.init(model, fl.optim.sgd(0.1), seed=0, max_iter=1)
+    split = TensorParallel(2, 0, (("0", "colwise", 1),), (), (("0.weight", 0, 1),))
+    average = {"params": {"0.weight": state.params["0.weight"].clone()}}
+    state = attrs.evolve(state, tensor=split, hooks={"ema": average})
+    with pytest.raises(NotImplementedError, match=r"state.hooks\['ema'\] holds this rank's slices"):
+        fl.save(state, tmp_path / "ckpt.safetensors")
+    assert not (tmp_path / "ckpt.safetensors").exists()

@@ -33,6 +33,7 @@ from fnloop.checkpoint._safetensors import (
     read_header,
 )
 from fnloop.checkpoint._sharded import Index, index_of, load_sharded, reshard, save_sharded
+from fnloop.checkpoint._split import load_split, save_joined
 from fnloop.checkpoint._state_codec import encode_state, fill_state
 from fnloop.checkpoint._transfer import _bytes, _digest, _pwrite, _transfer
 
@@ -152,13 +153,8 @@ def save(state: TrainState, path: StrPath) -> Path:
             "code, which a checkpoint does not hold. Save from an effect (the fold performs effects on "
             "the state with its effects cleared), or drop them: attrs.evolve(state, effects=())."
         )
-    if state.tensor is not None:
-        raise NotImplementedError(
-            f"save(): this state is rank {state.tensor.rank}'s slices of a model split over "
-            f"{state.tensor.degree} ranks (init(..., tensor={state.tensor.degree})), and checkpoints of "
-            "tensor-parallel states are not supported yet: a file of one rank's slices could not be "
-            "resumed. Train without checkpoints for now, or without tensor=."
-        )
+    if state.tensor is not None:  # a collective: rank 0 writes the whole state
+        return save_joined(state, Path(path), lambda whole, at: write_file(at, *encode_state(whole)))
     if state.shards is not None:
         return save_sharded(state, Path(path), write_file)
     skeleton, tensors = encode_state(state)
@@ -230,6 +226,10 @@ def load(path: StrPath, *, like: TrainState) -> TrainState:
         )
     checked_path(path, "path", "load()")
     index = _index(path)
+    if like.tensor is not None and index is None:  # this rank's slices of the whole state saved
+        return load_split(
+            Path(path), like, lambda at, whole: fill_state(read(at, whole)[1], whole, f"{at}: state")
+        )
     if index is not None or like.shards is not None:
         return load_sharded(Path(path), like, index)
     _, raw = read(path, like)

@@ -28,7 +28,7 @@ STATE_FIELDS = tuple(
 )
 """The fields of TrainState a checkpoint's entries hold: all but ``effects``, which carry code, ``clock``,
 ``shards``, which a sharded checkpoint's index holds (``fnloop.checkpoint._sharded``), and ``tensor``
-(a tensor-parallel state is not saved yet)."""
+(a tensor-parallel state is saved whole, ``fnloop.checkpoint._split``)."""
 
 _DROPPED = ("time",)
 """Entries files of earlier versions hold and this one reads past: the clock's ``time`` was saved then."""

@@ -19,6 +19,7 @@ from fnloop._core.background import BackgroundFailed, Job
 from fnloop._core.messages import a_path, got, unwritable
 from fnloop._core.phase import Phase
 from fnloop._core.state import TrainState, request
+from fnloop._export import unshard
 from fnloop.checkpoint import CheckpointWarning, checkpoints, path_for, save
 from fnloop.checkpoint._sharded import orphans, parts_of
 
@@ -163,9 +164,16 @@ class Checkpoint:
         fold lets no donating step write into its tensors. One save is in
         flight at a time: the writer waits for the one before to finish. Its
         warnings, and its failure as a ``BackgroundFailed``, reach the
-        training thread at the next phase boundary.
+        training thread at the next phase boundary. A tensor-parallel state's
+        slices are sent to rank 0 here, on the training thread; rank 0's
+        writer writes the whole state.
         """
         path = path_for(self.directory, state.iteration)
+        if state.tensor is not None:  # the slices gathered here (collectives stay on this thread)
+            whole = unshard(state, rank0_only=True)
+            if whole is None:  # another rank's: its slices are sent, rank 0 writes
+                return Job(list, reads=state, what=f"the checkpoint into {path}", fix=_BACKGROUND_FIX)
+            state = whole
         return Job(
             functools.partial(self._saved, state),
             reads=state,
@@ -223,7 +231,12 @@ class Checkpoint:
     def save_once(self, state: TrainState) -> Path:
         """``save``, unless the iteration of ``state`` is saved already."""
         path = path_for(self.directory, state.iteration)
-        return path if path.exists() else self.save(state)
+        exists = path.exists()
+        if state.tensor is not None:  # rank 0's file: every rank joins its save, or none does
+            from fnloop.distributed import broadcast_object
+
+            exists = broadcast_object(exists)
+        return path if exists else self.save(state)
 
     def __repr__(self) -> str:
         more = ", background=True" if self.background else ""
@@ -231,12 +244,18 @@ class Checkpoint:
 
 
 def _sharded(state: TrainState) -> bool:
-    """Whether every rank saves ``state``: it is sharded, and each rank writes its part."""
-    return state.shards is not None
+    """Whether every rank saves ``state``: it is sharded, and each rank writes its part; or split
+    (tensor parallel), and each rank sends rank 0 its slices."""
+    return state.shards is not None or state.tensor is not None
 
 
 def _a_part(state: TrainState) -> bool:
-    """Whether this process saves another rank's part than rank 0's (which is the index), or waits for it."""
+    """Whether this process saves another rank's part than rank 0's (which is the index, or the
+    whole file of a tensor-parallel state), or waits for it."""
+    if state.tensor is not None:
+        from fnloop.distributed import rank
+
+        return rank() != 0
     return state.shards is not None and state.shards.global_rank != 0
 
 
