@@ -97,11 +97,11 @@ def unshard(state: TrainState, *, rank0_only: Literal[False] = False) -> TrainSt
 @overload
 def unshard(state: TrainState, *, rank0_only: bool) -> TrainState | None: ...
 def unshard(state: TrainState, *, rank0_only: bool = False) -> TrainState | None:
-    """The whole state of a sharded one: every rank's chunks of each tensor gathered, padding cut off.
+    """The whole state of a sharded or tensor-parallel one: every rank's chunks (or slices) of each tensor gathered.
 
     A collective: every rank of the run calls it, and each gets the whole
-    state (``shards`` is ``None``), its parameters and optimizer state as
-    ``fnloop.init`` without ``shard=`` would have them. With ``rank0_only``,
+    state (``shards`` and ``tensor`` are ``None``), its parameters and optimizer
+    state as ``fnloop.init`` without ``shard=`` or ``tensor=`` would have them. With ``rank0_only``,
     rank 0 alone gets it, each tensor sent to it one block at a time, and
     every other rank gets ``None``, holding no more than its share meanwhile.
     A state that is not sharded is returned as it is (``None`` on the other

@@ -121,6 +121,11 @@ def save(state: TrainState, path: StrPath) -> Path:
     in that directory are removed. Tensors are saved from CPU memory; a tensor
     reached twice is stored once.
 
+    A sharded state is saved as one part per rank (``fnloop.checkpoint._sharded``);
+    a tensor-parallel one (``state.tensor``) as the whole state, written by rank 0
+    from every rank's slices (``fnloop.checkpoint._split``): both are collectives,
+    called by every rank.
+
     Args:
         state: the state to save; it must have no pending ``effects``.
         path: the file to write (usually ``path_for(directory, state.iteration)``).
