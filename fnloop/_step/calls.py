@@ -66,6 +66,9 @@ class Recording(NamedTuple):
 Eager = Callable[..., tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]
 """The kernel run eagerly on one run's tensors: ``(params, buffers, opt_state, iteration, batch, layout)``."""
 
+_WHOLE = Layout()
+"""The layout of a member's eager step: a single run's, whole."""
+
 Tensor = Callable[[Any, Callable[[], torch.Tensor]], torch.Tensor]
 """A long-lived input tensor by key, made once (``Memo.tensor``)."""
 
@@ -277,7 +280,7 @@ class _Members:
             own = inner if layout.shared else _rows(inner, m)
             mine = _rows(state.params, m), _rows(state.buffers, m), _rows(state.opt_state, m)
             with seeded(iteration.device, seed, i, rank):
-                rows.append(Outputs(*function(*mine, iteration, own, None)))
+                rows.append(Outputs(*function(*mine, iteration, own, _WHOLE)))
         return _by_member(rows)
 
     def inputs(
