@@ -293,6 +293,8 @@ def test_a_plan_that_does_not_fit_the_model_says_where_and_the_fix() -> None:
         layout_of(model, TensorPlan({"0": "sideways"}), 2, 0)
     with pytest.raises(ValueError, match=r"0.weight .* has 6 along the dimension split, which 4 ranks"):
         layout_of(model, TensorPlan({"0": "colwise"}), 4, 0)
+    with pytest.raises(ValueError, match=r"'0' is matched by '\?' and by an earlier pattern"):
+        layout_of(model, TensorPlan({"0": "colwise", "?": "colwise"}), 2, 0)
     with pytest.raises(ValueError, match=r"divide\['0'\] names 0.width"):
         layout_of(model, TensorPlan({"0": "colwise"}, divide={"0": ("width",)}), 2, 0)
     tied = torch.nn.Sequential(torch.nn.Embedding(8, 4), torch.nn.Linear(4, 8, bias=False))

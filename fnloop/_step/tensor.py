@@ -120,7 +120,7 @@ def tensor_hold(
                     stack.enter_context(_hooked(module, *_rowwise(held[bias], group)))
                     held[bias] = torch.zeros_like(held[bias])
                 elif style == "vocab":
-                    stack.enter_context(_hooked(module, *_vocab(module, held, name, tp, group)))
+                    stack.enter_context(_hooked(module, *_vocab(module, tp, group)))
                     stack.enter_context(_set(module, "padding_idx", _local_padding(module, tp)))
                 elif style == "rowwise":
                     stack.enter_context(_hooked(module, None, lambda out: _Reduce.apply(out, group)))
@@ -166,7 +166,7 @@ def _rowwise(bias: torch.Tensor, group: Any) -> tuple[None, Callable[[torch.Tens
 
 
 def _vocab(
-    module: torch.nn.Module, held: Mapping[str, torch.Tensor], name: str, tp: TensorParallel, group: Any
+    module: torch.nn.Module, tp: TensorParallel, group: Any
 ) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]]:
     assert isinstance(module, torch.nn.Embedding)
     rows = module.num_embeddings // tp.degree

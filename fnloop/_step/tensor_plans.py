@@ -197,6 +197,11 @@ def layout_of(model: torch.nn.Module, plan: TensorPlan, degree: int, rank: int) 
         for name in matched:
             module = modules[name]
             style, parts = _style(value, module, pattern)
+            if any(name == other for other, _, _ in layers):
+                raise ValueError(
+                    f"tensor_plan: the module {name!r} is matched by {pattern!r} and by an earlier "
+                    "pattern; give each module one style (narrow the patterns)."
+                )
             layers.append((name, style, parts))
             for local, dim in _dims(module, style).items():
                 p = getattr(module, local, None)
