@@ -1,10 +1,11 @@
 """A model whose state is over twice what each rank may hold, trained under a memory limit per rank.
 
-    torchrun --standalone --nproc_per_node=N tests/cap_worker.py RESULTS --shard full|none [--limit MIB]
+    torchrun --standalone --nproc_per_node=N tests/cap_worker.py RESULTS --shard full|none|tensor [--limit MIB]
         [--then RESULTS ...]
 
 The model (``DEPTH`` equal blocks of ``Linear(WIDTH, WIDTH)``, AdamW) is built on the meta device and
-made by ``fl.init`` module by module, so no rank ever holds it whole unless its layout says so. With
+made by ``fl.init`` module by module, so no rank ever holds it whole unless its layout says so
+(``--shard tensor``: every layer split over every rank, ``init(..., tensor=N)``). With
 ``--limit``, each rank moves itself into a memory cgroup of its own (cgroup v1, the machine's
 memory controller) right after importing torch and joining the process group, with that limit on
 what it charges from then on: the kernel kills a rank that goes over it. Each rank writes
@@ -109,7 +110,7 @@ def _warm() -> None:
 def run(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("results")
-    parser.add_argument("--shard", choices=("full", "none"), required=True)
+    parser.add_argument("--shard", choices=("full", "none", "tensor"), required=True)
     parser.add_argument("--limit", type=int, help="MiB each rank may charge after joining")
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args(argv)
@@ -120,9 +121,12 @@ def run(argv: list[str]) -> None:
     with torch.device("meta"):
         model = Blocks()
     optimizer = fl.optim.adamw(1e-3)
-    state = fl.init(
-        model, optimizer, seed=0, max_iter=args.steps, shard=None if args.shard == "none" else "full"
-    )
+    if args.shard == "tensor":  # every layer split over every rank: column-wise, then row-wise, in turn
+        plan = {f"layers.{i}": "colwise" if i % 2 == 0 else "rowwise" for i in range(DEPTH)}
+        state = fl.init(model, optimizer, seed=0, max_iter=args.steps, tensor=world, tensor_plan=plan)
+    else:
+        shard = None if args.shard == "none" else "full"
+        state = fl.init(model, optimizer, seed=0, max_iter=args.steps, shard=shard)
     step = fl.train_step(model, lambda forward, x: forward(x).square().mean(), optimizer)
     data = torch.randn(BATCH * 4, WIDTH, generator=torch.Generator().manual_seed(1))
     final = fl.run(state, step, fl.data.batches(data, batch_size=BATCH, seed=0), donate_input=True)

@@ -1,4 +1,5 @@
-"""Block by block under a memory limit: each rank in a memory cgroup of its own (tests/cap_worker.py).
+"""Block by block, and split by tensor parallelism, under a memory limit: each rank in a memory cgroup of its own
+(tests/cap_worker.py).
 
 The model (32 blocks of ``Linear(2560, 2560)``, AdamW: 2.5 GB of parameters and optimizer state)
 is built on the meta device and made by ``fl.init`` one module at a time. Each rank is limited to
@@ -65,6 +66,27 @@ def test_a_model_whose_state_is_over_twice_what_a_rank_may_hold_trains_under_the
     for rank in range(4):
         mine = json.loads((tmp_path / "full-limited" / f"rank{rank}.json").read_text())
         assert mine["peak"] <= LIMIT * 2**20 and mine["held"] * 4 == whole
+        assert mine["losses"] == reference["losses"]  # the limit changes nothing
+
+
+def test_the_same_model_trains_under_the_limit_with_its_layers_split_over_the_ranks(tmp_path: Path) -> None:
+    # Tensor parallel, T=4: each Linear(2560, 2560) split column-wise and row-wise in turn, every rank
+    # holding a quarter of each layer and of its moments (the row-wise layers' biases whole).
+    assert os.access("/sys/fs/cgroup/memory", os.W_OK), "this test needs the cgroup v1 memory controller"
+    cache = tmp_path / "cache"
+    unlimited = launch(tmp_path, cache, ["tensor", "--shard", "tensor"])
+    assert unlimited.returncode == 0, unlimited.stderr[-4000:]
+    limited = launch(tmp_path, cache, ["tensor-limited", "--shard", "tensor", "--limit", str(LIMIT)])
+    assert limited.returncode == 0, limited.stderr[-4000:]
+    reference = json.loads((tmp_path / "tensor" / "rank0.json").read_text())
+    width, depth = 2560, 32
+    whole = 3 * 4 * depth * (width * width + width)  # the parameters and AdamW's two moments, float32
+    assert whole > 2.3 * LIMIT * 2**20
+    for rank in range(4):
+        mine = json.loads((tmp_path / "tensor-limited" / f"rank{rank}.json").read_text())
+        split_biases = 3 * 4 * (depth // 2) * width * 3 // 4  # the row-wise layers' biases, whole on each
+        quarter = whole // 4 + split_biases  # and the optimizer's step count, a scalar
+        assert mine["peak"] <= LIMIT * 2**20 and quarter <= mine["held"] <= quarter + 64
         assert mine["losses"] == reference["losses"]  # the limit changes nothing
 
 
