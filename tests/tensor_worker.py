@@ -16,6 +16,8 @@ Jobs (a compiled one's backend after a colon: ``llama:inductor``; else the suite
 - ``gpt2``: GPT-2 (2 layers, tiny), compiled, 30 steps, its residual and embedding dropout at the
   default 0.1 (replicated regions) and attention dropout 0.
 - ``eager``: the Llama run op by op, two micro-batches a step, 6 steps.
+- ``compose``: the Llama's 6 steps with 2 steps per call, bf16 autocast, activation checkpointing, and
+  fp16 under dynamic loss scaling, each.
 - ``resume``: the Llama saved at step 10 of 20 with ``fl.save``, loaded and run on to 20; and a run of
   4 steps checkpointing every 2 in the background, resumed with ``fl.checkpoint.resume``.
 """
@@ -188,6 +190,40 @@ def resume(out: Path, world: int, rank: int) -> None:
     )
 
 
+def compose(out: Path, world: int, rank: int) -> None:
+    """The Llama's 6 steps with each of: 2 steps per call, bf16 autocast, activation checkpointing, fp16 under
+    dynamic loss scaling; the suite's backend."""
+    found = {}
+    for variant in ("k2", "bf16", "remat", "fp16"):
+        torch.manual_seed(0)
+        model = llama()
+        optimizer = fl.optim.adamw(1e-3)
+        options: dict = {}
+        if variant == "k2":
+            options = {"steps_per_call": 2}
+        elif variant == "bf16":
+            options = {"autocast": torch.bfloat16}
+        elif variant == "remat":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            optimizer = fl.optim.dynamic_loss_scale(fl.optim.adamw(1e-3))
+            options = {"autocast": torch.float16}
+        degree = min(world, 2)
+        copies, copy = world // degree, rank // degree
+        generator = torch.Generator().manual_seed(1)
+        batches = [
+            torch.randint(0, VOCAB, (ROWS, CONTEXT), generator=generator)[copy::copies] for _ in range(6)
+        ]
+        state = fl.init(model, optimizer, seed=3, max_iter=6, tensor=degree)
+        final = fl.run(state, fl.train_step(model, lm_loss, optimizer, **options), batches)
+        found[variant] = {
+            "losses": [float(v) for _, v in final.metrics.series["loss"]],
+            "params": {k: v.clone() for k, v in fl.unshard(final).params.items()},
+        }
+    (out / "compose").mkdir(parents=True, exist_ok=True)
+    torch.save(found, out / "compose" / f"rank{rank}.pt")
+
+
 def main() -> None:
     torch.set_num_threads(1)
     fl.distributed.setup()
@@ -195,8 +231,8 @@ def main() -> None:
     graphs: list[dict] = []
     _watch_graphs(graphs)
     for name in jobs:
-        if name == "resume":
-            resume(out, fl.distributed.world_size(), fl.distributed.rank())
+        if name in ("resume", "compose"):
+            (resume if name == "resume" else compose)(out, fl.distributed.world_size(), fl.distributed.rank())
         else:
             job(name, out, fl.distributed.world_size(), fl.distributed.rank(), graphs)
 
