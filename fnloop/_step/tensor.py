@@ -215,11 +215,11 @@ def _hooked(
 @contextlib.contextmanager
 def _set(module: torch.nn.Module, attribute: str, value: Any) -> Iterator[None]:
     before = getattr(module, attribute)
-    object.__setattr__(module, attribute, value)
+    setattr(module, attribute, value)
     try:
         yield
     finally:
-        object.__setattr__(module, attribute, before)
+        setattr(module, attribute, before)
 
 
 @attrs.frozen

@@ -11,8 +11,9 @@ plans are those of ``transformers``' Llama family and GPT-2.
 from __future__ import annotations
 
 import fnmatch
+import sys
 from collections.abc import Callable, Mapping
-from typing import Any, cast
+from typing import Any
 
 import attrs
 import torch
@@ -22,7 +23,7 @@ from fnloop._core.shards import Shards
 from fnloop._core.tensor_parallel import TensorParallel
 from fnloop.distributed import rank, world_size
 
-__all__ = ["STYLES", "TensorPlan", "builtin_plan", "conv1d", "layout_of", "tensor_layout"]
+__all__ = ["STYLES", "TensorPlan", "builtin_plan", "layout_of", "tensor_layout"]
 
 STYLES = ("colwise", "rowwise", "gathered", "vocab")
 """The styles a plan gives a module (see ``tensor.py``'s table)."""
@@ -137,16 +138,15 @@ def builtin_plan(model: torch.nn.Module, degree: int) -> TensorPlan:
 def _style(value: object, module: torch.nn.Module, where: str) -> tuple[str, int]:
     """``value`` as ``(style, parts)``, checked against the module it is given."""
     style, parts = value if isinstance(value, tuple) and len(value) == 2 else (value, 1)
-    kind = type(style).__name__
-    style = cast(Any, style)
-    if kind in ("ColwiseParallel", "RowwiseParallel"):
+    if not isinstance(style, str):  # one of torch's styles, in the same words
         from torch.distributed.tensor import Replicate
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-        if kind == "ColwiseParallel":
+        if isinstance(style, ColwiseParallel):
             layouts = style.output_layouts
             first = layouts[0] if isinstance(layouts, tuple) else layouts
             style = "gathered" if isinstance(first, Replicate) else "colwise"
-        else:
+        elif isinstance(style, RowwiseParallel):
             style = "vocab" if isinstance(module, torch.nn.Embedding) else "rowwise"
     if style not in STYLES or type(parts) is not int or parts < 1:
         raise ValueError(
@@ -166,19 +166,24 @@ def _style(value: object, module: torch.nn.Module, where: str) -> tuple[str, int
 
 
 def _linear(module: torch.nn.Module) -> bool:
-    return isinstance(module, torch.nn.Linear) or conv1d(module)
+    return isinstance(module, torch.nn.Linear) or _conv1d(module)
 
 
-def conv1d(module: torch.nn.Module) -> bool:
-    """``transformers``' ``Conv1D``: a linear layer whose weight is ``[in, out]`` and whose width is ``nf``."""
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf")
+def _conv1d(module: torch.nn.Module) -> bool:
+    """``transformers``' ``Conv1D``: a linear layer whose weight is ``[in, out]`` and whose width is ``nf``.
+
+    Only a model built with ``transformers`` holds one, so its module is looked up where it is loaded
+    already, never imported here.
+    """
+    utils = sys.modules.get("transformers.pytorch_utils")
+    return utils is not None and isinstance(module, utils.Conv1D)
 
 
 def _dims(module: torch.nn.Module, style: str) -> dict[str, int]:
     """Which dimension of each of the module's own parameters the style splits (a parameter left out: whole)."""
     if style == "vocab":
         return {"weight": 0}
-    out, into = (1, 0) if conv1d(module) else (0, 1)  # Conv1D's weight is [in, out]
+    out, into = (1, 0) if _conv1d(module) else (0, 1)  # Conv1D's weight is [in, out]
     if style == "rowwise":
         return {"weight": into}
     return {"weight": out, "bias": 0}
@@ -240,7 +245,7 @@ def layout_of(model: torch.nn.Module, plan: TensorPlan, degree: int, rank: int) 
                     )
                 divided.append((name, attribute))
     for name, style, _ in layers:
-        if style != "rowwise" and conv1d(modules[name]):
+        if style != "rowwise" and _conv1d(modules[name]):
             divided.append((name, "nf"))  # Conv1D views its output with its width
     return TensorParallel(
         degree,

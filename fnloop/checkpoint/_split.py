@@ -18,6 +18,7 @@ hold only rank 0's.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ from fnloop._core.tensor_parallel import TensorParallel, local_slice, split_tens
 __all__ = ["load_split", "save_joined"]
 
 
-def save_joined(state: TrainState, path: Path, write: Any) -> Path:
+def save_joined(state: TrainState, path: Path, write: Callable[[TrainState, Path], object]) -> Path:
     """Write the whole state of the tensor-parallel ``state`` to ``path`` (a collective; rank 0 writes)."""
     from fnloop._export import unshard
     from fnloop.distributed import broadcast_object
@@ -54,18 +55,17 @@ def save_joined(state: TrainState, path: Path, write: Any) -> Path:
     return path
 
 
-def load_split(path: Path, like: TrainState, read: Any) -> TrainState:
+def load_split(path: Path, like: TrainState, read: Callable[[Path, TrainState], TrainState]) -> TrainState:
     """The whole state saved in ``path``, as this rank's slices of ``like``'s layout (``read(path, template)`` reads it)."""
     tensor = like.tensor
     assert tensor is not None
     split = split_tensors(like.params, like.opt_state, tensor)
-    dims = {n: (dim, parts) for n, dim, parts in tensor.params}
 
     def whole_shaped(t: Any) -> Any:
         name = split.get(id(t)) if isinstance(t, torch.Tensor) else None
         if name is None:
             return t
-        dim, _ = dims[name]
+        dim, _ = tensor.split(name)
         shape = (*t.shape[:dim], t.shape[dim] * tensor.degree, *t.shape[dim + 1 :])
         return torch.empty(shape, dtype=t.dtype, device=t.device)
 
@@ -76,21 +76,14 @@ def load_split(path: Path, like: TrainState, read: Any) -> TrainState:
         tensor=None,
     )
     whole = read(path, template)
-    names = [split.get(id(t)) if isinstance(t, torch.Tensor) else None for t in _leaves(like)]
-    leaves = [
-        t if name is None else local_slice(t, *dims[name], tensor.degree, tensor.rank)
-        for t, name in zip(_leaves(whole), names)
-    ]
-    params_spec = pytree.tree_structure(dict(whole.params))
-    n = params_spec.num_leaves
-    params = pytree.tree_unflatten(leaves[:n], params_spec)
-    opt_state = pytree.tree_unflatten(leaves[n:], pytree.tree_structure(whole.opt_state))
+
+    def mine(kept: Any, saved: Any) -> Any:
+        name = split.get(id(kept)) if isinstance(kept, torch.Tensor) else None
+        return saved if name is None else local_slice(saved, *tensor.split(name), tensor.degree, tensor.rank)
+
+    params = {k: mine(like.params[k], v) for k, v in whole.params.items()}
+    opt_state = pytree.tree_map(mine, like.opt_state, whole.opt_state)
     return attrs.evolve(whole, params=params, opt_state=opt_state, tensor=tensor)
-
-
-def _leaves(state: TrainState) -> list[Any]:
-    """The params' and the optimizer state's leaves, in that order."""
-    return [*pytree.tree_leaves(dict(state.params)), *pytree.tree_leaves(state.opt_state)]
 
 
 def _refuse_split_hooks(state: TrainState, tensor: TensorParallel) -> None:
