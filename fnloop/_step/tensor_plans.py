@@ -1,6 +1,6 @@
 """Tensor-parallel plans: which modules a model's layers are split at, and how (``TensorPlan``).
 
-A plan maps module name patterns (``fnmatch``, as ``parallelize_module``'s
+A plan maps module name patterns (matched part by part, as ``parallelize_module``'s
 dict) to styles, in the words of torch's and torchtitan's plans; the styles
 and their collectives are the transformation's (``tensor.py``). ``layout_of``
 checks a plan against a model and makes the state's record of the split
@@ -41,7 +41,7 @@ class TensorPlan:
     """How a model's layers are split by tensor parallelism (``init(..., tensor=T, tensor_plan=...)``).
 
     Args:
-        layers: module name pattern (``fnmatch``, as ``parallelize_module``'s
+        layers: module name pattern (each dotted part matched with ``fnmatch``, as ``parallelize_module``'s
             dict: ``"model.layers.*.self_attn.q_proj"``) -> style:
             ``"colwise"``, ``"rowwise"``, ``"gathered"`` (column-wise with its
             output gathered: a language model's head), ``"vocab"`` (an
@@ -196,7 +196,7 @@ def layout_of(model: torch.nn.Module, plan: TensorPlan, degree: int, rank: int) 
     layers: list[tuple[str, str, int]] = []
     params: dict[str, tuple[int, int, str]] = {}
     for pattern, value in plan.layers.items():
-        matched = [name for name in modules if fnmatch.fnmatchcase(name, pattern)]
+        matched = _matched(pattern, modules)
         if not matched:
             raise ValueError(_unmatched("tensor_plan", pattern, modules))
         for name in matched:
@@ -232,7 +232,7 @@ def layout_of(model: torch.nn.Module, plan: TensorPlan, degree: int, rank: int) 
                 params[full] = (*split, name)
     divided: list[tuple[str, str]] = []
     for pattern, names in plan.divide.items():
-        matched = [name for name in modules if fnmatch.fnmatchcase(name, pattern)]
+        matched = _matched(pattern, modules)
         if not matched:
             raise ValueError(_unmatched("tensor_plan.divide", pattern, modules))
         for name in matched:
@@ -293,9 +293,28 @@ def tensor_layout(
     return layout_of(model, plan, degree, rank() % degree)
 
 
+def _matched(pattern: str, modules: Mapping[str, Any]) -> list[str]:
+    """The module names ``pattern`` matches part by part, as ``parallelize_module`` matches them.
+
+    ``*`` stands for one dotted part: ``layers.*.output.dense`` matches ``layers.0.output.dense``,
+    not ``layers.0.attention.output.dense``.
+
+    Examples:
+        >>> _matched("layers.*.output.dense", {"layers.0.output.dense": 0, "layers.0.attention.output.dense": 0})
+        ['layers.0.output.dense']
+    """
+    parts = pattern.split(".")
+    return [
+        name
+        for name in modules
+        if len(name.split(".")) == len(parts)
+        and all(fnmatch.fnmatchcase(atom, want) for atom, want in zip(name.split("."), parts))
+    ]
+
+
 def _unmatched(where: str, pattern: str, modules: Mapping[str, Any]) -> str:
     some = [n for n in modules if n][:6]
     return (
         f"{where}: the pattern {pattern!r} matches no module of the model. Patterns are matched "
-        f"against module names as model.named_modules() gives them ({some} ...), with fnmatch's '*'."
+        f"against module names as model.named_modules() gives them ({some} ...), part by part: '*' stands for one dotted part."
     )
