@@ -125,40 +125,44 @@ def unshard(state: TrainState, *, rank0_only: bool = False) -> TrainState | None
         opt_state = pytree.tree_map(whole_on_rank0, state.opt_state)
         whole_state = attrs.evolve(state, params=params, opt_state=opt_state, shards=None, tensor=None)
         return whole_state if rank() == 0 else None
-    if state.tensor is not None:
-        whole = _joiner(state)
-        params = {k: whole(v) for k, v in state.params.items()}
-        return attrs.evolve(
-            state, params=params, opt_state=pytree.tree_map(whole, state.opt_state), tensor=None
-        )
-    if state.shards is None:
+    if state.tensor is None and state.shards is None:
         return state
-    whole = _gatherer(state)
+    whole = _wholes(state)
     params = {k: whole(v) for k, v in state.params.items()}
-    return attrs.evolve(state, params=params, opt_state=pytree.tree_map(whole, state.opt_state), shards=None)
+    opt_state = pytree.tree_map(whole, state.opt_state)
+    return attrs.evolve(state, params=params, opt_state=opt_state, shards=None, tensor=None)
 
 
 def whole_params(state: TrainState) -> dict[str, torch.Tensor]:
-    """The whole parameters of ``state``: gathered from every rank if they are sharded (a collective)."""
-    if state.tensor is not None:
-        whole = _joiner(state)
-        return {k: whole(v) for k, v in state.params.items()}
-    if state.shards is None or not state.shards.params:
+    """The whole parameters of ``state``: gathered from every rank if they are sharded or split (a collective)."""
+    if state.tensor is None and (state.shards is None or not state.shards.params):
         return dict(state.params)
-    whole = _gatherer(state)
+    whole = _wholes(state)
     return {k: whole(v) for k, v in state.params.items()}
+
+
+def _wholes(state: TrainState) -> Any:
+    """``tensor -> the whole tensor`` for ``state``'s chunks and slices: the chunks gathered, then the slices joined."""
+    gathered = (lambda t: t) if state.shards is None else _gatherer(state)
+    if state.tensor is None:
+        return gathered
+    joined = _joiner(state)
+    return lambda t: joined(t, gathered(t))
 
 
 def _gatherer(state: TrainState) -> Any:
     """``tensor -> the whole tensor`` for ``state``'s chunks (other tensors as they are)."""
     import torch.distributed as dist
 
-    from fnloop.distributed import _group, mesh_groups
+    from fnloop.distributed import _group, mesh_groups, sharded_tensor_groups
 
     shards = state.shards
     assert shards is not None
     chunks = sharded_tensors(state.params, state.opt_state, shards)
-    group = _group() if shards.replicas == 1 else mesh_groups(shards.replicas)[0]  # the ranks of one copy
+    if state.tensor is not None:  # the shards of this place in the tensor-parallel blocks
+        group = sharded_tensor_groups(state.tensor.degree, shards.replicas)[1] if shards.world > 1 else None
+    else:
+        group = _group() if shards.replicas == 1 else mesh_groups(shards.replicas)[0]  # the ranks of one copy
 
     def whole(tensor: Any) -> Any:
         name = chunks.get(id(tensor))
@@ -175,22 +179,23 @@ def _gatherer(state: TrainState) -> Any:
 
 
 def _joiner(state: TrainState) -> Any:
-    """``tensor -> the whole tensor`` for a tensor-parallel ``state``'s slices, gathered from its copy's ranks."""
+    """``(tensor, its value) -> the whole tensor`` for a tensor-parallel ``state``'s slices (``tensor``'s value
+    ``value``, its chunks gathered), gathered from its copy's ranks."""
     import torch.distributed as dist
 
     from fnloop.distributed import tensor_groups
 
     tensor = state.tensor
     assert tensor is not None
-    split = split_tensors(state.params, state.opt_state, tensor)
+    split = split_tensors(state.params, state.opt_state, tensor, state.shards)
     group = tensor_groups(tensor.degree)[0]
 
-    def whole(t: Any) -> Any:
+    def whole(t: Any, value: Any) -> Any:
         name = split.get(id(t))
         if name is None or group is None:
-            return t
-        every = [torch.empty_like(t) for _ in range(tensor.degree)]
-        dist.all_gather(every, t.contiguous(), group=group)
+            return value
+        every = [torch.empty_like(value) for _ in range(tensor.degree)]
+        dist.all_gather(every, value.contiguous(), group=group)
         return joined(every, *tensor.split(name))
 
     return whole

@@ -24,7 +24,7 @@ from fnloop._atomic import write_atomically
 from fnloop._core.messages import got
 from fnloop._core.shards import sharded_tensors
 from fnloop._core.state import TrainState
-from fnloop._core.tensor_parallel import TensorParallel, joined, split_tensors
+from fnloop._core.tensor_parallel import TensorParallel, joined, split_tensors, whole_shape
 from fnloop.checkpoint._safetensors import framed, layout
 from fnloop.checkpoint._transfer import _bytes, _pwrite
 
@@ -92,36 +92,48 @@ def to_rank0(state: TrainState) -> tuple[Pieces, Callable[[torch.Tensor], torch.
 def _slices_to_rank0(
     state: TrainState, tensor: TensorParallel, first: bool
 ) -> tuple[Pieces, Callable[[torch.Tensor], torch.Size]]:
-    """``to_rank0`` of a tensor-parallel state: each split tensor's slices sent to rank 0 by the first copy's ranks, joined there."""
+    """``to_rank0`` of a tensor-parallel state: each split tensor's slices sent to rank 0 by the first copy's ranks, joined there.
+
+    Where the copies shard the state too, each slice comes as its shards'
+    chunks (the rank of shard ``s`` of place ``t`` in the first copy is
+    ``s * degree + t``), put together on rank 0 first.
+    """
     import torch.distributed as dist
 
     from fnloop.distributed import rank
 
-    split = split_tensors(state.params, state.opt_state, tensor)
-    sends = rank() < tensor.degree  # the first copy: ranks 0 .. degree - 1
+    shards = state.shards
+    split = split_tensors(state.params, state.opt_state, tensor, shards)
+    chunks = {} if shards is None else sharded_tensors(state.params, state.opt_state, shards)
+
+    def sources(t: torch.Tensor) -> list[list[int]]:
+        """For each place holding a slice of ``t`` (one, if it is whole), the ranks holding its chunks, in order."""
+        places = range(tensor.degree) if id(t) in split else range(1)
+        held = range(shards.world) if shards is not None and id(t) in chunks else range(1)
+        return [[s * tensor.degree + p for s in held] for p in places]
+
+    def slice_on_rank0(t: torch.Tensor, payload: torch.Tensor, ranks: list[int]) -> torch.Tensor:
+        blocks = []
+        for source in ranks:
+            blocks.append(payload.contiguous() if source == 0 else torch.empty_like(payload))
+            if source:
+                dist.recv(blocks[-1], src=source)
+        if shards is None or id(t) not in chunks:
+            return blocks[0]
+        return torch.cat(blocks)[: shards.whole(chunks[id(t)])]
 
     def pieces(t: torch.Tensor, payload: torch.Tensor) -> Iterator[torch.Tensor] | None:
-        name = split.get(id(t))
-        if name is None:
+        if id(t) not in split and id(t) not in chunks:
             return iter([payload]) if first else None
+        every = sources(t)
         if first:
-            slices = [payload.contiguous()]
-            for source in range(1, tensor.degree):
-                slices.append(torch.empty_like(slices[0]))
-                dist.recv(slices[-1], src=source)
-            return iter([joined(slices, *tensor.split(name))])
-        if sends:
+            slices = [slice_on_rank0(t, payload, ranks) for ranks in every]
+            return iter([joined(slices, *tensor.split(split[id(t)])) if id(t) in split else slices[0]])
+        if any(rank() in ranks for ranks in every):
             dist.send(payload.contiguous(), dst=0)
         return None
 
-    def whole_shape(t: torch.Tensor) -> torch.Size:
-        name = split.get(id(t))
-        if name is None:
-            return t.shape
-        dim, _ = tensor.split(name)
-        return torch.Size((*t.shape[:dim], t.shape[dim] * tensor.degree, *t.shape[dim + 1 :]))
-
-    return pieces, whole_shape
+    return pieces, lambda t: whole_shape(t, tensor, shards, split.get(id(t)), chunks.get(id(t)))
 
 
 def save_weights(

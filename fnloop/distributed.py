@@ -149,8 +149,8 @@ def _group() -> Any:
     return None
 
 
-_meshes: dict[tuple[int, int, int], tuple[Any, Any]] = {}
-"""(the world group's id, its size, copies) -> this process's (shard group, replica group), made once."""
+_meshes: dict[tuple[Any, ...], tuple[Any, ...]] = {}
+"""(the world group's id, its size, the mesh's shape) -> this process's groups of it, made once."""
 
 
 def mesh_groups(replicas: int) -> tuple[Any, Any]:
@@ -172,7 +172,8 @@ def mesh_groups(replicas: int) -> tuple[Any, Any]:
             device().type, (replicas, world // replicas), mesh_dim_names=("replicate", "shard")
         )
         _meshes[key] = (mesh.get_group("shard"), mesh.get_group("replicate"))
-    return _meshes[key]
+    shard, across = _meshes[key]
+    return shard, across
 
 
 def tensor_groups(degree: int) -> tuple[Any, Any]:
@@ -187,6 +188,31 @@ def tensor_groups(degree: int) -> tuple[Any, Any]:
     if world == degree:
         return _group(), None
     return mesh_groups(world // degree)
+
+
+def sharded_tensor_groups(degree: int, replicas: int) -> tuple[Any, Any, Any, Any]:
+    """This rank's groups of a tensor-parallel run whose copies shard the state (2-D; 3-D with ``replicas``).
+
+    torch's ``DeviceMesh`` of shape ``(replicas, shards, degree)``, named
+    ``("replicate", "shard", "tensor")`` as torchtitan names its mesh: blocks
+    of ``degree`` consecutive ranks split the layers, ``shards`` such blocks
+    shard one copy, and ``replicas`` copies keep it. Returns ``(tensor group,
+    shard group, replica group or None, data group)``, the data group linking
+    every rank of the same place in its block (all the copies' shards). Made
+    on first use, by every rank.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = world_size()
+    shape = (replicas, world // (replicas * degree), degree)
+    key = (id(dist.group.WORLD), world, shape)
+    if key not in _meshes:
+        mesh = init_device_mesh(device().type, shape, mesh_dim_names=("replicate", "shard", "tensor"))
+        across = mesh.get_group("replicate") if replicas > 1 else None
+        data = mesh.get_group("shard") if replicas == 1 else tensor_groups(degree)[1]
+        _meshes[key] = (mesh.get_group("tensor"), mesh.get_group("shard"), across, data)
+    split, shard, across, data = _meshes[key]
+    return split, shard, across, data
 
 
 def rank() -> int:

@@ -3,6 +3,7 @@
     python tests/tensor_worker.py RESULTS JOB[:BACKEND]...                         # one process, whole
     torchrun --standalone --nproc_per_node=2 tests/tensor_worker.py RESULTS JOB... # T=2
     torchrun --standalone --nproc_per_node=4 tests/tensor_worker.py RESULTS JOB... # T=2 x 2 copies
+    torchrun ... --nproc_per_node=4 tests/tensor_worker.py RESULTS --shard full JOB...  # T=2 x 2 shards
 
 Each job writes ``RESULTS/<job>/rank{r}.pt``: its losses and recorded metrics, the whole parameters
 (``fl.unshard``), the bytes this rank's parameters and optimizer state take and those of the split
@@ -15,17 +16,28 @@ Jobs (a compiled one's backend after a colon: ``llama:inductor``; else the suite
   ``stats="model"``, 30 steps; then written with ``fl.save_weights``.
 - ``gpt2``: GPT-2 (2 layers, tiny), compiled, 30 steps, its residual and embedding dropout at the
   default 0.1 (replicated regions) and attention dropout 0.
+- ``JOB@MODE`` (``llama@optimizer``): the job with its copies sharded so (``init(..., shard=MODE)``),
+  whatever ``--shard`` says; written to ``RESULTS/JOB@MODE``.
+- ``quiet``: the same GPT-2 with every dropout 0; sharded, its parameters gathered all at once
+  (``blocks=()``), where the Llama's are gathered block by block.
 - ``eager``: the Llama run op by op, two micro-batches a step, 6 steps.
 - ``compose``: the Llama's 6 steps with 2 steps per call, bf16 autocast, activation checkpointing, and
   fp16 under dynamic loss scaling, each.
 - ``resume``: the Llama saved at step 10 of 20 with ``fl.save``, loaded and run on to 20; and a run of
   4 steps checkpointing every 2 in the background, resumed with ``fl.checkpoint.resume``.
+- ``continue``: at 2 ranks, no tensor parallelism, sharded (``--shard``): the ``resume`` job's file of
+  step 10 from ``--from FOLDER`` loaded and trained to step 20.
+
+``--shard MODE``: where the world holds several copies of the model, they shard it (``init(...,
+shard=MODE)``: T=2 x 2 shards at 4 ranks) instead of training as data parallel; ``--replicate R``:
+in ``R`` copies of that (T=2 x 2 shards x 2 copies at 8 ranks).
 """
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import attrs
 import torch
@@ -51,11 +63,33 @@ def llama() -> torch.nn.Module:
     return LlamaForCausalLM(config)
 
 
-def gpt2() -> torch.nn.Module:
+def gpt2(dropout: float = 0.1) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=CONTEXT, attn_pdrop=0.0)
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=CONTEXT,
+        attn_pdrop=0.0,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+    )
     return GPT2LMHeadModel(config)
+
+
+SHARD: dict[str, Any] = {"mode": None, "replicate": 1}
+"""``--shard``'s mode: how the copies of the model keep it (``None``: whole, data parallel); ``--replicate``'s copies of that."""
+
+
+def layout(world: int, mode: str = "") -> dict:
+    """``fl.init``'s layout arguments at ``world`` ranks: T=2 where there are 2 ranks or more, the copies sharded
+    under ``--shard`` (or ``mode``, a job's own: ``llama@optimizer``)."""
+    degree = min(world, 2)
+    if not (mode or SHARD["mode"]) or world == degree:
+        return {"tensor": degree}
+    return {"tensor": degree, "shard": mode or SHARD["mode"], "replicate": SHARD["replicate"]}
 
 
 def lm_loss(forward, ids):
@@ -101,9 +135,10 @@ def held(state: fl.TrainState) -> dict[str, int]:
 
 
 def job(spec: str, out: Path, world: int, rank: int, graphs: list[dict]) -> None:
-    name, _, backend = spec.partition(":")
+    spec, _, backend = spec.partition(":")
+    name, _, mode = spec.partition("@")
     torch.manual_seed(0)
-    model = llama() if name != "gpt2" else gpt2()
+    model = {"gpt2": gpt2, "quiet": lambda: gpt2(0.0)}.get(name, llama)()
     degree = min(world, 2)
     copies, copy = world // degree, rank // degree
     generator = torch.Generator().manual_seed(1)
@@ -111,12 +146,14 @@ def job(spec: str, out: Path, world: int, rank: int, graphs: list[dict]) -> None
     batches = [torch.randint(0, VOCAB, (ROWS, CONTEXT), generator=generator) for _ in range(steps)]
     mine = [b.chunk(copies)[copy] for b in batches]
     optimizer = fl.optim.chain(fl.optim.clip_by_global_norm(0.5), fl.optim.adamw(1e-3))
-    state = fl.init(model, optimizer, seed=3, max_iter=steps, tensor=degree)
+    state = fl.init(model, optimizer, seed=3, max_iter=steps, **layout(world, mode))
     options = (
         {"compile": False, "accumulate": 2}
         if name == "eager"
         else {"stats": "model", "backend": backend or None}
     )
+    if name == "quiet":
+        options["blocks"] = ()
     step = fl.train_step(model, lm_loss, optimizer, **options)
     before = len(graphs)
     losses, norms = [], []
@@ -134,13 +171,14 @@ def job(spec: str, out: Path, world: int, rank: int, graphs: list[dict]) -> None
         "held": held(state),
         "graphs": graphs[before:],
         "split": sorted(state.tensor.names) if state.tensor is not None else None,
+        "sharded": state.shards is not None,
     }
     if name == "llama":
-        fl.save_weights(state, out / name / "model.safetensors", model)
+        fl.save_weights(state, out / spec / "model.safetensors", model)
         alone = fl.state_dict(state, rank0_only=True)
         found["alone"] = {k: v.clone() for k, v in alone.items()}
-    (out / name).mkdir(parents=True, exist_ok=True)
-    torch.save(found, out / name / f"rank{rank}.pt")
+    (out / spec).mkdir(parents=True, exist_ok=True)
+    torch.save(found, out / spec / f"rank{rank}.pt")
 
 
 def resume(out: Path, world: int, rank: int) -> None:
@@ -152,7 +190,7 @@ def resume(out: Path, world: int, rank: int) -> None:
     generator = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, VOCAB, (ROWS, CONTEXT), generator=generator)[copy::copies] for _ in range(20)]
     optimizer = fl.optim.chain(fl.optim.clip_by_global_norm(0.5), fl.optim.adamw(1e-3))
-    template = fl.init(model, optimizer, seed=3, max_iter=20, tensor=degree)
+    template = fl.init(model, optimizer, seed=3, max_iter=20, **layout(world))
     step = fl.train_step(model, lm_loss, optimizer)
     folder = out / "resume"
     state, at10 = template, None
@@ -214,7 +252,7 @@ def compose(out: Path, world: int, rank: int) -> None:
         batches = [
             torch.randint(0, VOCAB, (ROWS, CONTEXT), generator=generator)[copy::copies] for _ in range(6)
         ]
-        state = fl.init(model, optimizer, seed=3, max_iter=6, tensor=degree)
+        state = fl.init(model, optimizer, seed=3, max_iter=6, **layout(world))
         final = fl.run(state, fl.train_step(model, lm_loss, optimizer, **options), batches)
         found[variant] = {
             "losses": [float(v) for _, v in final.metrics.series["loss"]],
@@ -224,14 +262,42 @@ def compose(out: Path, world: int, rank: int) -> None:
     torch.save(found, out / "compose" / f"rank{rank}.pt")
 
 
+def go_on(out: Path, world: int, rank: int, folder: Path) -> None:
+    """The ``resume`` job's file of step 10 (``folder``), loaded at 2 ranks sharded, no tensor parallelism, run to 20."""
+    torch.manual_seed(0)
+    model = llama()
+    generator = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, VOCAB, (ROWS, CONTEXT), generator=generator)[rank::world] for _ in range(20)]
+    optimizer = fl.optim.chain(fl.optim.clip_by_global_norm(0.5), fl.optim.adamw(1e-3))
+    template = fl.init(model, optimizer, seed=3, max_iter=20, shard=SHARD["mode"])
+    state = fl.load(folder / "resume" / "at10.safetensors", like=template)
+    step = fl.train_step(model, lm_loss, optimizer)
+    for batch in batches[10:]:
+        state = attrs.evolve(step(state, batch), iteration=state.iteration + 1)
+    (out / "continue").mkdir(parents=True, exist_ok=True)
+    found = {
+        "params": {k: v.clone() for k, v in fl.unshard(state).params.items()},
+        "world": state.shards.world,
+    }
+    torch.save(found, out / "continue" / f"rank{rank}.pt")
+
+
 def main() -> None:
     torch.set_num_threads(1)
     fl.distributed.setup()
-    out, jobs = Path(sys.argv[1]), sys.argv[2:]
+    argv = sys.argv[1:]
+    options = {}
+    while argv[1].startswith("--"):
+        options[argv[1]] = argv[2]
+        del argv[1:3]
+    SHARD.update(mode=options.get("--shard"), replicate=int(options.get("--replicate", 1)))
+    out, jobs = Path(argv[0]), argv[1:]
     graphs: list[dict] = []
     _watch_graphs(graphs)
     for name in jobs:
-        if name in ("resume", "compose"):
+        if name == "continue":
+            go_on(out, fl.distributed.world_size(), fl.distributed.rank(), Path(options["--from"]))
+        elif name in ("resume", "compose"):
             (resume if name == "resume" else compose)(out, fl.distributed.world_size(), fl.distributed.rank())
         else:
             job(name, out, fl.distributed.world_size(), fl.distributed.rank(), graphs)

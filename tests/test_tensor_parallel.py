@@ -1,7 +1,10 @@
 """Tensor parallelism: plans, the split state, and the step under torchrun against the same jobs in one process.
 
 The launches (``tests/tensor_worker.py``) are shared by the tests: one process (the reference, whole),
-2 ranks (T=2) and 4 ranks (T=2 x 2 copies, data parallel across them), each running its jobs in one launch.
+2 ranks (T=2), 4 ranks (T=2 x 2 copies, data parallel across them), 4 ranks again with the copies
+sharding the state (T=2 x 2 shards, torchtitan's 2-D mesh), 8 ranks (T=2 x 2 shards x 2 copies, 3-D),
+and 2 ranks that continue the 2-D run's checkpoint sharded without tensor parallelism; each runs its
+jobs in one launch.
 """
 
 from __future__ import annotations
@@ -63,30 +66,65 @@ def four(tmp_path_factory) -> Path:
     return _launched(tmp_path_factory.mktemp("four"), 4, "llama", "eager", "resume")
 
 
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory) -> Path:
+    jobs = ("llama", "quiet", "eager", "resume", "compose", "llama@optimizer")
+    return _launched(tmp_path_factory.mktemp("sharded"), 4, "--shard", "full", *jobs)
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory) -> Path:
+    return _launched(tmp_path_factory.mktemp("hybrid"), 8, "--shard", "full", "--replicate", "2", "llama")
+
+
+@pytest.fixture(scope="module")
+def continued(tmp_path_factory, sharded) -> Path:
+    return _launched(
+        tmp_path_factory.mktemp("continued"), 2, "--shard", "full", "--from", str(sharded), "continue"
+    )
+
+
 # The Llama's 30 compiled steps are inductor's (the claim is what it builds); the others run the traced
 # graph op by op, as the suite's compiled steps do (the same graph, its collectives counted alike).
-JOBS = ("llama:inductor", "gpt2", "eager", "resume", "compose")
+JOBS = ("llama:inductor", "gpt2", "quiet", "eager", "resume", "compose")
+RANKS = {"two": 2, "four": 4, "sharded": 4, "hybrid": 8}
+SHARDS = {"two": 1, "four": 1, "sharded": 2, "hybrid": 2}
+"""How many ranks shard each place's slices: the copies of the 2-D and 3-D launches shard them."""
 
 
 def _result(out: Path, job: str, rank: int = 0) -> dict:
     return torch.load(out / job / f"rank{rank}.pt")
 
 
-RUNS = [("two", "llama"), ("two", "gpt2"), ("two", "eager"), ("four", "llama"), ("four", "eager")]
+RUNS = [
+    ("two", "llama"),
+    ("two", "gpt2"),
+    ("two", "eager"),
+    ("four", "llama"),
+    ("four", "eager"),
+    ("sharded", "llama"),
+    ("sharded", "quiet"),
+    ("sharded", "eager"),
+    ("sharded", "llama@optimizer"),
+    ("hybrid", "llama"),
+]
 
 
 @pytest.mark.slow
 @pytest.mark.inductor("the Llama's compiled steps at T=2 equal one process's, as inductor builds them")
 @pytest.mark.parametrize(("world", "job"), RUNS)
 def test_every_loss_parameter_and_moment_is_the_single_process_runs(request, reference, world, job) -> None:
-    """30 compiled steps (6 eager, two micro-batches each) at T=2, and T=2 x 2 copies, end within 1e-5 of one process.
+    """30 compiled steps (6 eager, two micro-batches each) at T=2, T=2 x 2 copies, T=2 x 2 shards (the Llama's
+    gathered block by block, GPT-2's all at once, and the Llama's with only its optimizer state sharded) and
+    T=2 x 2 shards x 2 copies end within 1e-5 of one process.
 
     GPT-2 trains at its residual and embedding dropout (0.1), which run on whole tensors: the ranks
     of a copy draw one mask, the single process's.
     """
     out = request.getfixturevalue(world)
-    mine, whole = _result(out, job), _result(reference, job)
+    mine, whole = _result(out, job), _result(reference, job.partition("@")[0])
     assert mine["split"] and whole["split"] is None
+    assert mine["sharded"] == (SHARDS[world] > 1)
     assert len(mine["losses"]) == len(whole["losses"])
     for a, b in zip(mine["losses"], whole["losses"]):
         assert abs(a - b) <= TOLERANCE
@@ -98,79 +136,108 @@ def test_every_loss_parameter_and_moment_is_the_single_process_runs(request, ref
     assert mine["opt_state"].keys() == whole["opt_state"].keys()
     for name, value in whole["opt_state"].items():
         torch.testing.assert_close(mine["opt_state"][name], value, rtol=0, atol=TOLERANCE, msg=name)
-    ranks = 2 if world == "two" else 4
-    for rank in range(1, ranks):  # every rank's whole model (fl.unshard) is the same
+    for rank in range(1, RANKS[world]):  # every rank's whole model (fl.unshard) is the same
         other = _result(out, job, rank)
         for name, value in mine["params"].items():
             assert torch.equal(other["params"][name], value), (rank, name)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("world", "job"), [("two", "llama"), ("two", "gpt2"), ("four", "llama")])
+@pytest.mark.parametrize(
+    ("world", "job"),
+    [("two", "llama"), ("two", "gpt2"), ("four", "llama"), ("sharded", "llama"), ("hybrid", "llama")],
+)
 def test_the_graph_holds_one_all_reduce_per_block_each_way(request, world, job) -> None:
     """Per layer, attention and MLP: one all-reduce in the forward (the row-wise output) and one in the
     backward (the column-wise input's gradient, shared by query, key and value, and by the MLP's two
     input projections). Beside them: the embedding's forward, the head's input in the backward and
     its output gathered once; the clip's and the statistics' sums and the finiteness check; and with
-    copies, data parallel's one all-reduce (one dtype)."""
+    copies, data parallel's one all-reduce (one dtype).
+
+    Sharded (2-D): the root's chunks and each block's gathered in one all-gather and their gradients
+    reduce-scattered in one collective each; the clip's and the statistics' sums added over the shards
+    too, the loss averaged over them; and with copies of that (3-D), the chunks' gradients all-reduced
+    across the copies once."""
     graphs = _result(request.getfixturevalue(world), job)["graphs"]
     assert len(graphs) == 1
     layers = 2
     blocks = 2 * 2 * layers  # (attention, MLP) x (forward, backward)
     ends = 1 + 1  # the embedding's forward; the head's input in the backward
     sums = 3  # clip_by_global_norm, stats="model", the finiteness of the slices
-    copies = 1 if world == "four" else 0
-    assert graphs[0] == {"all_reduce": blocks + ends + sums + copies, "all_gather": 1, "reduce_scatter": 0}
+    if SHARDS[world] == 1:
+        copies = 1 if world == "four" else 0
+        assert graphs[0] == {
+            "all_reduce": blocks + ends + sums + copies,
+            "all_gather": 1,
+            "reduce_scatter": 0,
+        }
+        return
+    sums += 2  # the clip's and the statistics' over the shards too
+    averaged = 1 + (world == "hybrid")  # the loss and metrics; the chunks' gradients across the copies
+    units = 1 + layers  # the root (embedding, norm, head), each decoder layer
+    assert graphs[0] == {
+        "all_reduce": blocks + ends + sums + averaged,
+        "all_gather": units + 1,
+        "reduce_scatter": units,
+    }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("world", "job"), [("two", "llama"), ("two", "gpt2"), ("four", "llama")])
-def test_each_rank_holds_half_of_each_split_layer_and_its_optimizer_state(
+@pytest.mark.parametrize(
+    ("world", "job"),
+    [("two", "llama"), ("two", "gpt2"), ("four", "llama"), ("sharded", "llama"), ("sharded", "quiet")],
+)
+def test_each_rank_holds_its_part_of_each_split_layer_and_its_optimizer_state(
     request, reference, world, job
 ) -> None:
+    """Half of each split layer's parameters and optimizer state at T=2; a quarter at T=2 x 2 shards, where
+    the tensors kept whole by tensor parallelism (norms) are halved by the shards."""
     out = request.getfixturevalue(world)
     mine, whole = _result(out, job), _result(reference, job)
-    split = set(mine["split"])
+    split, shards = set(mine["split"]), SHARDS[world]
     for name, size in whole["held"].items():
-        assert mine["held"][name] == (size // 2 if name in split else size), name
+        assert mine["held"][name] == size // (2 * shards if name in split else shards), name
     linear = [n for n in whole["held"] if n.endswith(("proj.weight", "c_attn.weight", "c_fc.weight"))]
     assert linear and set(linear) <= split
 
 
 @pytest.mark.slow
-def test_the_weights_written_are_the_whole_model_on_rank0_alone(two, tmp_path) -> None:
+@pytest.mark.parametrize("world", ["two", "sharded"])
+def test_the_weights_written_are_the_whole_model_on_rank0_alone(request, world) -> None:
     from safetensors.torch import load_file
 
-    whole = _result(two, "llama")
+    out = request.getfixturevalue(world)
+    whole = _result(out, "llama")
     model = tensor_worker.llama()
-    model.load_state_dict(load_file(two / "llama" / "model.safetensors"))
+    model.load_state_dict(load_file(out / "llama" / "model.safetensors"))
     for name, value in model.named_parameters():
         assert torch.equal(value, whole["params"][name]), name
     assert set(whole["alone"]) == {*whole["params"], *dict(model.named_buffers())}
     for name, value in whole["alone"].items():
         assert torch.equal(value, whole["params"].get(name, value)), name
-    assert _result(two, "llama", 1)["alone"] == {}
+    for rank in range(1, RANKS[world]):
+        assert _result(out, "llama", rank)["alone"] == {}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", ["two", "four"])
+@pytest.mark.parametrize("world", ["two", "four", "sharded"])
 def test_a_checkpoint_resumes_bit_for_bit_at_its_layout(request, world) -> None:
     """``fl.save`` at step 10 of 20, ``fl.load`` with the run's template, 10 more steps: the same bits as the
     run that went on, on every rank; and a run checkpointing every 2 steps in the background resumes at 4 with its
     final state's bits."""
     out = request.getfixturevalue(world)
-    for rank in range(2 if world == "two" else 4):
+    for rank in range(RANKS[world]):
         found = torch.load(out / "resume" / f"rank{rank}.pt")
         assert found["same_at10"] and found["resumed_same"], rank
         assert found["hooked_iteration"] == 4 and found["hooked_same"], rank
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world", ["two", "four"])
+@pytest.mark.parametrize("world", ["two", "four", "sharded"])
 def test_a_split_runs_checkpoint_goes_on_in_one_process_and_a_whole_runs_goes_on_split(
     request, reference, world, tmp_path
 ) -> None:
-    """The file of a run at T=2 (and T=2 x 2 copies) is the whole state: one process loads it and its 10 more
+    """The file of a run at T=2 (and T=2 x 2 copies, T=2 x 2 shards) is the whole state: one process loads it and its 10 more
     steps end within 1e-5 of the single process's own run; the single process's file, loaded with a T=2 template,
     is this rank's slices of it."""
     out = request.getfixturevalue(world)
@@ -203,15 +270,29 @@ def test_a_split_runs_checkpoint_goes_on_in_one_process_and_a_whole_runs_goes_on
 
 
 @pytest.mark.slow
+def test_a_2d_runs_checkpoint_goes_on_sharded_without_tensor_parallelism(reference, continued) -> None:
+    """The T=2 x 2 shards run's file of step 10, loaded at 2 ranks with shard="full" alone (each rank its chunks
+    of the whole tensors) and run to step 20: within 1e-5 of the single process's run, on both ranks."""
+    mine = torch.load(reference / "resume" / "rank0.pt")["params"]
+    for rank in range(2):
+        found = torch.load(continued / "continue" / f"rank{rank}.pt")
+        assert found["world"] == 2
+        for name, value in mine.items():
+            torch.testing.assert_close(found["params"][name], value, rtol=0, atol=TOLERANCE, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", ["two", "sharded"])
 @pytest.mark.parametrize("variant", ["k2", "remat", "bf16", "fp16"])
 def test_it_composes_with_several_steps_per_call_remat_autocast_and_loss_scaling(
-    reference, two, variant
+    request, reference, world, variant
 ) -> None:
-    """Several steps per call and activation checkpointing give the single process's numbers within 1e-5;
-    under bf16 and fp16 autocast, within their rounding (measured: losses 1.4e-4 and 1e-5 apart, parameters
-    2e-3 after 6 steps), the sums over the ranks being made in another order."""
+    """Several steps per call and activation checkpointing give the single process's numbers within 1e-5,
+    at T=2 and at T=2 x 2 shards (each layer's chunks gathered anew for its recomputation); under bf16 and
+    fp16 autocast, within their rounding (measured: losses 1e-4 and 1e-5 apart, parameters 2e-3 after 6
+    steps), the sums over the ranks being made in another order."""
     mine, whole = (
-        torch.load(two / "compose" / "rank0.pt")[variant],
+        torch.load(request.getfixturevalue(world) / "compose" / "rank0.pt")[variant],
         torch.load(reference / "compose" / "rank0.pt")[variant],
     )
     loss, param = (1e-5, 1e-5) if variant in ("k2", "remat") else (1e-3, 1e-2)

@@ -19,7 +19,7 @@ from torch.utils import _pytree as pytree
 
 from fnloop._core.messages import got
 
-__all__ = ["MODES", "Shards", "sharded_tensors"]
+__all__ = ["MODES", "Shards", "chunk", "sharded_tensors"]
 
 MODES = ("full", "optimizer")
 """``full``: parameters, gradients and optimizer state sharded (FSDP2's ``fully_shard``, ZeRO-3).
@@ -107,6 +107,16 @@ class Shards:
     def at(self, world: int, rank: int) -> Shards:
         """The same layout for another rank of another world size (one copy)."""
         return Shards(self.mode, world, rank, self.rows)
+
+
+def chunk(whole: torch.Tensor, shards: Shards, name: str) -> torch.Tensor:
+    """This rank's chunk of ``whole``: its rows, zero-padded to ``rows_per_rank`` (a new tensor)."""
+    per = shards.rows_per_rank(name)
+    start = shards.rank * per
+    part = whole[start : start + per]
+    if part.shape[0] == per:
+        return part.clone()
+    return torch.cat([part, whole.new_zeros((per - part.shape[0], *whole.shape[1:]))])
 
 
 def sharded_tensors(params: Mapping[str, torch.Tensor], opt_state: Any, shards: Shards) -> dict[int, str]:

@@ -19,7 +19,9 @@ import attrs
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["TensorParallel", "joined", "local_slice", "split_tensors"]
+from fnloop._core.shards import Shards
+
+__all__ = ["TensorParallel", "joined", "local_slice", "split_tensors", "whole_shape"]
 
 
 @attrs.frozen(cache_hash=True)
@@ -62,6 +64,18 @@ class TensorParallel:
                 return dim, parts
         raise KeyError(name)
 
+    def local_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of this rank's slice of the parameter ``name`` whose whole shape is ``shape``.
+
+        Examples:
+            >>> TensorParallel(2, 0, (), (), (("fc.weight", 1, 1),)).local_shape("fc.weight", (4, 6))
+            (4, 3)
+        """
+        if name not in self.names:
+            return tuple(shape)
+        dim, _ = self.split(name)
+        return (*shape[:dim], shape[dim] // self.degree, *shape[dim + 1 :])
+
 
 def local_slice(whole: torch.Tensor, dim: int, parts: int, degree: int, rank: int) -> torch.Tensor:
     """Rank ``rank``'s slice of ``whole`` on ``dim``: the ``rank``-th of ``degree`` slices of each of its ``parts`` (a new tensor).
@@ -89,11 +103,34 @@ def joined(slices: list[torch.Tensor], dim: int, parts: int) -> torch.Tensor:
     return torch.cat([pieces[r][p] for p in range(parts) for r in range(len(slices))], dim)
 
 
-def split_tensors(params: Any, opt_state: Any, tensor: TensorParallel) -> dict[int, str]:
+def whole_shape(
+    t: torch.Tensor, tensor: TensorParallel, shards: Shards | None, split: str | None, chunked: str | None
+) -> torch.Size:
+    """The shape of the whole tensor ``t`` is a rank's part of: the rows of ``chunked``'s chunk put back
+    (``shards``' padding cut), then the slices of ``split`` joined; ``None``: not a chunk, not a slice.
+
+    Examples:
+        >>> tp = TensorParallel(2, 0, (), (), (("w", 1, 1),))
+        >>> whole_shape(torch.empty(3, 4), tp, Shards("full", 2, 0, {"w": 5}), "w", "w")
+        torch.Size([5, 8])
+    """
+    shape = list(t.shape)
+    if chunked is not None and shards is not None:
+        shape[0] = shards.whole(chunked)
+    if split is not None:
+        dim, _ = tensor.split(split)
+        shape[dim] *= tensor.degree
+    return torch.Size(shape)
+
+
+def split_tensors(
+    params: Any, opt_state: Any, tensor: TensorParallel, shards: Shards | None = None
+) -> dict[int, str]:
     """``id(tensor) -> parameter name`` for every tensor of ``params`` and ``opt_state`` that holds a slice.
 
     An optimizer state's leaf is one when it sits under a key naming a split
-    parameter and has that slice's shape (``mu['fc.weight']``).
+    parameter and has that slice's shape (``mu['fc.weight']``), or where the
+    state is sharded too (``shards``), that of this rank's chunk of the slice.
     """
     split = tensor.names
     found = {id(params[name]): name for name in split if name in params}
@@ -101,6 +138,11 @@ def split_tensors(params: Any, opt_state: Any, tensor: TensorParallel) -> dict[i
         if not isinstance(leaf, torch.Tensor) or leaf.ndim == 0:
             continue
         names = [k.key for k in path if isinstance(k, pytree.MappingKey) and k.key in split]
-        if names and names[-1] in params and leaf.shape == params[names[-1]].shape:
-            found[id(leaf)] = names[-1]
+        if not names or names[-1] not in params:
+            continue
+        name, shape = names[-1], params[names[-1]].shape
+        if shards is not None and name in shards.names:
+            shape = torch.Size((shards.rows_per_rank(name), *shape[1:]))
+        if leaf.shape == shape:
+            found[id(leaf)] = name
     return found

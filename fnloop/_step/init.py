@@ -84,8 +84,10 @@ def init(
         tensor: split each layer of the plan across this many consecutive
             ranks (tensor parallelism, Megatron-LM's; torchtitan's
             ``tensor_parallel_degree``); the world is ``tensor`` times the
-            number of copies, which train as data parallel. ``state.tensor``
-            records the split. See ``docs/distributed.md#tensor-parallelism``.
+            number of copies, which train as data parallel, or with ``shard``
+            shard each place's slices among them (torchtitan's 2-D mesh; 3-D
+            with ``replicate``). ``state.tensor`` records the split. See
+            ``docs/distributed.md#tensor-parallelism``.
         tensor_plan: how the layers are split (a ``TensorPlan``, or its
             ``layers`` dict: module pattern -> ``"colwise"``, ``"rowwise"``,
             ``"gathered"``, ``"vocab"``, or torch's ``ColwiseParallel()`` /
@@ -115,8 +117,8 @@ def init(
     fixed = frozen(model, "init")
     if init_weights is not None and not callable(init_weights):
         raise TypeError(f"init(init_weights=...) must be a function of a module ({got(init_weights)}).")
-    shards = state_shards(shard, replicate, dict(model.named_parameters()))
-    split = tensor_layout(model, tensor, tensor_plan, shards)
+    split = tensor_layout(model, tensor, tensor_plan)
+    shards = state_shards(shard, replicate, dict(model.named_parameters()), split)
     if is_meta(model):  # made here, module by module, each rank's part kept
         params, buffers, trained = _materialized(model, seed, init_weights, shards, split)
     else:
@@ -154,21 +156,23 @@ def _materialized(
     buffers: dict[str, torch.Tensor] = {}
     keep = kept_of(shards)
     if split is not None:
-        keep = _slicing(split)
+        keep = _slicing(split, keep)
     for name, tensor, parameter in materialized(model, seed, init_weights, keep):
         (params if parameter else buffers)[name] = tensor
     params, trained = parts({name: params[name] for name, _ in model.named_parameters()}, shards, made=True)
     return params, buffers, trained
 
 
-def _slicing(split: TensorParallel) -> Callable[[str, torch.Tensor], torch.Tensor]:
-    """What a rank keeps of a tensor made whole: its slice of a split parameter, else a copy."""
+def _slicing(
+    split: TensorParallel, keep: Callable[[str, torch.Tensor], torch.Tensor]
+) -> Callable[[str, torch.Tensor], torch.Tensor]:
+    """What a rank keeps of a tensor made whole: what ``keep`` keeps of its slice of a split parameter, else of it."""
     dims = {n: (dim, parts) for n, dim, parts in split.params}
 
     def kept(name: str, whole: torch.Tensor) -> torch.Tensor:
         if name in dims:
-            return local_slice(whole, *dims[name], split.degree, split.rank)
-        return whole.clone()
+            return keep(name, local_slice(whole, *dims[name], split.degree, split.rank))
+        return keep(name, whole)
 
     return kept
 

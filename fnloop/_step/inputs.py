@@ -33,7 +33,11 @@ def one_run_layout(
     for batch in batches:
         _not_per_member(batch)
     steps = len(batches) if scan else 1
-    return _layout(None, True, _sharded(state, rank, world), steps, stop, (), _split(state, rank, world))
+    tensor = _split(state, rank, world)
+    degree = (
+        1 if tensor is None else tensor.degree
+    )  # the shards are of one place in each tensor-parallel block
+    return _layout(None, True, _sharded(state, rank // degree, world // degree), steps, stop, (), tensor)
 
 
 def members_layout(state: TrainState, batches: Sequence[Any], *, world: int, stop: bool) -> Layout:
@@ -63,7 +67,7 @@ def member_batch(batch: Any, population: Population, i: int) -> Any:
 
 
 def _sharded(state: TrainState, rank: int, world: int) -> Shards | None:
-    """The state's ``Shards``, checked against the process group this process is in."""
+    """The state's ``Shards``, checked against the process group this process is in (its data-parallel rank and world)."""
     shards = state.shards
     if shards is None:
         return None

@@ -328,6 +328,10 @@ class RowSquares:
                 rows[k] = part.reshape(-1)[: self.chunks.whole(k)]
         return torch.stack([pairwise_sum(r) for r in rows.values()])
 
+    def statistics(self, tensors: Mapping[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
+        """For ``Squares``: each tensor's whole sum of squares, the same bits at any world size."""
+        return dict(zip(names, self.squares({n: tensors[n] for n in names}, torch.float32).unbind()))
+
 
 def _row_squares(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Each row's sum of squares (a 0-d tensor is one row), in ``dtype``."""

@@ -17,6 +17,8 @@ running the gradient stage::
     sliced, gathered  ... -> on_whole_params                                    invariant, "full", at once
     sliced blocks     value_and_grad(held by blocks, tree) -> sliced(summed)    invariant, "full", in blocks
     tensor            value_and_grad(held in slices) -> accumulated [-> replicated]  tensor parallel [x copies]
+    tensor, sharded   ... -> sharded_gradient (gather, reduce-scatter)          tensor parallel x shards, at once
+    tensor blocks     value_and_grad(held in slices, by blocks) -> ... -> blockwise  tensor parallel x shards, "full", in blocks
 
 and hands out the rest from the same record: the update stage (the
 optimizer's, with its sums over the model, ``total``; the statistics'
@@ -30,7 +32,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -47,7 +49,7 @@ from fnloop._step.layout import Layout
 from fnloop._step.members import member_finite, member_gradient, member_rows, member_update
 from fnloop._step.replicas import replicated
 from fnloop._step.seeds import slice_seeds, step_seed
-from fnloop._step.sharding import on_whole_params, sharded_gradient, sharded_update
+from fnloop._step.sharding import chunk_squares, on_whole_params, sharded_gradient, sharded_update
 from fnloop._step.statistics import Squares, with_statistics
 from fnloop._step.tensor import TensorSquares, tensor_hold, tensor_parallel_groups
 from fnloop._step.units import Units
@@ -149,7 +151,7 @@ class Placement:
         plan.check(layout)
         shards, tensor = layout.shards, layout.tensor
         if tensor is not None:
-            groups = tensor_parallel_groups(tensor.degree, torch.distributed.get_world_size(group))
+            groups = tensor_parallel_groups(tensor.degree, torch.distributed.get_world_size(group), shards)
         elif shards is not None:
             groups = groups_of(shards.replicas, shards.ranks, group)
         elif group is not None:
@@ -173,9 +175,11 @@ class Placement:
         many = self.group is not None
         if self.layout.members is not None:
             return "members"
-        if self.layout.tensor is not None:
-            return "tensor"
         gathers = shards is not None and shards.params and many  # a "full" state's chunks, gathered
+        if self.layout.tensor is not None:
+            if shards is None or self.groups.shard is None:
+                return "tensor"
+            return "tensor blocks" if gathers and self.plan.units else "tensor, sharded"
         if slices is not None:
             if gathers and self.in_blocks:
                 return "sliced blocks"
@@ -210,15 +214,19 @@ class Placement:
         """How this placement adds over the model: the update's ``total``, and the statistics' ``Squares``."""
         if self.plan.slices is not None:  # each tensor's rows' squares, in one order at any world size
             rows = RowSquares(self.chunks, None if self.layout.shards is None else self.group)
-            return rows, Squares(functools.partial(_row_squares, rows))
-        tensor = self.layout.tensor
-        if tensor is not None:  # this rank's slices, and the whole tensors counted once
+            return rows, Squares(rows.statistics)
+        tensor, shards = self.layout.tensor, self.layout.shards
+        if tensor is not None:  # this rank's slices (or their chunks), and the whole tensors counted once
             squares = TensorSquares(tensor.names, tensor.rank == 0, self.groups.tensor)
+            if shards is not None and self.groups.shard is not None:
+                squares = attrs.evolve(
+                    squares, chunks=shards.names, first_shard=shards.rank == 0, shard_group=self.groups.shard
+                )
             return squares, Squares(squares.statistics, squares)
         if self.layout.shards is not None and self.group is not None:  # this rank's chunks, all-reduced
             total = functools.partial(summed, group=self.groups.shard)
             names, world = self.chunks.names, float(self.chunks.world)
-            return total, Squares(functools.partial(_chunk_squares, names, world), total)
+            return total, Squares(functools.partial(chunk_squares, names, world), total)
         return None, Squares()
 
     @property
@@ -290,12 +298,29 @@ def _blocks(p: Placement, kernel: Kernel) -> Gradient:
     return blockwise(gradient, shards, p.groups)
 
 
-def _tensor(p: Placement, kernel: Kernel) -> Gradient:
-    tensor = p.layout.tensor
+def _held_in_slices(p: Placement, kernel: Kernel, by_blocks: bool = False) -> Gradient:
+    tensor, shards = p.layout.tensor, p.layout.shards
     assert tensor is not None
-    hold = tensor_hold(kernel.model, tensor, p.groups.tensor)
-    gradient = accumulated(value_and_grad(kernel.forward, kernel.fixed, hold=hold), kernel.accumulate)
+    blocks = (
+        held_by_blocks(kernel.model, p.plan.units, shards, p.groups.shard) if shards and by_blocks else None
+    )
+    hold = tensor_hold(kernel.model, tensor, p.groups.tensor, blocks)
+    return accumulated(value_and_grad(kernel.forward, kernel.fixed, hold=hold), kernel.accumulate)
+
+
+def _tensor(p: Placement, kernel: Kernel) -> Gradient:
+    gradient = _held_in_slices(p, kernel)
     return gradient if p.groups.every is None else replicated(gradient, p.groups.every)
+
+
+def _tensor_sharded(p: Placement, kernel: Kernel) -> Gradient:
+    assert p.layout.shards is not None
+    return sharded_gradient(_held_in_slices(p, kernel), p.layout.shards, p.groups)
+
+
+def _tensor_blocks(p: Placement, kernel: Kernel) -> Gradient:
+    assert p.layout.shards is not None
+    return blockwise(_held_in_slices(p, kernel, by_blocks=True), p.layout.shards, p.groups)
 
 
 def _sliced(p: Placement, kernel: Kernel) -> Gradient:
@@ -328,6 +353,8 @@ _GRADIENTS: dict[str, Callable[[Placement, Kernel], Gradient]] = {
     "sliced, gathered": _sliced_gathered,
     "sliced blocks": _sliced_blocks,
     "tensor": _tensor,
+    "tensor, sharded": _tensor_sharded,
+    "tensor blocks": _tensor_blocks,
 }
 """The table: each row's gradient stage."""
 
@@ -339,24 +366,6 @@ def _given_total(update: UpdateStage, total: Callable[[torch.Tensor], torch.Tens
         return update(grads, opt_state, params, iteration, total)
 
     return update_with_total
-
-
-def _row_squares(
-    total: RowSquares, tensors: Mapping[str, torch.Tensor], names: list[str]
-) -> dict[str, torch.Tensor]:
-    """Each tensor's whole sum of squares, the same bits at any world size (an invariant step's)."""
-    return dict(zip(names, total.squares({n: tensors[n] for n in names}, torch.float32).unbind()))
-
-
-def _chunk_squares(
-    split: frozenset[str], world: float, tensors: Mapping[str, torch.Tensor], names: list[str]
-) -> dict[str, torch.Tensor]:
-    """Each tensor's sum of squares on this rank: a chunk's own, a whole tensor's a ``world``-th (every rank adds it)."""
-    out = {}
-    for name in names:
-        square = torch.linalg.vector_norm(tensors[name], dtype=torch.float32).square()
-        out[name] = square if name in split or world == 1.0 else square / world
-    return out
 
 
 def checked_slices(slices: object, accumulate: int) -> int:

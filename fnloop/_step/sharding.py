@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from fnloop._core.messages import got
-from fnloop._core.shards import MODES, Shards
+from fnloop._core.shards import MODES, Shards, chunk
+from fnloop._core.tensor_parallel import TensorParallel
 from fnloop._step.collectives import (
     Groups,
     across_copies,
@@ -40,13 +41,14 @@ from fnloop._step.collectives import (
     reduce_scatter,
 )
 from fnloop._step.kernel import Gradient, Grads, Updated, UpdateStage
-from fnloop.distributed import mesh_groups, rank, world_size
+from fnloop.distributed import mesh_groups, rank, sharded_tensor_groups, world_size
 
 __all__ = [
     "state_shards",
     "kept_of",
     "parts",
     "chunk",
+    "chunk_squares",
     "gathered",
     "on_whole_params",
     "padded",
@@ -110,14 +112,15 @@ def sharded_update(update: UpdateStage, shards: Shards, groups: Groups) -> Updat
     return update_of_chunks
 
 
-def chunk(whole: torch.Tensor, shards: Shards, name: str) -> torch.Tensor:
-    """This rank's chunk of ``whole``: its rows, zero-padded to ``rows_per_rank`` (a new tensor)."""
-    per = shards.rows_per_rank(name)
-    start = shards.rank * per
-    part = whole[start : start + per]
-    if part.shape[0] == per:
-        return part.clone()
-    return torch.cat([part, whole.new_zeros((per - part.shape[0], *whole.shape[1:]))])
+def chunk_squares(
+    split: frozenset[str], world: float, tensors: Mapping[str, torch.Tensor], names: list[str]
+) -> dict[str, torch.Tensor]:
+    """Each tensor's sum of squares on this rank: a chunk's own, a whole tensor's a ``world``-th (every rank adds it)."""
+    out = {}
+    for name in names:
+        square = torch.linalg.vector_norm(tensors[name], dtype=torch.float32).square()
+        out[name] = square if name in split or world == 1.0 else square / world
+    return out
 
 
 def padded(whole: torch.Tensor, rows: int) -> torch.Tensor:
@@ -188,8 +191,15 @@ def kept_of(shards: Shards | None) -> Callable[[str, torch.Tensor], torch.Tensor
     return kept
 
 
-def state_shards(mode: str | None, replicate: int, params: dict[str, torch.Tensor]) -> Shards | None:
-    """The layout ``init(..., shard=mode, replicate=replicate)`` gives ``params`` on this process's rank."""
+def state_shards(
+    mode: str | None, replicate: int, params: dict[str, torch.Tensor], tensor: TensorParallel | None = None
+) -> Shards | None:
+    """The layout ``init(..., shard=mode, replicate=replicate)`` gives ``params`` on this process's rank.
+
+    With ``tensor`` (tensor parallelism) the ranks of one place in each
+    tensor-parallel block shard that place's slices: the layout counts those
+    ranks, and its rows are the slices'.
+    """
     if type(replicate) is not int or replicate < 1:
         raise ValueError(
             f"init(replicate=...) must be a positive int: the copies of a sharded state ({got(replicate)})."
@@ -207,14 +217,22 @@ def state_shards(mode: str | None, replicate: int, params: dict[str, torch.Tenso
             f"init(shard=...) must be None, or one of {MODES}: 'full' shards parameters, gradients "
             f"and optimizer state, 'optimizer' gradients and optimizer state ({got(mode)})."
         )
-    rows = {k: v.shape[0] for k, v in params.items() if v.ndim and v.is_floating_point()}
-    world, at = world_size(), rank()
+    degree = 1 if tensor is None else tensor.degree
+    rows = {
+        k: v.shape[0] if tensor is None else tensor.local_shape(k, v.shape)[0]
+        for k, v in params.items()
+        if v.ndim and v.is_floating_point()
+    }
+    world, at = world_size() // degree, rank() // degree
     if world % replicate:
+        ranks = f"blocks of {degree} ranks (tensor={degree})" if degree > 1 else "rank(s)"
         raise ValueError(
-            f"init(replicate={replicate}): the {world} rank(s) of this run do not split into "
+            f"init(replicate={replicate}): the {world} {ranks} of this run do not split into "
             f"{replicate} equal blocks. Pass a replicate that divides the world size (the number "
             "of machines, say, with every machine's processes sharding one copy)."
         )
+    if tensor is not None and world > 1:
+        sharded_tensor_groups(degree, replicate)  # made now, by every rank together
     if replicate == 1:
         return Shards(mode, world, at, rows)
     mesh_groups(replicate)  # made now, by every rank together (new_group is a collective)

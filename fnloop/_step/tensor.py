@@ -31,22 +31,35 @@ average their gradients as data parallel does.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import attrs
 import torch
+from torch.nn.utils._named_member_accessor import swap_tensor
 
+from fnloop._core.shards import Shards
 from fnloop._core.tensor_parallel import TensorParallel, local_slice
 from fnloop._step.collectives import Groups, all_gather, done, summed
 from fnloop._step.kernel import _holding
-from fnloop.distributed import tensor_groups
+from fnloop.distributed import sharded_tensor_groups, tensor_groups
 
-__all__ = ["TensorSquares", "tensor_hold", "tensor_parallel_groups", "tensor_slices"]
+__all__ = ["Hold", "TensorSquares", "tensor_hold", "tensor_parallel_groups", "tensor_slices"]
+
+Hold = Callable[[dict[str, torch.Tensor]], contextlib.AbstractContextManager[None]]
+"""How a gradient stage holds the model on the tensors it is given (``value_and_grad``'s ``hold``)."""
 
 
-def tensor_parallel_groups(degree: int, world: int) -> Groups:
-    """The groups of a tensor-parallel run of ``world`` ranks: ``degree`` consecutive ranks split the layers, the copies are data parallel."""
+def tensor_parallel_groups(degree: int, world: int, shards: Shards | None = None) -> Groups:
+    """The groups of a tensor-parallel run of ``world`` ranks: ``degree`` consecutive ranks split the layers.
+
+    Their copies are data parallel, or with ``shards`` shard the state (each
+    place in a block sharding its slices, ``shards.replicas`` copies of that).
+    """
+    if shards is not None:
+        split, shard, across, data = sharded_tensor_groups(degree, shards.replicas)
+        return Groups(data, shard, across, world // degree, tensor=split)
     split, copies = tensor_groups(degree)
     if copies is None:
         return Groups(tensor=split)
@@ -101,24 +114,24 @@ class _GatherLast(torch.autograd.Function):
         return grad.chunk(ctx.degree, dim=-1)[ctx.rank].contiguous(), None, None, None
 
 
-def tensor_hold(
-    model: torch.nn.Module, tp: TensorParallel, group: Any
-) -> Callable[[dict[str, torch.Tensor]], contextlib.AbstractContextManager[None]]:
-    """How the step holds ``model`` on this rank's slices (``value_and_grad``'s ``hold``): the collectives hooked in."""
+def tensor_hold(model: torch.nn.Module, tp: TensorParallel, group: Any, hold: Hold | None = None) -> Hold:
+    """How the step holds ``model`` on this rank's slices (``value_and_grad``'s ``hold``): the collectives hooked in.
+
+    ``hold``: how the model holds the slices given (a sharded state's,
+    gathered block by block, ``blocks.held_by_blocks``); else as they are.
+    """
     modules = dict(model.named_modules())
     degree, rank = tp.degree, tp.rank
+    holding = hold or functools.partial(_holding, model)
 
     @contextlib.contextmanager
-    def hold(tensors: dict[str, torch.Tensor]) -> Iterator[None]:
-        held = dict(tensors)
+    def held(tensors: dict[str, torch.Tensor]) -> Iterator[None]:
         copied = _Copies(group)
         with contextlib.ExitStack() as stack:
             for name, style, _ in tp.layers:
                 module = modules[name]
-                bias = f"{name}.bias" if name else "bias"
-                if style == "rowwise" and bias in held:  # added once, after the sum over the ranks
-                    stack.enter_context(_hooked(module, *_rowwise(held[bias], group)))
-                    held[bias] = torch.zeros_like(held[bias])
+                if style == "rowwise" and getattr(module, "bias", None) is not None:
+                    stack.enter_context(_rowwise(module, group))
                 elif style == "vocab":
                     stack.enter_context(_hooked(module, *_vocab(module, tp, group)))
                     stack.enter_context(_set(module, "padding_idx", _local_padding(module, tp)))
@@ -134,10 +147,10 @@ def tensor_hold(
             for name, attribute in tp.divided:
                 module = modules[name]
                 stack.enter_context(_set(module, attribute, getattr(module, attribute) // degree))
-            stack.enter_context(_holding(model, held))
+            stack.enter_context(holding(tensors))
             yield
 
-    return hold
+    return held
 
 
 class _Copies:
@@ -161,8 +174,31 @@ class _Copies:
         return found[1]
 
 
-def _rowwise(bias: torch.Tensor, group: Any) -> tuple[None, Callable[[torch.Tensor], torch.Tensor]]:
-    return None, lambda out: _Reduce.apply(out, group) + bias
+@contextlib.contextmanager
+def _rowwise(module: torch.nn.Module, group: Any) -> Iterator[None]:
+    """A row-wise layer with a bias: run without it, the bias added once after the sum over the ranks.
+
+    The bias is the one the module holds when it runs (a sharded state's
+    gathered then), set aside for the call and put back.
+    """
+    biases: list[torch.Tensor] = []
+
+    def before(m: torch.nn.Module, args: tuple) -> None:
+        bias = m.bias
+        assert isinstance(bias, torch.Tensor)
+        biases.append(swap_tensor(m, "bias", torch.zeros_like(bias)))
+
+    def after(m: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        bias = biases.pop()
+        swap_tensor(m, "bias", bias)
+        return _Reduce.apply(out, group) + bias
+
+    handles = [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _vocab(
@@ -228,15 +264,23 @@ class TensorSquares:
 
     A split tensor's sum of squares is the sum of its slices'; a whole one is
     counted once, from the group's first rank. ``group``: the ranks of one
-    copy of the model.
+    copy of the model. Where each place of the group shards its slices
+    (``chunks``, over ``shard_group``), a chunk's squares are added over the
+    shards too, and a tensor each shard holds whole is counted from the
+    first shard (``first_shard``).
     """
 
     names: frozenset[str]
     first: bool
     group: Any
+    chunks: frozenset[str] = frozenset()
+    first_shard: bool = True
+    shard_group: Any = None
 
     def __call__(self, value: torch.Tensor) -> torch.Tensor:
-        """``value`` summed over the group (a count of non-finite gradients, say)."""
+        """``value`` summed over the group, and the shards (a count of non-finite gradients, say)."""
+        if self.shard_group is not None:
+            value = done(summed(value, self.shard_group))
         return done(summed(value, self.group))
 
     def own(self, tensors: Mapping[str, torch.Tensor], names: list[str], dtype: torch.dtype) -> torch.Tensor:
@@ -244,7 +288,7 @@ class TensorSquares:
         return torch.stack(
             [
                 torch.linalg.vector_norm(tensors[n], dtype=dtype).square()
-                * (1.0 if n in self.names or self.first else 0.0)
+                * (1.0 if (n in self.names or self.first) and (n in self.chunks or self.first_shard) else 0.0)
                 for n in names
             ]
         )

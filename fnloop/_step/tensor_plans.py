@@ -19,7 +19,6 @@ import attrs
 import torch
 
 from fnloop._core.messages import got
-from fnloop._core.shards import Shards
 from fnloop._core.tensor_parallel import TensorParallel
 from fnloop.distributed import rank, world_size
 
@@ -256,9 +255,7 @@ def layout_of(model: torch.nn.Module, plan: TensorPlan, degree: int, rank: int) 
     )
 
 
-def tensor_layout(
-    model: torch.nn.Module, degree: object, plan: object, shards: Shards | None
-) -> TensorParallel | None:
+def tensor_layout(model: torch.nn.Module, degree: object, plan: object) -> TensorParallel | None:
     """``init(..., tensor=degree, tensor_plan=plan)``'s layout for this rank, checked; ``None`` for ``tensor=1``."""
     if type(degree) is not int or degree < 1:
         raise ValueError(
@@ -276,11 +273,6 @@ def tensor_layout(
             f"init(tensor={degree}) at {world} rank(s): the ranks split into groups of {degree}, one "
             f"copy of the model each, so the world size must be a multiple of {degree}. Launch "
             f"{degree} x copies ranks (torchrun --nproc-per-node), or choose a degree that divides {world}."
-        )
-    if shards is not None:
-        raise NotImplementedError(
-            f"init(tensor={degree}, shard={shards.mode!r}): tensor parallelism does not compose with a "
-            "sharded state yet. Leave shard out: the copies of the model then train as data parallel."
         )
     if plan is None:
         plan = builtin_plan(model, degree)

@@ -231,12 +231,15 @@ def load(path: StrPath, *, like: TrainState) -> TrainState:
         )
     checked_path(path, "path", "load()")
     index = _index(path)
-    if like.tensor is not None and index is None:  # this rank's slices of the whole state saved
-        return load_split(
-            Path(path), like, lambda at, whole: fill_state(read(at, whole)[1], whole, f"{at}: state")
-        )
+    if like.tensor is not None:  # this rank's slices (or their chunks) of the whole state saved
+        return load_split(Path(path), like, lambda at, whole: _loaded(at, whole, index))
+    return _loaded(Path(path), like, index)
+
+
+def _loaded(path: Path, like: TrainState, index: Index | None) -> TrainState:
+    """The checkpoint ``path`` as ``like`` lays it out: this rank's part, resharded, or whole."""
     if index is not None or like.shards is not None:
-        return load_sharded(Path(path), like, index)
+        return load_sharded(path, like, index)
     _, raw = read(path, like)
     return fill_state(raw, like, f"{path}: state")
 

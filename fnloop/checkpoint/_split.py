@@ -26,8 +26,9 @@ import attrs
 import torch
 from torch.utils import _pytree as pytree
 
+from fnloop._core.shards import chunk, sharded_tensors
 from fnloop._core.state import TrainState
-from fnloop._core.tensor_parallel import TensorParallel, local_slice, split_tensors
+from fnloop._core.tensor_parallel import TensorParallel, local_slice, split_tensors, whole_shape
 
 __all__ = ["load_split", "save_joined"]
 
@@ -56,17 +57,19 @@ def save_joined(state: TrainState, path: Path, write: Callable[[TrainState, Path
 
 
 def load_split(path: Path, like: TrainState, read: Callable[[Path, TrainState], TrainState]) -> TrainState:
-    """The whole state saved in ``path``, as this rank's slices of ``like``'s layout (``read(path, template)`` reads it)."""
-    tensor = like.tensor
+    """The whole state saved in ``path``, as this rank's slices of ``like``'s layout (``read(path, template)`` reads it).
+
+    Where ``like`` shards its slices too, each slice is cut into this rank's chunk.
+    """
+    tensor, shards = like.tensor, like.shards
     assert tensor is not None
-    split = split_tensors(like.params, like.opt_state, tensor)
+    split = split_tensors(like.params, like.opt_state, tensor, shards)
+    chunks = {} if shards is None else sharded_tensors(like.params, like.opt_state, shards)
 
     def whole_shaped(t: Any) -> Any:
-        name = split.get(id(t)) if isinstance(t, torch.Tensor) else None
-        if name is None:
+        if not isinstance(t, torch.Tensor) or (id(t) not in split and id(t) not in chunks):
             return t
-        dim, _ = tensor.split(name)
-        shape = (*t.shape[:dim], t.shape[dim] * tensor.degree, *t.shape[dim + 1 :])
+        shape = whole_shape(t, tensor, shards, split.get(id(t)), chunks.get(id(t)))
         return torch.empty(shape, dtype=t.dtype, device=t.device)
 
     template = attrs.evolve(
@@ -74,23 +77,29 @@ def load_split(path: Path, like: TrainState, read: Callable[[Path, TrainState], 
         params={k: whole_shaped(v) for k, v in like.params.items()},
         opt_state=pytree.tree_map(whole_shaped, like.opt_state),
         tensor=None,
+        shards=None,
     )
     whole = read(path, template)
 
     def mine(kept: Any, saved: Any) -> Any:
-        name = split.get(id(kept)) if isinstance(kept, torch.Tensor) else None
-        return saved if name is None else local_slice(saved, *tensor.split(name), tensor.degree, tensor.rank)
+        if not isinstance(kept, torch.Tensor):
+            return saved
+        if id(kept) in split:
+            saved = local_slice(saved, *tensor.split(split[id(kept)]), tensor.degree, tensor.rank)
+        if shards is not None and id(kept) in chunks:
+            saved = chunk(saved, shards, chunks[id(kept)])
+        return saved
 
     params = {k: mine(like.params[k], v) for k, v in whole.params.items()}
     opt_state = pytree.tree_map(mine, like.opt_state, whole.opt_state)
-    return attrs.evolve(whole, params=params, opt_state=opt_state, tensor=tensor)
+    return attrs.evolve(whole, params=params, opt_state=opt_state, tensor=tensor, shards=shards)
 
 
 def _refuse_split_hooks(state: TrainState, tensor: TensorParallel) -> None:
     """Refuse a hook state that holds a rank's slices: a whole checkpoint would keep rank 0's alone."""
     own = {id(t) for t in state.params.values()}
     for name, value in state.hooks.items():
-        if set(split_tensors(state.params, value, tensor)) - own:
+        if set(split_tensors(state.params, value, tensor, state.shards)) - own:
             raise NotImplementedError(
                 f"save(): state.hooks[{name!r}] holds this rank's slices of the split layers (an "
                 "average of the parameters, say), and a checkpoint of a tensor-parallel state holds "

@@ -10,6 +10,7 @@ import torch
 from fnloop._core.phase import Phase
 from fnloop._core.shards import sharded_tensors
 from fnloop._core.state import TrainState
+from fnloop._core.tensor_parallel import split_tensors
 from fnloop._core.tree import leaves
 from fnloop.distributed import _group
 
@@ -25,11 +26,14 @@ class ReplicasDiverged(RuntimeError):
 def _fingerprints(state: TrainState) -> tuple[list[str], torch.Tensor]:
     """Each tensor's name and two float64 sums (plain, and weighted by position): a cheap fingerprint.
 
-    Of a sharded state, the tensors every rank holds alike: each rank's chunks differ by design.
+    Of a sharded or tensor-parallel state, the tensors every rank holds alike: each rank's chunks
+    and slices differ by design.
     """
     names = ["iteration", "data"]
     rows = [torch.tensor([float(state.iteration), 0.0]), torch.tensor([float(state.data), 0.0])]
     chunks = {} if state.shards is None else sharded_tensors(state.params, state.opt_state, state.shards)
+    if state.tensor is not None:
+        chunks.update(split_tensors(state.params, state.opt_state, state.tensor, state.shards))
     for field in ("params", "buffers", "opt_state"):
         for path, tensor in leaves(getattr(state, field), field):
             if not isinstance(tensor, torch.Tensor) or id(tensor) in chunks:
