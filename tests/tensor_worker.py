@@ -24,7 +24,8 @@ Jobs (a compiled one's backend after a colon: ``llama:inductor``; else the suite
 - ``compose``: the Llama's 6 steps with 2 steps per call, bf16 autocast, activation checkpointing, and
   fp16 under dynamic loss scaling, each.
 - ``resume``: the Llama saved at step 10 of 20 with ``fl.save``, loaded and run on to 20; and a run of
-  4 steps checkpointing every 2 in the background, resumed with ``fl.checkpoint.resume``.
+  4 steps checkpointing every 2 in the background (and checking that the ranks agree,
+  ``check_replicas``), resumed with ``fl.checkpoint.resume``.
 - ``continue``: at 2 ranks, no tensor parallelism, sharded (``--shard``): the ``resume`` job's file of
   step 10 from ``--from FOLDER`` loaded and trained to step 20.
 
@@ -208,7 +209,11 @@ def resume(out: Path, world: int, rank: int) -> None:
     for batch in batches[10:]:
         again = attrs.evolve(step(again, batch), iteration=again.iteration + 1)
     short = attrs.evolve(template, max_iter=4)
-    hooks = [fl.every(2, fl.hooks.checkpoint(folder / "ckpt", background=True))]
+    # check_replicas compares what every rank holds alike: not the slices, nor the chunks.
+    hooks = [
+        fl.every(2, fl.hooks.checkpoint(folder / "ckpt", background=True)),
+        fl.every(2, fl.hooks.check_replicas()),
+    ]
     hooked = fl.run(short, step, batches[:4], hooks)
     resumed = fl.checkpoint.resume(folder / "ckpt", like=short)
     torch.save(
