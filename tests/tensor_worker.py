@@ -16,6 +16,7 @@ Jobs (a compiled one's backend after a colon: ``llama:inductor``; else the suite
   ``stats="model"``, 30 steps; then written with ``fl.save_weights``.
 - ``gpt2``: GPT-2 (2 layers, tiny), compiled, 30 steps, its residual and embedding dropout at the
   default 0.1 (replicated regions) and attention dropout 0.
+- ``sequence``: the ``llama`` job under sequence parallelism (the built-in plan's ``sequence=True``).
 - ``JOB@MODE`` (``llama@optimizer``): the job with its copies sharded so (``init(..., shard=MODE)``),
   whatever ``--shard`` says; written to ``RESULTS/JOB@MODE``.
 - ``quiet``: the same GPT-2 with every dropout 0; sharded, its parameters gathered all at once
@@ -140,6 +141,7 @@ def job(spec: str, out: Path, world: int, rank: int, graphs: list[dict]) -> None
     name, _, mode = spec.partition("@")
     torch.manual_seed(0)
     model = {"gpt2": gpt2, "quiet": lambda: gpt2(0.0)}.get(name, llama)()
+    plan = fl.TensorPlan.builtin(model, 2, sequence=True) if name == "sequence" and world > 1 else None
     degree = min(world, 2)
     copies, copy = world // degree, rank // degree
     generator = torch.Generator().manual_seed(1)
@@ -147,7 +149,7 @@ def job(spec: str, out: Path, world: int, rank: int, graphs: list[dict]) -> None
     batches = [torch.randint(0, VOCAB, (ROWS, CONTEXT), generator=generator) for _ in range(steps)]
     mine = [b.chunk(copies)[copy] for b in batches]
     optimizer = fl.optim.chain(fl.optim.clip_by_global_norm(0.5), fl.optim.adamw(1e-3))
-    state = fl.init(model, optimizer, seed=3, max_iter=steps, **layout(world, mode))
+    state = fl.init(model, optimizer, seed=3, max_iter=steps, tensor_plan=plan, **layout(world, mode))
     options = (
         {"compile": False, "accumulate": 2}
         if name == "eager"

@@ -24,6 +24,7 @@ from fnloop._core.tensor_parallel import TensorParallel, joined, local_slice
 from fnloop._step.layout import Layout
 from fnloop._step.placement import Plan
 from fnloop._step.tensor import tensor_slices
+from fnloop._step.tensor_functions import SplitSequence
 from fnloop._step.tensor_plans import TensorPlan, builtin_plan, layout_of
 from tests import tensor_worker
 from tests.launches import again_after_native_crash
@@ -58,7 +59,7 @@ def reference(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory) -> Path:
-    return _launched(tmp_path_factory.mktemp("two"), 2, *JOBS)
+    return _launched(tmp_path_factory.mktemp("two"), 2, *JOBS, "sequence")
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +69,7 @@ def four(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory) -> Path:
-    jobs = ("llama", "quiet", "eager", "resume", "compose", "llama@optimizer")
+    jobs = ("llama", "quiet", "eager", "resume", "compose", "llama@optimizer", "sequence")
     return _launched(tmp_path_factory.mktemp("sharded"), 4, "--shard", "full", *jobs)
 
 
@@ -100,14 +101,22 @@ RUNS = [
     ("two", "llama"),
     ("two", "gpt2"),
     ("two", "eager"),
+    ("two", "sequence"),
     ("four", "llama"),
     ("four", "eager"),
     ("sharded", "llama"),
     ("sharded", "quiet"),
     ("sharded", "eager"),
     ("sharded", "llama@optimizer"),
+    ("sharded", "sequence"),
     ("hybrid", "llama"),
 ]
+
+
+def _reference_job(job: str) -> str:
+    """The single process's job a job is compared with: itself, or the Llama's for its variants."""
+    name = job.partition("@")[0]
+    return "llama" if name == "sequence" else name
 
 
 @pytest.mark.slow
@@ -116,13 +125,14 @@ RUNS = [
 def test_every_loss_parameter_and_moment_is_the_single_process_runs(request, reference, world, job) -> None:
     """30 compiled steps (6 eager, two micro-batches each) at T=2, T=2 x 2 copies, T=2 x 2 shards (the Llama's
     gathered block by block, GPT-2's all at once, and the Llama's with only its optimizer state sharded) and
-    T=2 x 2 shards x 2 copies end within 1e-5 of one process.
+    T=2 x 2 shards x 2 copies, and the Llama under sequence parallelism at T=2 and T=2 x 2 shards, end
+    within 1e-5 of one process.
 
     GPT-2 trains at its residual and embedding dropout (0.1), which run on whole tensors: the ranks
     of a copy draw one mask, the single process's.
     """
     out = request.getfixturevalue(world)
-    mine, whole = _result(out, job), _result(reference, job.partition("@")[0])
+    mine, whole = _result(out, job), _result(reference, _reference_job(job))
     assert mine["split"] and whole["split"] is None
     assert mine["sharded"] == (SHARDS[world] > 1)
     assert len(mine["losses"]) == len(whole["losses"])
@@ -145,7 +155,15 @@ def test_every_loss_parameter_and_moment_is_the_single_process_runs(request, ref
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("world", "job"),
-    [("two", "llama"), ("two", "gpt2"), ("four", "llama"), ("sharded", "llama"), ("hybrid", "llama")],
+    [
+        ("two", "llama"),
+        ("two", "gpt2"),
+        ("four", "llama"),
+        ("sharded", "llama"),
+        ("hybrid", "llama"),
+        ("two", "sequence"),
+        ("sharded", "sequence"),
+    ],
 )
 def test_the_graph_holds_one_all_reduce_per_block_each_way(request, world, job) -> None:
     """Per layer, attention and MLP: one all-reduce in the forward (the row-wise output) and one in the
@@ -157,35 +175,48 @@ def test_the_graph_holds_one_all_reduce_per_block_each_way(request, world, job) 
     Sharded (2-D): the root's chunks and each block's gathered in one all-gather and their gradients
     reduce-scattered in one collective each; the clip's and the statistics' sums added over the shards
     too, the loss averaged over them; and with copies of that (3-D), the chunks' gradients all-reduced
-    across the copies once."""
+    across the copies once.
+
+    Under sequence parallelism each of those all-reduces is an all-gather and a reduce-scatter: the
+    attention's and the MLP's input gathered on the sequence (reduce-scattered in the backward), their
+    output reduce-scattered on it (gathered in the backward); the head's input gathered, the first
+    layer's input cut (gathered in the backward); and each norm's weight gradient summed over the
+    ranks that held a slice of the sequence each."""
     graphs = _result(request.getfixturevalue(world), job)["graphs"]
     assert len(graphs) == 1
     layers = 2
     blocks = 2 * 2 * layers  # (attention, MLP) x (forward, backward)
-    ends = 1 + 1  # the embedding's forward; the head's input in the backward
     sums = 3  # clip_by_global_norm, stats="model", the finiteness of the slices
-    if SHARDS[world] == 1:
-        copies = 1 if world == "four" else 0
-        assert graphs[0] == {
-            "all_reduce": blocks + ends + sums + copies,
-            "all_gather": 1,
-            "reduce_scatter": 0,
+    if job == "sequence":  # the embedding's forward, each norm; the head's gathers and the cut's
+        collectives = {
+            "all_reduce": 1 + 2 * layers + 1,
+            "all_gather": blocks + 3,
+            "reduce_scatter": blocks + 1,
         }
-        return
-    sums += 2  # the clip's and the statistics' over the shards too
-    averaged = 1 + (world == "hybrid")  # the loss and metrics; the chunks' gradients across the copies
-    units = 1 + layers  # the root (embedding, norm, head), each decoder layer
-    assert graphs[0] == {
-        "all_reduce": blocks + ends + sums + averaged,
-        "all_gather": units + 1,
-        "reduce_scatter": units,
-    }
+    else:  # the embedding's forward, the head's input in the backward; its output gathered
+        collectives = {"all_reduce": blocks + 1 + 1, "all_gather": 1, "reduce_scatter": 0}
+    collectives["all_reduce"] += sums + (world == "four")  # with copies, data parallel's one all-reduce
+    if SHARDS[world] > 1:
+        units = 1 + layers  # the root (embedding, norm, head), each decoder layer
+        collectives["all_gather"] += units
+        collectives["reduce_scatter"] += units
+        # the clip's and statistics' sums over the shards; the loss and metrics averaged over them; the
+        # chunks' gradients across the copies (3-D)
+        collectives["all_reduce"] += 2 + 1 + (world == "hybrid")
+    assert graphs[0] == collectives
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("world", "job"),
-    [("two", "llama"), ("two", "gpt2"), ("four", "llama"), ("sharded", "llama"), ("sharded", "quiet")],
+    [
+        ("two", "llama"),
+        ("two", "gpt2"),
+        ("four", "llama"),
+        ("sharded", "llama"),
+        ("sharded", "quiet"),
+        ("sharded", "sequence"),
+    ],
 )
 def test_each_rank_holds_its_part_of_each_split_layer_and_its_optimizer_state(
     request, reference, world, job
@@ -193,7 +224,7 @@ def test_each_rank_holds_its_part_of_each_split_layer_and_its_optimizer_state(
     """Half of each split layer's parameters and optimizer state at T=2; a quarter at T=2 x 2 shards, where
     the tensors kept whole by tensor parallelism (norms) are halved by the shards."""
     out = request.getfixturevalue(world)
-    mine, whole = _result(out, job), _result(reference, job)
+    mine, whole = _result(out, job), _result(reference, _reference_job(job))
     split, shards = set(mine["split"]), SHARDS[world]
     for name, size in whole["held"].items():
         assert mine["held"][name] == size // (2 * shards if name in split else shards), name
@@ -339,6 +370,38 @@ def test_the_llama_plan_splits_the_projections_and_the_vocabulary() -> None:
         "lm_head.weight": 0,
     }
     assert split.degree == 2 and split.rank == 1 and split.divided == ()
+
+
+def test_the_llama_plan_with_sequence_parallelism_cuts_the_sequence_where_the_layers_begin() -> None:
+    """The norms run on slices of the sequence, the attention and the MLP gather their input's, the first
+    layer's input is cut; what is split of the parameters is the plan's without it."""
+    model = _llama(num_key_value_heads=2, num_hidden_layers=2)
+    plain, plan = fl.TensorPlan.builtin(model, 2), fl.TensorPlan.builtin(model, 2, sequence=True)
+    split = layout_of(model, plan, 2, 0)
+    styles = {name: style for name, style, _ in split.layers}
+    assert styles["model.layers.0"] == "split" and "model.layers.1" not in styles
+    for layer in ("model.layers.0.", "model.layers.1."):
+        assert styles[f"{layer}input_layernorm"] == styles[f"{layer}post_attention_layernorm"] == "sequence"
+        assert styles[f"{layer}self_attn"] == styles[f"{layer}mlp"] == "gather"
+    assert styles["model.norm"] == "sequence" and styles["lm_head"] == "gathered"
+    assert split.sequence and not layout_of(model, plain, 2, 0).sequence
+    assert split.params == layout_of(model, plain, 2, 0).params
+
+
+def test_sequence_parallelism_is_refused_where_it_would_not_be_the_same_run() -> None:
+    from torch.distributed.tensor.parallel import SequenceParallel
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=16))
+    with pytest.raises(ValueError, match=r"GPT-2 drops out on its residual stream"):
+        fl.TensorPlan.builtin(gpt2, 2, sequence=True)
+    model = torch.nn.Sequential(torch.nn.LayerNorm(4), torch.nn.Linear(4, 8))
+    split = layout_of(model, TensorPlan({"0": SequenceParallel(), "1": "colwise"}), 2, 0)
+    assert split.layers[0][:2] == ("0", "sequence") and split.params == (("1.weight", 0, 1), ("1.bias", 0, 1))
+    with pytest.raises(
+        ValueError, match=r"cuts the sequence \(dimension 1.*shape \(2, 5, 4\).*length 2 divides"
+    ):
+        SplitSequence.apply(torch.zeros(2, 5, 4), None, 2, 0)
 
 
 def test_the_gpt2_plan_splits_conv1d_on_its_own_dimensions_and_divides_the_split_size() -> None:

@@ -34,7 +34,10 @@ class TensorParallel:
         rank: this rank's place in its group, ``0 .. degree - 1``.
         layers: ``(module name, style, parts)`` for each split module: the
             style (``"colwise"``, ``"rowwise"``, ``"gathered"``, ``"vocab"``)
-            says which dimension is split and which collective runs around it.
+            says which dimension is split and which collective runs around it;
+            under sequence parallelism, ``"sequence"`` for a module run on a
+            slice of the sequence, ``"split"`` where the sequence is cut,
+            ``"gather"`` where its slices are put together.
         divided: ``(module name, attribute)``: module attributes that count
             what is split (heads, a fused projection's width), divided by
             ``degree`` while the step runs.
@@ -56,6 +59,11 @@ class TensorParallel:
     def names(self) -> frozenset[str]:
         """The split parameters' names."""
         return frozenset(name for name, _, _ in self.params)
+
+    @property
+    def sequence(self) -> bool:
+        """Whether the activations between the layers are split on the sequence (sequence parallelism)."""
+        return any(style in ("sequence", "split", "gather") for _, style, _ in self.layers)
 
     def split(self, name: str) -> tuple[int, int]:
         """``(dimension, parts)`` of the split parameter ``name``."""

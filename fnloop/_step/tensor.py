@@ -11,7 +11,22 @@ style           what a rank holds                           the collectives (for
 ``rowwise``     a ``Linear``'s input features               output: all-reduce / identity; bias added after
 ``gathered``    as ``colwise``                              as ``colwise``; output all-gathered / sliced
 ``vocab``       an ``Embedding``'s rows (the vocabulary)    ids outside the rows masked; output all-reduce
+``sequence``    its parameters whole, a slice of the        parameters: identity / all-reduce of their gradients
+                sequence of its input (a norm)
+``split``       nothing split; its input cut on the         input: this rank's slice / all-gather
+                sequence (where the layers begin)
+``gather``      nothing split; its input's sequence         input: all-gather / reduce-scatter
+                gathered (an attention, an MLP)
 ==============  ==========================================  ================================================
+
+With ``sequence``, ``split`` or ``gather`` in the plan (sequence parallelism,
+Megatron-LM's and torchtitan's), the activations between the layers are held
+in slices of the sequence (dimension 1): the module holding column-wise layers
+(``gather``, torchtitan's ``PrepareModuleInput``) all-gathers its input's
+sequence, whose reduce-scatter in the backward sums what the column-wise
+layers' inputs got; each row-wise layer reduce-scatters its output on the
+sequence instead of the all-reduce (all-gather in the backward); the head
+(``gathered``) gathers its own input.
 
 So a column-wise layer followed by a row-wise one (attention's projections,
 an MLP) costs one all-reduce in the forward and one in the backward.
@@ -41,8 +56,17 @@ from torch.nn.utils._named_member_accessor import swap_tensor
 
 from fnloop._core.shards import Shards
 from fnloop._core.tensor_parallel import TensorParallel, local_slice
-from fnloop._step.collectives import Groups, all_gather, done, summed
+from fnloop._step.collectives import Groups, done, summed
 from fnloop._step.kernel import _holding
+from fnloop._step.tensor_functions import (
+    Copy,
+    GatherLast,
+    GatherSequence,
+    Reduce,
+    ScatterSequence,
+    SplitSequence,
+    summed_parameters,
+)
 from fnloop.distributed import sharded_tensor_groups, tensor_groups
 
 __all__ = ["Hold", "TensorSquares", "tensor_hold", "tensor_parallel_groups", "tensor_slices"]
@@ -75,45 +99,6 @@ def tensor_slices(tensors: Mapping[str, torch.Tensor], tp: TensorParallel) -> di
     }
 
 
-class _Copy(torch.autograd.Function):
-    """Identity in the forward, all-reduce of the gradient in the backward: a column-wise layer's input (Megatron's f)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return done(summed(grad.contiguous(), ctx.group)), None
-
-
-class _Reduce(torch.autograd.Function):
-    """All-reduce in the forward, identity in the backward: a row-wise layer's output (Megatron's g)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
-        return done(summed(x.contiguous(), group))
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return grad, None
-
-
-class _GatherLast(torch.autograd.Function):
-    """Every rank's slice put together on the last dimension; the gradient: this rank's slice of it."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any, degree: int, rank: int) -> torch.Tensor:  # type: ignore[override]
-        ctx.degree, ctx.rank = degree, rank
-        every = all_gather(x.contiguous(), group)
-        return torch.cat(every.chunk(degree, dim=0), dim=-1)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
-        return grad.chunk(ctx.degree, dim=-1)[ctx.rank].contiguous(), None, None, None
-
-
 def tensor_hold(model: torch.nn.Module, tp: TensorParallel, group: Any, hold: Hold | None = None) -> Hold:
     """How the step holds ``model`` on this rank's slices (``value_and_grad``'s ``hold``): the collectives hooked in.
 
@@ -124,26 +109,40 @@ def tensor_hold(model: torch.nn.Module, tp: TensorParallel, group: Any, hold: Ho
     degree, rank = tp.degree, tp.rank
     holding = hold or functools.partial(_holding, model)
 
+    # Under sequence parallelism the row-wise outputs are scattered on the sequence, and the inputs of the
+    # modules that hold the column-wise layers ("gather", and the head) gathered on it.
+    reduce = ScatterSequence if tp.sequence else Reduce
+
+    def reduced(out: torch.Tensor) -> torch.Tensor:
+        return reduce.apply(out, group)
+
     @contextlib.contextmanager
     def held(tensors: dict[str, torch.Tensor]) -> Iterator[None]:
-        copied = _Copies(group)
+        copied = _Copies(lambda x: Copy.apply(x, group))
+        gathered = _Copies(lambda x: GatherSequence.apply(x, group))
         with contextlib.ExitStack() as stack:
             for name, style, _ in tp.layers:
                 module = modules[name]
                 if style == "rowwise" and getattr(module, "bias", None) is not None:
-                    stack.enter_context(_rowwise(module, group))
+                    stack.enter_context(_rowwise(module, reduced))
                 elif style == "vocab":
                     stack.enter_context(_hooked(module, *_vocab(module, tp, group)))
                     stack.enter_context(_set(module, "padding_idx", _local_padding(module, tp)))
                 elif style == "rowwise":
-                    stack.enter_context(_hooked(module, None, lambda out: _Reduce.apply(out, group)))
-                else:
-                    after = (
-                        (lambda out: _GatherLast.apply(out, group, degree, rank))
-                        if style == "gathered"
-                        else None
+                    stack.enter_context(_hooked(module, None, reduced))
+                elif style == "sequence":
+                    stack.enter_context(summed_parameters(module, group))
+                elif style == "split":
+                    stack.enter_context(
+                        _hooked(module, lambda x: SplitSequence.apply(x, group, degree, rank), None)
                     )
-                    stack.enter_context(_hooked(module, copied, after))
+                elif style == "gather":
+                    stack.enter_context(_hooked(module, gathered, None))
+                else:
+                    head = style == "gathered"
+                    after = (lambda out: GatherLast.apply(out, group, degree, rank)) if head else None
+                    before = copied if not tp.sequence else (gathered if head else None)
+                    stack.enter_context(_hooked(module, before, after))
             for name, attribute in tp.divided:
                 module = modules[name]
                 stack.enter_context(_set(module, attribute, getattr(module, attribute) // degree))
@@ -154,7 +153,7 @@ def tensor_hold(model: torch.nn.Module, tp: TensorParallel, group: Any, hold: Ho
 
 
 class _Copies:
-    """A column-wise layer's input passed through ``_Copy``, once per input tensor.
+    """A column-wise layer's input passed through ``copy`` (``Copy``, or ``GatherSequence``), once per input tensor.
 
     Layers that read one input (attention's query, key and value; an MLP's
     gate and up projections) share its copy, so its gradient, summed from all
@@ -163,20 +162,20 @@ class _Copies:
     is held, so that its ``id`` stays its own.
     """
 
-    def __init__(self, group: Any) -> None:
-        self.group = group
+    def __init__(self, copy: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.copy = copy
         self.seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         found = self.seen.get(id(x))
         if found is None:
-            found = self.seen[id(x)] = (x, _Copy.apply(x, self.group))
+            found = self.seen[id(x)] = (x, self.copy(x))
         return found[1]
 
 
 @contextlib.contextmanager
-def _rowwise(module: torch.nn.Module, group: Any) -> Iterator[None]:
-    """A row-wise layer with a bias: run without it, the bias added once after the sum over the ranks.
+def _rowwise(module: torch.nn.Module, reduced: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+    """A row-wise layer with a bias: run without it, the bias added once after the sum over the ranks (``reduced``).
 
     The bias is the one the module holds when it runs (a sharded state's
     gathered then), set aside for the call and put back.
@@ -191,7 +190,7 @@ def _rowwise(module: torch.nn.Module, group: Any) -> Iterator[None]:
     def after(m: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
         bias = biases.pop()
         swap_tensor(m, "bias", bias)
-        return _Reduce.apply(out, group) + bias
+        return reduced(out) + bias
 
     handles = [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
     try:
@@ -215,7 +214,7 @@ def _vocab(
         return (ids - start).masked_fill(away, 0)
 
     def after(out: torch.Tensor) -> torch.Tensor:
-        return _Reduce.apply(out.masked_fill(outside.pop().unsqueeze(-1), 0.0), group)
+        return Reduce.apply(out.masked_fill(outside.pop().unsqueeze(-1), 0.0), group)
 
     return before, after
 
@@ -235,10 +234,18 @@ def _hooked(
     before: Callable[[torch.Tensor], torch.Tensor] | None,
     after: Callable[[torch.Tensor], torch.Tensor] | None,
 ) -> Iterator[None]:
-    """``module`` with its first input passed through ``before`` and its output through ``after`` for the block."""
+    """``module`` with its first input (positional, or else by keyword) passed through ``before`` and its output
+    through ``after`` for the block."""
     handles = []
     if before is not None:
-        handles.append(module.register_forward_pre_hook(lambda m, args: (before(args[0]), *args[1:])))
+
+        def first(m: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if args:
+                return (before(args[0]), *args[1:]), kwargs
+            key = next(iter(kwargs))
+            return args, {**kwargs, key: before(kwargs[key])}
+
+        handles.append(module.register_forward_pre_hook(first, with_kwargs=True))
     if after is not None:
         handles.append(module.register_forward_hook(lambda m, args, out: after(out)))
     try:

@@ -24,8 +24,11 @@ from fnloop.distributed import rank, world_size
 
 __all__ = ["STYLES", "TensorPlan", "builtin_plan", "layout_of", "tensor_layout"]
 
-STYLES = ("colwise", "rowwise", "gathered", "vocab")
+STYLES = ("colwise", "rowwise", "gathered", "vocab", "sequence", "split", "gather")
 """The styles a plan gives a module (see ``tensor.py``'s table)."""
+
+SEQUENCE = ("sequence", "split", "gather")
+"""The styles of sequence parallelism: with one of them in a plan, the activations between the layers are split on the sequence."""
 
 Style = str | tuple[str, int] | Any
 """What a plan maps a module pattern to: a style, ``(style, parts)``, or one of torch's ``ColwiseParallel`` / ``RowwiseParallel``."""
@@ -48,6 +51,14 @@ class TensorPlan:
             projections fused side by side, or torch's ``ColwiseParallel()``
             (``output_layouts=Replicate()``: ``"gathered"``) and
             ``RowwiseParallel()`` (on an ``Embedding``: ``"vocab"``).
+            Sequence parallelism: ``"sequence"`` (torch's ``SequenceParallel()``)
+            for a module that runs on this rank's slice of the sequence (a
+            norm), ``"split"`` for the module whose first input is cut into
+            those slices (the first layer), and ``"gather"`` for one whose
+            input's slices are put together (an attention, an MLP: what holds
+            the column-wise layers); with them, each row-wise layer
+            reduce-scatters its output on the sequence, and the head gathers
+            its input.
             Every pattern must match a module.
         divide: module name pattern -> names of integer attributes divided by
             the degree while the step runs: those a module's ``forward`` reads
@@ -63,22 +74,45 @@ class TensorPlan:
     layers: Mapping[str, Style] = attrs.field(converter=_as_dict)
     divide: Mapping[str, tuple[str, ...]] = attrs.field(factory=dict, converter=_as_dict)
 
+    @classmethod
+    def builtin(cls, model: torch.nn.Module, degree: int, *, sequence: bool = False) -> TensorPlan:
+        """The built-in plan of a ``transformers`` Llama, Mistral, Qwen2 or GPT-2 (what ``tensor_plan=None`` takes).
 
-def _llama(prefix: str) -> TensorPlan:
+        ``sequence``: with sequence parallelism (the Llama family's): the
+        norms run on each rank's slice of the sequence, and the activations
+        between the layers are held in those slices.
+        """
+        return builtin_plan(model, degree, sequence=sequence)
+
+
+def _llama(prefix: str, sequence: bool) -> TensorPlan:
     layers = f"{prefix}layers.*."
-    return TensorPlan(
-        {
-            f"{prefix}embed_tokens": "vocab",
-            **{f"{layers}self_attn.{p}_proj": "colwise" for p in "qkv"},
-            f"{layers}self_attn.o_proj": "rowwise",
-            f"{layers}mlp.gate_proj": "colwise",
-            f"{layers}mlp.up_proj": "colwise",
-            f"{layers}mlp.down_proj": "rowwise",
-        }
-    )
+    plan = {
+        f"{prefix}embed_tokens": "vocab",
+        **{f"{layers}self_attn.{p}_proj": "colwise" for p in "qkv"},
+        f"{layers}self_attn.o_proj": "rowwise",
+        f"{layers}mlp.gate_proj": "colwise",
+        f"{layers}mlp.up_proj": "colwise",
+        f"{layers}mlp.down_proj": "rowwise",
+    }
+    if sequence:  # the sequence cut where the layers begin: the model's masks and positions are made whole
+        plan[f"{prefix}layers.0"] = "split"
+        plan[f"{layers}input_layernorm"] = "sequence"
+        plan[f"{layers}post_attention_layernorm"] = "sequence"
+        plan[f"{layers}self_attn"] = "gather"
+        plan[f"{layers}mlp"] = "gather"
+        plan[f"{prefix}norm"] = "sequence"
+    return TensorPlan(plan)
 
 
-def _gpt2(prefix: str) -> TensorPlan:
+def _gpt2(prefix: str, sequence: bool) -> TensorPlan:
+    if sequence:
+        raise ValueError(
+            "TensorPlan.builtin(..., sequence=True): the built-in plans with sequence parallelism are "
+            "the Llama family's. GPT-2 drops out on its residual stream, which sequence parallelism "
+            "holds in slices, where each rank would draw its own mask, not its slice of one process's. "
+            "Leave sequence out, or write the plan with 'sequence' and 'split' yourself."
+        )
     layers = f"{prefix}h.*."
     return TensorPlan(
         {
@@ -92,7 +126,7 @@ def _gpt2(prefix: str) -> TensorPlan:
     )
 
 
-_FAMILIES: dict[str, Callable[[str], TensorPlan]] = {
+_FAMILIES: dict[str, Callable[[str, bool], TensorPlan]] = {
     "llama": _llama,
     "mistral": _llama,
     "qwen2": _llama,
@@ -101,7 +135,7 @@ _FAMILIES: dict[str, Callable[[str], TensorPlan]] = {
 """The ``transformers`` model types with a built-in plan, by ``config.model_type``."""
 
 
-def builtin_plan(model: torch.nn.Module, degree: int) -> TensorPlan:
+def builtin_plan(model: torch.nn.Module, degree: int, sequence: bool = False) -> TensorPlan:
     """The built-in plan for ``model`` (a ``transformers`` Llama, Mistral, Qwen2 or GPT-2), checked against its heads."""
     config: Any = getattr(model, "config", None)
     kind = getattr(config, "model_type", None)
@@ -128,7 +162,7 @@ def builtin_plan(model: torch.nn.Module, degree: int) -> TensorPlan:
     names = {name for name, _ in model.named_modules()}
     embedding = "embed_tokens" if kind != "gpt2" else "wte"
     prefix = next((n[: -len(embedding)] for n in sorted(names, key=len) if n.endswith(embedding)), "")
-    plan = _FAMILIES[kind](prefix)
+    plan = _FAMILIES[kind](prefix, sequence)
     if "lm_head" in names:
         plan = attrs.evolve(plan, layers={**plan.layers, "lm_head": "gathered"})
     return plan
@@ -138,21 +172,14 @@ def _style(value: object, module: torch.nn.Module, where: str) -> tuple[str, int
     """``value`` as ``(style, parts)``, checked against the module it is given."""
     style, parts = value if isinstance(value, tuple) and len(value) == 2 else (value, 1)
     if not isinstance(style, str):  # one of torch's styles, in the same words
-        from torch.distributed.tensor import Replicate
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-        if isinstance(style, ColwiseParallel):
-            layouts = style.output_layouts
-            first = layouts[0] if isinstance(layouts, tuple) else layouts
-            style = "gathered" if isinstance(first, Replicate) else "colwise"
-        elif isinstance(style, RowwiseParallel):
-            style = "vocab" if isinstance(module, torch.nn.Embedding) else "rowwise"
+        style = _torch_style(style, module)
     if style not in STYLES or type(parts) is not int or parts < 1:
         raise ValueError(
             f"tensor_plan[{where!r}] must be one of {STYLES}, (style, parts) for a fused projection, or "
-            f"torch's ColwiseParallel() / RowwiseParallel() ({got(value)}). Sequence parallelism "
-            "(SequenceParallel) is not supported yet."
+            f"torch's ColwiseParallel() / RowwiseParallel() / SequenceParallel() ({got(value)})."
         )
+    if style in SEQUENCE:
+        return style, 1
     embedding = isinstance(module, torch.nn.Embedding)
     if (style == "vocab") != embedding or not (embedding or _linear(module)):
         wants = "an nn.Embedding" if style == "vocab" else "an nn.Linear or transformers' Conv1D"
@@ -162,6 +189,22 @@ def _style(value: object, module: torch.nn.Module, where: str) -> tuple[str, int
             "'gathered' to linear layers; leave other modules out (they stay whole on every rank)."
         )
     return style, parts
+
+
+def _torch_style(style: object, module: torch.nn.Module) -> object:
+    """One of torch's ``ParallelStyle``s in the plan's words (anything else as it is, to be refused)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    if isinstance(style, ColwiseParallel):
+        layouts = style.output_layouts
+        first = layouts[0] if isinstance(layouts, tuple) else layouts
+        return "gathered" if isinstance(first, Replicate) else "colwise"
+    if isinstance(style, RowwiseParallel):
+        return "vocab" if isinstance(module, torch.nn.Embedding) else "rowwise"
+    if isinstance(style, SequenceParallel):
+        return "sequence"
+    return style
 
 
 def _linear(module: torch.nn.Module) -> bool:
@@ -180,6 +223,8 @@ def _conv1d(module: torch.nn.Module) -> bool:
 
 def _dims(module: torch.nn.Module, style: str) -> dict[str, int]:
     """Which dimension of each of the module's own parameters the style splits (a parameter left out: whole)."""
+    if style in SEQUENCE:
+        return {}
     if style == "vocab":
         return {"weight": 0}
     out, into = (1, 0) if _conv1d(module) else (0, 1)  # Conv1D's weight is [in, out]
@@ -244,7 +289,7 @@ def layout_of(model: torch.nn.Module, plan: TensorPlan, degree: int, rank: int) 
                     )
                 divided.append((name, attribute))
     for name, style, _ in layers:
-        if style != "rowwise" and _conv1d(modules[name]):
+        if style in ("colwise", "gathered") and _conv1d(modules[name]):
             divided.append((name, "nf"))  # Conv1D views its output with its width
     return TensorParallel(
         degree,
