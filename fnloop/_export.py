@@ -120,9 +120,9 @@ def unshard(state: TrainState, *, rank0_only: bool = False) -> TrainState | None
     if rank0_only:
         from fnloop.distributed import rank
 
-        whole_on_rank0 = _whole_on_rank0(state)
-        params = {k: whole_on_rank0(v) for k, v in state.params.items()}
-        opt_state = pytree.tree_map(whole_on_rank0, state.opt_state)
+        whole = whole_on_rank0(state)
+        params = {k: whole(v) for k, v in state.params.items()}
+        opt_state = pytree.tree_map(whole, state.opt_state)
         whole_state = attrs.evolve(state, params=params, opt_state=opt_state, shards=None, tensor=None)
         return whole_state if rank() == 0 else None
     if state.tensor is None and state.shards is None:
@@ -205,12 +205,12 @@ def _on_rank0(state: TrainState) -> dict[str, torch.Tensor] | None:
     """``state``'s whole parameters and buffers on rank 0, gathered one at a time; ``None`` elsewhere."""
     from fnloop.distributed import rank
 
-    whole = _whole_on_rank0(state)
+    whole = whole_on_rank0(state)
     tensors = {name: whole(t) for name, t in (*state.params.items(), *state.buffers.items())}
     return tensors if rank() == 0 else None
 
 
-def _whole_on_rank0(state: TrainState) -> Any:
+def whole_on_rank0(state: TrainState) -> Any:
     """``tensor -> the whole tensor`` on rank 0 (a tensor of ``state`` sent to it one block at a time),
     and on the other ranks their own tensor, sent; anything else as it is. Called for the same tensors
     in the same order on every rank."""

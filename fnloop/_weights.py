@@ -26,14 +26,10 @@ from fnloop._core.shards import sharded_tensors
 from fnloop._core.state import TrainState
 from fnloop._core.tensor_parallel import TensorParallel, joined, split_tensors, whole_shape
 from fnloop.checkpoint._safetensors import framed, layout
-from fnloop.checkpoint._transfer import _bytes, _pwrite
+from fnloop.checkpoint._transfer import _bytes, _pwrite, written_out
 
 __all__ = ["model_keys", "module_order", "save_weights", "some_names", "to_rank0"]
 
-_SYNCED = 1 << 22
-"""Bytes written between two flushes to disk: what the page cache holds of the file at most."""
-_SMALL = 1 << 20
-"""A piece below this many bytes is left to the page cache (a norm's weight): flushing costs more."""
 _EXTRA_STATE = "_extra_state"  # torch's key suffix for a module's get_extra_state()
 
 Pieces = Callable[[torch.Tensor, torch.Tensor], "Iterator[torch.Tensor] | None"]
@@ -310,25 +306,10 @@ def _write(
                 block = block.cpu().contiguous()
                 view = _bytes(block)[: start + end - at]
                 try:
-                    _written_out(fd, view, at)
+                    written_out(fd, view, at)
                 except OSError as error:
                     failure = error
                 at += len(view)
             del block  # one block held at a time: the next is received into new memory (view: unused now)
         if failure is not None:
             raise failure
-
-
-def _written_out(fd: int, view: memoryview, at: int) -> None:
-    """``view`` written at byte ``at`` of ``fd`` in pieces, each flushed to disk and dropped from the page
-    cache, which is charged to the writer's memory (a container's limit counts it): a file larger than
-    that limit is written under it, and never holds more than a piece of it in memory."""
-    if not hasattr(os, "posix_fadvise"):
-        _pwrite(fd, view, at)
-        return
-    for begin in range(0, len(view), _SYNCED):
-        piece = view[begin : begin + _SYNCED]
-        _pwrite(fd, piece, at + begin)
-        if len(piece) >= _SMALL:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, at + begin, len(piece), os.POSIX_FADV_DONTNEED)

@@ -113,6 +113,9 @@ def run(argv: list[str]) -> None:
     parser.add_argument("--shard", choices=("full", "none", "tensor"), required=True)
     parser.add_argument("--limit", type=int, help="MiB each rank may charge after joining")
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument(
+        "--save", action="store_true", help="then fl.save the state to RESULTS/ckpt.safetensors"
+    )
     args = parser.parse_args(argv)
     rank, world = fl.distributed.rank(), fl.distributed.world_size()
     out = Path(args.results)
@@ -131,6 +134,8 @@ def run(argv: list[str]) -> None:
     data = torch.randn(BATCH * 4, WIDTH, generator=torch.Generator().manual_seed(1))
     final = fl.run(state, step, fl.data.batches(data, batch_size=BATCH, seed=0), donate_input=True)
     held = sum(t.numel() * t.element_size() for t in (*final.params.values(), *_leaves(final.opt_state)))
+    if args.save:  # under the limit too: a checkpoint of a state no rank holds whole
+        fl.save(final, out / "ckpt.safetensors")
     peak = int((group / "memory.max_usage_in_bytes").read_text())
     (group / "cgroup.procs").parent.parent.joinpath("cgroup.procs").write_text(str(os.getpid()))  # out again
     losses = [float(v) for _, v in final.metrics.series["loss"]]

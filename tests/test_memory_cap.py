@@ -76,7 +76,9 @@ def test_the_same_model_trains_under_the_limit_with_its_layers_split_over_the_ra
     cache = tmp_path / "cache"
     unlimited = launch(tmp_path, cache, ["tensor", "--shard", "tensor"])
     assert unlimited.returncode == 0, unlimited.stderr[-4000:]
-    limited = launch(tmp_path, cache, ["tensor-limited", "--shard", "tensor", "--limit", str(LIMIT)])
+    limited = launch(
+        tmp_path, cache, ["tensor-limited", "--shard", "tensor", "--limit", str(LIMIT), "--save"]
+    )
     assert limited.returncode == 0, limited.stderr[-4000:]
     reference = json.loads((tmp_path / "tensor" / "rank0.json").read_text())
     width, depth = 2560, 32
@@ -88,6 +90,21 @@ def test_the_same_model_trains_under_the_limit_with_its_layers_split_over_the_ra
         quarter = whole // 4 + split_biases  # and the optimizer's step count, a scalar
         assert mine["peak"] <= LIMIT * 2**20 and quarter <= mine["held"] <= quarter + 64
         assert mine["losses"] == reference["losses"]  # the limit changes nothing
+    # The checkpoint, saved under the limit (the peaks above include it): the whole state, each tensor
+    # gathered to rank 0 as the file's bytes came to it, written, flushed and let go, so that rank 0 peaks
+    # no higher than the others but for about one whole tensor (25 MiB; measured: 828 MiB against 829-831).
+    peaks = [
+        json.loads((tmp_path / "tensor-limited" / f"rank{r}.json").read_text())["peak"] for r in range(4)
+    ]
+    assert peaks[0] <= max(peaks[1:]) + 64 * 2**20
+    from safetensors import safe_open
+
+    saved = tmp_path / "tensor-limited" / "ckpt.safetensors"
+    assert saved.stat().st_size > whole
+    with safe_open(saved, "pt") as file:
+        shapes = {key: file.get_slice(key).get_shape() for key in file.keys()}  # noqa: SIM118
+    layers = [k for k, shape in shapes.items() if shape == [width, width]]
+    assert len(layers) == 3 * depth  # each layer's weight and its two moments, whole
 
 
 EXPORT_LIMIT = 256

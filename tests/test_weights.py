@@ -75,7 +75,7 @@ def test_a_failed_write_leaves_the_file_that_was_there_and_says_so(
     def full(fd: int, view: memoryview, at: int) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(fnloop._weights, "_written_out", full)
+    monkeypatch.setattr(fnloop._weights, "written_out", full)
     changed = attrs.evolve(state, params={k: v + 1 for k, v in state.params.items()})
     with pytest.raises(OSError, match="No space left on device"):
         fl.save_weights(changed, path)

@@ -12,8 +12,11 @@ import json
 import os
 import re
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from fnloop._atomic import remove_leftovers, write_atomically
 from fnloop._core.messages import a_path, got
@@ -35,7 +38,7 @@ from fnloop.checkpoint._safetensors import (
 from fnloop.checkpoint._sharded import Index, index_of, load_sharded, reshard, save_sharded
 from fnloop.checkpoint._split import load_split, save_joined
 from fnloop.checkpoint._state_codec import encode_state, fill_state
-from fnloop.checkpoint._transfer import _bytes, _digest, _pwrite, _transfer
+from fnloop.checkpoint._transfer import _bytes, _digest, _pwrite, _transfer, written_out
 
 __all__ = ["CheckpointWarning", "checkpoints", "latest", "load", "path_for", "read_raw", "save"]
 
@@ -158,8 +161,8 @@ def save(state: TrainState, path: StrPath) -> Path:
             "code, which a checkpoint does not hold. Save from an effect (the fold performs effects on "
             "the state with its effects cleared), or drop them: attrs.evolve(state, effects=())."
         )
-    if state.tensor is not None:  # a collective: rank 0 writes the whole state
-        return save_joined(state, Path(path), lambda whole, at: write_file(at, *encode_state(whole)))
+    if state.tensor is not None:  # a collective: rank 0 writes the whole state, one tensor at a time
+        return save_joined(state, Path(path), write_file)
     if state.shards is not None:
         return save_sharded(state, Path(path), write_file)
     skeleton, tensors = encode_state(state)
@@ -167,12 +170,23 @@ def save(state: TrainState, path: StrPath) -> Path:
     return Path(path)
 
 
-def write_file(path: Path, skeleton: Any, tensors: dict[str, Any], index: str | None = None) -> str:
-    """Write a checkpoint file of ``skeleton`` and ``tensors`` atomically (and ``index``); its checksum."""
+def write_file(
+    path: Path,
+    skeleton: Any,
+    tensors: dict[str, Any],
+    index: str | None = None,
+    arriving: Callable[[str], torch.Tensor] | None = None,
+) -> str:
+    """Write a checkpoint file of ``skeleton`` and ``tensors`` atomically (and ``index``); its checksum.
+
+    ``arriving(key)``: the tensor of ``key``, asked for when its bytes are
+    written, in the file's order, where ``tensors`` holds its shape and dtype
+    alone (a meta tensor): a state no process holds whole is written one
+    tensor at a time.
+    """
     text = json.dumps(skeleton, separators=(",", ":"), allow_nan=False)
     covers = text if index is None else covered({"fnloop.skeleton": text, INDEX: index})
     entries = layout(tensors)
-    views = [_bytes(tensors[key]) for key in entries]
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_leftovers(path.parent)
     written: list[str] = []
@@ -180,7 +194,18 @@ def write_file(path: Path, skeleton: Any, tensors: dict[str, Any], index: str | 
     def write(fd: int) -> None:
         # The tensors first, so their checksum is known when the header is written in front of them.
         start = len(header(text, entries, PLACEHOLDER, index))
-        crcs = _transfer(fd, views, start, _pwrite)
+        if arriving is None:
+            crcs = _transfer(fd, [_bytes(tensors[key]) for key in entries], start, _pwrite)
+        else:
+            crcs = []
+            for key, entry in entries.items():
+                tensor = tensors[key]
+                if tensor.device.type == "meta":
+                    tensor = arriving(key).detach().cpu().contiguous()
+                # Each flushed and dropped from the page cache as save_weights does: the cache is charged
+                # to the writer's memory, and the file may be larger than a rank may hold.
+                crcs += _transfer(fd, [_bytes(tensor)], start + entry["data_offsets"][0], written_out)
+                del tensor  # one arrived tensor held at a time
         checksum = _digest(covers, zip(entries, entries.values(), crcs), FORMAT_VERSION)
         _pwrite(fd, memoryview(header(text, entries, checksum, index)), 0)
         written.append(checksum)

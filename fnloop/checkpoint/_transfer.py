@@ -119,3 +119,24 @@ def _digest(
         line = f"\n{key}\t{entry['dtype']}\t{entry['shape']}\t{' '.join(f'{c:08x}' for c in crcs)}"
         digest = zlib.crc32(line.encode("utf-8", "surrogatepass"), digest)
     return f"crc32:{digest:08x}"
+
+
+_SYNCED = 1 << 22
+"""Bytes written between two flushes to disk: what the page cache holds of the file at most."""
+_SMALL = 1 << 20
+"""A piece below this many bytes is left to the page cache (a norm's weight): flushing costs more."""
+
+
+def written_out(fd: int, view: memoryview, at: int) -> None:
+    """``view`` written at byte ``at`` of ``fd`` in pieces, each flushed to disk and dropped from the page
+    cache, which is charged to the writer's memory (a container's limit counts it): a file larger than
+    that limit is written under it, and never holds more than a piece of it in memory."""
+    if not hasattr(os, "posix_fadvise"):
+        _pwrite(fd, view, at)
+        return
+    for begin in range(0, len(view), _SYNCED):
+        piece = view[begin : begin + _SYNCED]
+        _pwrite(fd, piece, at + begin)
+        if len(piece) >= _SMALL:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, at + begin, len(piece), os.POSIX_FADV_DONTNEED)
