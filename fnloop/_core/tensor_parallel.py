@@ -21,7 +21,10 @@ from torch.utils import _pytree as pytree
 
 from fnloop._core.shards import Shards
 
-__all__ = ["TensorParallel", "joined", "local_slice", "split_tensors", "whole_shape"]
+__all__ = ["SEQUENCE", "TensorParallel", "joined", "local_slice", "split_tensors", "whole_shape"]
+
+SEQUENCE = ("sequence", "split", "gather")
+"""The styles of sequence parallelism: with one of them in a plan, the activations between the layers are split on the sequence."""
 
 
 @attrs.frozen(cache_hash=True)
@@ -63,7 +66,7 @@ class TensorParallel:
     @property
     def sequence(self) -> bool:
         """Whether the activations between the layers are split on the sequence (sequence parallelism)."""
-        return any(style in ("sequence", "split", "gather") for _, style, _ in self.layers)
+        return any(style in SEQUENCE for _, style, _ in self.layers)
 
     def split(self, name: str) -> tuple[int, int]:
         """``(dimension, parts)`` of the split parameter ``name``."""

@@ -177,7 +177,7 @@ class Placement:
             return "members"
         gathers = shards is not None and shards.params and many  # a "full" state's chunks, gathered
         if self.layout.tensor is not None:
-            if shards is None or self.groups.shard is None:
+            if shards is None:
                 return "tensor"
             return "tensor blocks" if gathers and self.plan.units else "tensor, sharded"
         if slices is not None:
@@ -218,7 +218,7 @@ class Placement:
         tensor, shards = self.layout.tensor, self.layout.shards
         if tensor is not None:  # this rank's slices (or their chunks), and the whole tensors counted once
             squares = TensorSquares(tensor.names, tensor.rank == 0, self.groups.tensor)
-            if shards is not None and self.groups.shard is not None:
+            if shards is not None:
                 squares = attrs.evolve(
                     squares, chunks=shards.names, first_shard=shards.rank == 0, shard_group=self.groups.shard
                 )
@@ -301,9 +301,9 @@ def _blocks(p: Placement, kernel: Kernel) -> Gradient:
 def _held_in_slices(p: Placement, kernel: Kernel, by_blocks: bool = False) -> Gradient:
     tensor, shards = p.layout.tensor, p.layout.shards
     assert tensor is not None
-    blocks = (
-        held_by_blocks(kernel.model, p.plan.units, shards, p.groups.shard) if shards and by_blocks else None
-    )
+    blocks = None
+    if by_blocks and shards is not None:
+        blocks = held_by_blocks(kernel.model, p.plan.units, shards, p.groups.shard)
     hold = tensor_hold(kernel.model, tensor, p.groups.tensor, blocks)
     return accumulated(value_and_grad(kernel.forward, kernel.fixed, hold=hold), kernel.accumulate)
 

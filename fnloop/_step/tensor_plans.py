@@ -19,16 +19,13 @@ import attrs
 import torch
 
 from fnloop._core.messages import got
-from fnloop._core.tensor_parallel import TensorParallel
+from fnloop._core.tensor_parallel import SEQUENCE, TensorParallel
 from fnloop.distributed import rank, world_size
 
 __all__ = ["STYLES", "TensorPlan", "builtin_plan", "layout_of", "tensor_layout"]
 
 STYLES = ("colwise", "rowwise", "gathered", "vocab", "sequence", "split", "gather")
 """The styles a plan gives a module (see ``tensor.py``'s table)."""
-
-SEQUENCE = ("sequence", "split", "gather")
-"""The styles of sequence parallelism: with one of them in a plan, the activations between the layers are split on the sequence."""
 
 Style = str | tuple[str, int] | Any
 """What a plan maps a module pattern to: a style, ``(style, parts)``, or one of torch's ``ColwiseParallel`` / ``RowwiseParallel``."""
