@@ -14,8 +14,8 @@ Jobs (a compiled one's backend after a colon: ``llama:inductor``; else the suite
 
 - ``llama``: ``transformers``' Llama (2 layers, tiny), compiled, AdamW after a global-norm clip,
   ``stats="model"``, 30 steps; then written with ``fl.save_weights``.
-- ``gpt2``: GPT-2 (2 layers, tiny), compiled, 30 steps, its residual and embedding dropout at the
-  default 0.1 (replicated regions) and attention dropout 0.
+- ``gpt2``: GPT-2 (2 layers, tiny), compiled, 30 steps, at its default dropout (0.1): the residual and
+  embedding dropout on whole activations, the attention's on each rank's heads.
 - ``sequence``: the ``llama`` job under sequence parallelism (the built-in plan's ``sequence=True``).
 - ``JOB@MODE`` (``llama@optimizer``): the job with its copies sharded so (``init(..., shard=MODE)``),
   whatever ``--shard`` says; written to ``RESULTS/JOB@MODE``.
@@ -74,7 +74,7 @@ def gpt2(dropout: float = 0.1) -> torch.nn.Module:
         n_layer=2,
         n_head=4,
         n_positions=CONTEXT,
-        attn_pdrop=0.0,
+        attn_pdrop=dropout,
         resid_pdrop=dropout,
         embd_pdrop=dropout,
     )

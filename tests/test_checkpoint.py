@@ -576,7 +576,7 @@ real_pwrite = checkpoint._transfer._pwrite
 @pytest.mark.parametrize(
     "crash",
     [
-        lambda mp: mp.setattr(checkpoint._files, "_pwrite", crash_after(1)),
+        lambda mp: mp.setattr(checkpoint._writing, "_pwrite", crash_after(1)),
         lambda mp: mp.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(Crash("fsync"))),
         lambda mp: mp.setattr(os, "replace", lambda a, b: (_ for _ in ()).throw(Crash("rename"))),
     ],
@@ -598,7 +598,7 @@ def test_leftovers_of_a_hard_crash_are_ignored_then_removed(tmp_path, monkeypatc
     old = full_state()
     path = checkpoint.save(old, checkpoint.path_for(tmp_path, 12))
     with monkeypatch.context() as mp:  # a kill -9: no cleanup runs
-        mp.setattr(checkpoint._files, "_pwrite", crash_after(1))
+        mp.setattr(checkpoint._writing, "_pwrite", crash_after(1))
         mp.setattr(os, "unlink", lambda p: None)
         with pytest.raises(Crash):
             checkpoint.save(attrs.evolve(old, iteration=13), checkpoint.path_for(tmp_path, 13))

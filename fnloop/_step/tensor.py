@@ -66,6 +66,7 @@ from fnloop._step.tensor_functions import (
     ScatterSequence,
     SplitSequence,
     summed_parameters,
+    whole_masks,
 )
 from fnloop.distributed import sharded_tensor_groups, tensor_groups
 
@@ -143,6 +144,8 @@ def tensor_hold(model: torch.nn.Module, tp: TensorParallel, group: Any, hold: Ho
                     after = (lambda out: GatherLast.apply(out, group, degree, rank)) if head else None
                     before = copied if not tp.sequence else (gathered if head else None)
                     stack.enter_context(_hooked(module, before, after))
+            # dropout on a rank's heads: its part of one process's masks
+            stack.enter_context(whole_masks([modules[n] for n in _attentions(tp)], degree, rank))
             for name, attribute in tp.divided:
                 module = modules[name]
                 stack.enter_context(_set(module, attribute, getattr(module, attribute) // degree))
@@ -150,6 +153,12 @@ def tensor_hold(model: torch.nn.Module, tp: TensorParallel, group: Any, hold: Ho
             yield
 
     return held
+
+
+def _attentions(tp: TensorParallel) -> list[str]:
+    """The modules holding column-wise layers (an attention's query, key and value; an MLP's): where heads are split."""
+    parents = [name.rpartition(".")[0] for name, style, _ in tp.layers if style == "colwise"]
+    return [name for name in dict.fromkeys(parents) if name]
 
 
 class _Copies:

@@ -8,16 +8,22 @@ plan has ``"sequence"`` or ``"split"`` modules (``tensor.py``), the sequence
 rank where the layers begin, the norms between the layers run on a slice,
 the modules holding column-wise layers gather the slices of their input, and
 each row-wise layer reduce-scatters its output into them.
+
+Attention dropout on a rank's heads (``whole_masks``) draws the mask of every
+head, as one process does, and keeps this rank's heads of it: the run draws
+the single process's masks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch.nn.utils._named_member_accessor import swap_tensor
+from torch.overrides import TorchFunctionMode
 
 from fnloop._step.collectives import all_gather, done, reduce_scatter, summed
 
@@ -29,6 +35,7 @@ __all__ = [
     "ScatterSequence",
     "SplitSequence",
     "summed_parameters",
+    "whole_masks",
 ]
 
 
@@ -146,3 +153,90 @@ def summed_parameters(module: torch.nn.Module, group: Any) -> Iterator[None]:
     finally:
         for handle in handles:
             handle.remove()
+
+
+@contextlib.contextmanager
+def whole_masks(attentions: list[torch.nn.Module], degree: int, rank: int) -> Iterator[None]:
+    """``attentions`` (modules holding this rank's heads) drawing their dropout masks for every head, keeping their own.
+
+    While one of them runs, ``scaled_dot_product_attention`` with dropout is
+    computed as torch's math does (``_WholeMasks``), with the mask drawn for
+    the ``degree`` times as many heads of the whole model, in one draw as one
+    process's, and this rank's heads (the ``rank``-th block) kept. The mode is
+    held for the block; the modules' hooks say when it acts.
+    """
+    mode = _WholeMasks(degree, rank)
+
+    def before(m: torch.nn.Module, args: tuple) -> None:
+        mode.depth += 1
+
+    def after(m: torch.nn.Module, args: tuple, out: Any) -> None:
+        mode.depth -= 1
+
+    handles = [m.register_forward_pre_hook(before) for m in attentions]
+    handles += [m.register_forward_hook(after) for m in attentions]
+    try:
+        with mode:
+            yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+class _WholeMasks(TorchFunctionMode):
+    """``scaled_dot_product_attention`` with dropout on this rank's heads, its mask drawn for every head."""
+
+    def __init__(self, degree: int, rank: int) -> None:
+        super().__init__()
+        self.degree, self.rank, self.depth = degree, rank, 0
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if (
+            self.depth
+            and func is torch.nn.functional.scaled_dot_product_attention
+            and _dropout(*args, **kwargs)
+        ):
+            return self.attention(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        dropout_p: float = 0.0,
+        is_causal: bool = False,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+    ) -> torch.Tensor:
+        """torch's math attention (``_scaled_dot_product_attention_math``), the dropout mask drawn whole."""
+        if enable_gqa:
+            key = key.repeat_interleave(query.size(-3) // key.size(-3), -3)
+            value = value.repeat_interleave(query.size(-3) // value.size(-3), -3)
+        root = math.sqrt(1.0 / math.sqrt(query.size(-1)) if scale is None else scale)
+        weights = (query * root) @ (key.transpose(-2, -1) * root)
+        length, keys = query.size(-2), key.size(-2)
+        if is_causal:
+            causal = torch.ones(length, keys, dtype=torch.bool, device=query.device).tril()
+            weights = weights + torch.where(causal, 0.0, -math.inf).to(weights.dtype)
+        if attn_mask is not None:
+            weights = (
+                weights.masked_fill(~attn_mask, -math.inf)
+                if attn_mask.dtype == torch.bool
+                else weights + attn_mask
+            )
+        weights = torch.ops.aten._safe_softmax(weights, -1)
+        heads = weights.size(-3)
+        shape = (*weights.shape[:-3], heads * self.degree, *weights.shape[-2:])
+        mask = torch.empty(shape, dtype=weights.dtype, device=weights.device).bernoulli_(1 - dropout_p)
+        mine = mask.narrow(-3, self.rank * heads, heads).div(1 - dropout_p)
+        return (weights * mine) @ value
+
+
+def _dropout(
+    query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0, *args: Any, **kwargs: Any
+) -> bool:
+    """Whether a call of ``scaled_dot_product_attention`` drops out."""
+    return dropout_p > 0.0

@@ -8,17 +8,12 @@ and the atomic write ``fnloop._atomic``.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import re
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from fnloop._atomic import remove_leftovers, write_atomically
 from fnloop._core.messages import a_path, got
 from fnloop._core.state import TrainState
 from fnloop.checkpoint._codec import (
@@ -27,18 +22,12 @@ from fnloop.checkpoint._codec import (
 )
 from fnloop.checkpoint._reading import _check, _opened, _streamed, read
 from fnloop.checkpoint._safetensors import (
-    FORMAT_VERSION,
-    INDEX,
-    PLACEHOLDER,
-    covered,
-    header,
-    layout,
     read_header,
 )
 from fnloop.checkpoint._sharded import Index, index_of, load_sharded, reshard, save_sharded
 from fnloop.checkpoint._split import load_split, save_joined
 from fnloop.checkpoint._state_codec import encode_state, fill_state
-from fnloop.checkpoint._transfer import _bytes, _digest, _pwrite, _transfer, written_out
+from fnloop.checkpoint._writing import write_file
 
 __all__ = ["CheckpointWarning", "checkpoints", "latest", "load", "path_for", "read_raw", "save"]
 
@@ -168,50 +157,6 @@ def save(state: TrainState, path: StrPath) -> Path:
     skeleton, tensors = encode_state(state)
     write_file(Path(path), skeleton, tensors)
     return Path(path)
-
-
-def write_file(
-    path: Path,
-    skeleton: Any,
-    tensors: dict[str, Any],
-    index: str | None = None,
-    arriving: Callable[[str], torch.Tensor] | None = None,
-) -> str:
-    """Write a checkpoint file of ``skeleton`` and ``tensors`` atomically (and ``index``); its checksum.
-
-    ``arriving(key)``: the tensor of ``key``, asked for when its bytes are
-    written, in the file's order, where ``tensors`` holds its shape and dtype
-    alone (a meta tensor): a state no process holds whole is written one
-    tensor at a time.
-    """
-    text = json.dumps(skeleton, separators=(",", ":"), allow_nan=False)
-    covers = text if index is None else covered({"fnloop.skeleton": text, INDEX: index})
-    entries = layout(tensors)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_leftovers(path.parent)
-    written: list[str] = []
-
-    def write(fd: int) -> None:
-        # The tensors first, so their checksum is known when the header is written in front of them.
-        start = len(header(text, entries, PLACEHOLDER, index))
-        if arriving is None:
-            crcs = _transfer(fd, [_bytes(tensors[key]) for key in entries], start, _pwrite)
-        else:
-            crcs = []
-            for key, entry in entries.items():
-                tensor = tensors[key]
-                if tensor.device.type == "meta":
-                    tensor = arriving(key).detach().cpu().contiguous()
-                # Each flushed and dropped from the page cache as save_weights does: the cache is charged
-                # to the writer's memory, and the file may be larger than a rank may hold.
-                crcs += _transfer(fd, [_bytes(tensor)], start + entry["data_offsets"][0], written_out)
-                del tensor  # one arrived tensor held at a time
-        checksum = _digest(covers, zip(entries, entries.values(), crcs), FORMAT_VERSION)
-        _pwrite(fd, memoryview(header(text, entries, checksum, index)), 0)
-        written.append(checksum)
-
-    write_atomically(path, write)
-    return written[0]
 
 
 def load(path: StrPath, *, like: TrainState) -> TrainState:
