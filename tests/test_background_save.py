@@ -1,7 +1,7 @@
 """Checkpoint saves off the training path: ``checkpoint(..., background=True)``.
 
 The writer is slowed down or held on purpose by wrapping the atomic write of
-``fnloop.checkpoint._files`` (``write_atomically``): the temporary file is
+``fnloop.checkpoint._writing`` (``write_atomically``): the temporary file is
 open and the tensors' bytes not yet read while it waits, so a save held there
 overlaps the steps after it.
 """
@@ -27,7 +27,7 @@ import torch
 import fnloop as fl
 from fnloop import Phase, TrainState, checkpoint, testing
 from fnloop._core import background
-from fnloop.checkpoint import _files
+from fnloop.checkpoint import _writing
 from fnloop.hooks import BackgroundFailed
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,13 +84,13 @@ def writer(monkeypatch, writers) -> Iterator[Callable[[Callable[[Path, Write], N
     At the end of the test the job in flight, if any, is waited for, so that
     none outlives its test; its failure, already checked or not, is dropped.
     """
-    real = _files.write_atomically
+    real = _writing.write_atomically
 
     def install(wrap: Callable[[Path, Write], None]) -> None:
-        monkeypatch.setattr(_files, "write_atomically", lambda path, write: wrap(path, write))
+        monkeypatch.setattr(_writing, "write_atomically", lambda path, write: wrap(path, write))
 
     yield install
-    monkeypatch.setattr(_files, "write_atomically", real)
+    monkeypatch.setattr(_writing, "write_atomically", real)
     for made in writers:
         with contextlib.suppress(BackgroundFailed):
             made.wait()
@@ -121,7 +121,7 @@ class Gate:
         self.opened.set()
 
 
-_REAL_WRITE = _files.write_atomically
+_REAL_WRITE = _writing.write_atomically
 
 
 @pytest.fixture
@@ -425,9 +425,9 @@ WORKER = """
 import itertools, sys, threading, time
 import attrs, torch
 import fnloop as fl
-from fnloop.checkpoint import _files
+from fnloop.checkpoint import _writing
 
-real = _files.write_atomically
+real = _writing.write_atomically
 
 def slow(path, write):
     if threading.current_thread() is not threading.main_thread():  # the background saves alone
@@ -435,7 +435,7 @@ def slow(path, write):
         time.sleep(0.5)
     real(path, write)
 
-_files.write_atomically = slow
+_writing.write_atomically = slow
 
 def step(state, batch):
     time.sleep(0.01)  # the run is mid-step, not waiting for the save, when the signal comes

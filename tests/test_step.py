@@ -617,7 +617,7 @@ class _FailingWriter:
 @pytest.mark.parametrize("effect", ["save", "log"])
 def test_an_effect_failing_after_a_donating_step_keeps_the_state_it_was_given(tmp_path, monkeypatch, effect):
     """An effect only reads the state of a finished iteration: its failure leaves that state whole."""
-    from fnloop.checkpoint import _files
+    from fnloop.checkpoint import _writing
 
     model, mse, data = linear_problem()
     opt = fl.optim.sgd(0.1)
@@ -627,7 +627,7 @@ def test_an_effect_failing_after_a_donating_step_keeps_the_state_it_was_given(tm
     state = fl.init(model, opt, seed=0, max_iter=5)
     hooks = [fl.every(2, fl.hooks.checkpoint(tmp_path))]
     if effect == "save":
-        real, tries = _files.write_atomically, []
+        real, tries = _writing.write_atomically, []
 
         def full_disk_once(path, write):
             tries.append(path.name)
@@ -635,7 +635,7 @@ def test_an_effect_failing_after_a_donating_step_keeps_the_state_it_was_given(tm
                 raise OSError(28, "No space left on device")
             return real(path, write)
 
-        monkeypatch.setattr(_files, "write_atomically", full_disk_once)
+        monkeypatch.setattr(_writing, "write_atomically", full_disk_once)
     else:
         hooks.insert(0, fl.every(2, fl.hooks.log(_FailingWriter(4))))
     with pytest.raises(OSError, match="No space left") as info:
