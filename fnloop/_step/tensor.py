@@ -65,6 +65,7 @@ from fnloop._step.tensor_functions import (
     Reduce,
     ScatterSequence,
     SplitSequence,
+    module_hooks,
     summed_parameters,
     whole_masks,
 )
@@ -201,12 +202,8 @@ def _rowwise(module: torch.nn.Module, reduced: Callable[[torch.Tensor], torch.Te
         swap_tensor(m, "bias", bias)
         return reduced(out) + bias
 
-    handles = [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
-    try:
+    with module_hooks([module], before, after):
         yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def _vocab(
@@ -245,23 +242,20 @@ def _hooked(
 ) -> Iterator[None]:
     """``module`` with its first input (positional, or else by keyword) passed through ``before`` and its output
     through ``after`` for the block."""
-    handles = []
-    if before is not None:
 
-        def first(m: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-            if args:
-                return (before(args[0]), *args[1:]), kwargs
-            key = next(iter(kwargs))
-            return args, {**kwargs, key: before(kwargs[key])}
+    def first(m: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        assert before is not None
+        if args:
+            return (before(args[0]), *args[1:]), kwargs
+        key = next(iter(kwargs))
+        return args, {**kwargs, key: before(kwargs[key])}
 
-        handles.append(module.register_forward_pre_hook(first, with_kwargs=True))
-    if after is not None:
-        handles.append(module.register_forward_hook(lambda m, args, out: after(out)))
-    try:
+    def output(m: torch.nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        assert after is not None
+        return after(out)
+
+    with module_hooks([module], first if before else None, output if after else None, with_kwargs=True):
         yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 @contextlib.contextmanager

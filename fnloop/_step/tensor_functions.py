@@ -30,6 +30,7 @@ from fnloop._step.collectives import all_gather, done, reduce_scatter, summed
 __all__ = [
     "Copy",
     "GatherLast",
+    "module_hooks",
     "GatherSequence",
     "Reduce",
     "ScatterSequence",
@@ -131,6 +132,28 @@ class SplitSequence(torch.autograd.Function):
 
 
 @contextlib.contextmanager
+def module_hooks(
+    modules: list[torch.nn.Module],
+    before: Callable[..., Any] | None = None,
+    after: Callable[..., Any] | None = None,
+    *,
+    with_kwargs: bool = False,
+) -> Iterator[None]:
+    """``before`` as each of ``modules``' forward pre-hook and ``after`` as its forward hook, for the block."""
+    handles = []
+    for module in modules:
+        if before is not None:
+            handles.append(module.register_forward_pre_hook(before, with_kwargs=with_kwargs))
+        if after is not None:
+            handles.append(module.register_forward_hook(after))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextlib.contextmanager
 def summed_parameters(module: torch.nn.Module, group: Any) -> Iterator[None]:
     """A module run on a slice of the sequence: its own parameters' gradients summed over the ranks.
 
@@ -147,12 +170,8 @@ def summed_parameters(module: torch.nn.Module, group: Any) -> Iterator[None]:
         for n, p in held.pop().items():
             swap_tensor(m, n, p)
 
-    handles = [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
-    try:
+    with module_hooks([module], before, after):
         yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 @contextlib.contextmanager
@@ -173,14 +192,8 @@ def whole_masks(attentions: list[torch.nn.Module], degree: int, rank: int) -> It
     def after(m: torch.nn.Module, args: tuple, out: Any) -> None:
         mode.depth -= 1
 
-    handles = [m.register_forward_pre_hook(before) for m in attentions]
-    handles += [m.register_forward_hook(after) for m in attentions]
-    try:
-        with mode:
-            yield
-    finally:
-        for handle in handles:
-            handle.remove()
+    with module_hooks(attentions, before, after), mode:
+        yield
 
 
 class _WholeMasks(TorchFunctionMode):
