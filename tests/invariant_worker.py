@@ -104,18 +104,14 @@ def run(argv: list[str]) -> None:
     began = state.iteration
     out = Path(args.results)
     out.mkdir(parents=True, exist_ok=True)
-    try:
-        step = fl.train_step(
-            model,
-            net_loss if args.model == "net" else lm_loss,
-            opt,
-            compile=args.compile,
-            steps_per_call=args.steps_per_call,
-            invariant=args.slices,
-        )
-    except ValueError as exc:
-        torch.save({"refused": str(exc)}, out / f"rank{fl.distributed.rank()}.pt")
-        return
+    step = fl.train_step(
+        model,
+        net_loss if args.model == "net" else lm_loss,
+        opt,
+        compile=args.compile,
+        steps_per_call=args.steps_per_call,
+        invariant=args.slices,
+    )
     hooks = []
     if args.checkpoint:
         hooks.append(fl.every(10, fl.hooks.checkpoint(args.checkpoint, keep=None)))
@@ -123,7 +119,11 @@ def run(argv: list[str]) -> None:
     TREES[0] = 0
     with warnings.catch_warnings(record=True) as warned:
         warnings.simplefilter("always")
-        final = fl.unshard(fl.run(state, step, batches, hooks))
+        try:  # the world size is checked at the first step, where the layout is known
+            final = fl.unshard(fl.run(state, step, batches, hooks))
+        except ValueError as exc:
+            torch.save({"refused": str(exc)}, out / f"rank{fl.distributed.rank()}.pt")
+            return
     torch.save(
         {
             "params": dict(final.params),

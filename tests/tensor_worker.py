@@ -16,6 +16,8 @@ Jobs (a compiled one's backend after a colon: ``llama:inductor``; else the suite
   ``stats="model"``, 30 steps; then written with ``fl.save_weights``.
 - ``gpt2``: GPT-2 (2 layers, tiny), compiled, 30 steps, at its default dropout (0.1): the residual and
   embedding dropout on whole activations, the attention's on each rank's heads.
+- ``slices``: the ``gpt2`` job under the world-size-invariant mode (``invariant=4``): each slice of the
+  global batch draws its own masks, whichever copy runs it; sharded, gathered all at once.
 - ``sequence``: the ``llama`` job under sequence parallelism (the built-in plan's ``sequence=True``).
 - ``JOB@MODE`` (``llama@optimizer``): the job with its copies sharded so (``init(..., shard=MODE)``),
   whatever ``--shard`` says; written to ``RESULTS/JOB@MODE``.
@@ -140,7 +142,7 @@ def job(spec: str, out: Path, world: int, rank: int, graphs: list[dict]) -> None
     spec, _, backend = spec.partition(":")
     name, _, mode = spec.partition("@")
     torch.manual_seed(0)
-    model = {"gpt2": gpt2, "quiet": lambda: gpt2(0.0)}.get(name, llama)()
+    model = {"gpt2": gpt2, "slices": gpt2, "quiet": lambda: gpt2(0.0)}.get(name, llama)()
     plan = fl.TensorPlan.builtin(model, 2, sequence=True) if name == "sequence" and world > 1 else None
     degree = min(world, 2)
     copies, copy = world // degree, rank // degree
@@ -155,8 +157,10 @@ def job(spec: str, out: Path, world: int, rank: int, graphs: list[dict]) -> None
         if name == "eager"
         else {"stats": "model", "backend": backend or None}
     )
-    if name == "quiet":
+    if name in ("quiet", "slices"):
         options["blocks"] = ()
+    if name == "slices":
+        options["invariant"] = 4
     step = fl.train_step(model, lm_loss, optimizer, **options)
     before = len(graphs)
     losses, norms = [], []

@@ -64,12 +64,12 @@ def two(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def four(tmp_path_factory) -> Path:
-    return _launched(tmp_path_factory.mktemp("four"), 4, "llama", "eager", "resume")
+    return _launched(tmp_path_factory.mktemp("four"), 4, "llama", "eager", "resume", "slices")
 
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory) -> Path:
-    jobs = ("llama", "quiet", "eager", "resume", "compose", "llama@optimizer", "sequence")
+    jobs = ("llama", "quiet", "eager", "resume", "compose", "llama@optimizer", "sequence", "slices")
     return _launched(tmp_path_factory.mktemp("sharded"), 4, "--shard", "full", *jobs)
 
 
@@ -87,7 +87,7 @@ def continued(tmp_path_factory, sharded) -> Path:
 
 # The Llama's 30 compiled steps are inductor's (the claim is what it builds); the others run the traced
 # graph op by op, as the suite's compiled steps do (the same graph, its collectives counted alike).
-JOBS = ("llama:inductor", "gpt2", "quiet", "eager", "resume", "compose")
+JOBS = ("llama:inductor", "gpt2", "slices", "quiet", "eager", "resume", "compose")
 RANKS = {"two": 2, "four": 4, "sharded": 4, "hybrid": 8}
 SHARDS = {"two": 1, "four": 1, "sharded": 2, "hybrid": 2}
 """How many ranks shard each place's slices: the copies of the 2-D and 3-D launches shard them."""
@@ -100,12 +100,15 @@ def _result(out: Path, job: str, rank: int = 0) -> dict:
 RUNS = [
     ("two", "llama"),
     ("two", "gpt2"),
+    ("two", "slices"),
     ("two", "eager"),
     ("two", "sequence"),
     ("four", "llama"),
     ("four", "eager"),
+    ("four", "slices"),
     ("sharded", "llama"),
     ("sharded", "quiet"),
+    ("sharded", "slices"),
     ("sharded", "eager"),
     ("sharded", "llama@optimizer"),
     ("sharded", "sequence"),
@@ -130,7 +133,10 @@ def test_every_loss_parameter_and_moment_is_the_single_process_runs(request, ref
 
     GPT-2 trains at its default dropout (0.1): the residual and embedding dropout run on whole tensors,
     where the ranks of a copy draw one mask, the single process's; the attention's on each rank's heads,
-    whose mask is drawn for every head and sliced (measured without that: losses 2.4e-3 apart).
+    whose mask is drawn for every head and sliced (measured without that: losses 2.4e-3 apart). With
+    copies or shards, each copy draws the masks of its rows only where the run is world-size-invariant
+    (``slices``: GPT-2 at its default dropout under ``invariant=4``, against one process's run of it),
+    where each slice of the batch draws its own, whichever copy runs it.
     """
     out = request.getfixturevalue(world)
     mine, whole = _result(out, job), _result(reference, _reference_job(job))
@@ -151,6 +157,16 @@ def test_every_loss_parameter_and_moment_is_the_single_process_runs(request, ref
         other = _result(out, job, rank)
         for name, value in mine["params"].items():
             assert torch.equal(other["params"][name], value), (rank, name)
+
+
+@pytest.mark.slow
+def test_an_invariant_run_is_the_same_bits_at_any_number_of_copies(two, four) -> None:
+    """GPT-2 at its default dropout under ``invariant=4``: T=2 alone and T=2 x 2 copies, every loss and every
+    parameter the same bits (each slice the same masks and the same sums, in the same order)."""
+    alone, copies = _result(two, "slices"), _result(four, "slices")
+    assert alone["losses"] == copies["losses"]
+    for name, value in alone["params"].items():
+        assert torch.equal(copies["params"][name], value), name
 
 
 @pytest.mark.slow
@@ -514,11 +530,28 @@ def test_init_refuses_what_tensor_parallelism_does_not_do_yet() -> None:
         fl.init(model, optimizer, seed=0, max_iter=1, tensor_plan={"0": "colwise"})
     with pytest.raises(ValueError, match=r"init\(tensor=\.\.\.\) must be a positive int"):
         fl.init(model, optimizer, seed=0, max_iter=1, tensor=0)
-    split = TensorParallel(2, 0, (("0", "colwise", 1),), (), (("0.weight", 0, 1),))
-    with pytest.raises(ValueError, match=r"invariant=2\) on a tensor-parallel state"):
-        Plan(slices=2).check(Layout(tensor=split))
     with pytest.raises(TypeError, match=r"'tensor' must be a fnloop.TensorParallel"):
         fl.TrainState(max_iter=1, tensor="2")
+
+
+def test_the_invariant_mode_shares_the_slices_over_the_copies_of_a_split_model(monkeypatch) -> None:
+    """Under tensor parallelism the slices of the batch go to the copies of the model, not to the ranks."""
+    import fnloop._step.placement as placement
+
+    split = TensorParallel(2, 0, (("0", "colwise", 1),), (), (("0.weight", 0, 1),))
+    monkeypatch.setattr(placement, "world_size", lambda: 4)
+    Plan(slices=2).check(Layout(tensor=split))  # 2 copies of T=2: a slice each
+    Plan(slices=4).check(Layout(tensor=split))
+    monkeypatch.setattr(placement, "world_size", lambda: 6)
+    with pytest.raises(
+        ValueError, match=r"invariant=2\) at 3 data-parallel copies of T=2.*numbers of copies \[1, 2\]"
+    ):
+        Plan(slices=2).check(Layout(tensor=split))
+    monkeypatch.setattr(placement, "world_size", lambda: 4)
+    with pytest.raises(
+        ValueError, match=r"invariant=6\) at 4 ranks.*world sizes \[1, 2, 3, 6\] only.*here 12"
+    ):
+        Plan(slices=6).check(Layout())
 
 
 def test_a_hook_state_of_slices_is_refused_where_a_whole_checkpoint_would_keep_rank0s_alone(tmp_path) -> None:

@@ -23,8 +23,9 @@ from fnloop._step.errors import (
 )
 from fnloop._step.eval import plain_module
 from fnloop._step.init import init
+from fnloop._step.invariant import checked_slices
 from fnloop._step.kernel import Kernel, LossFn
-from fnloop._step.placement import Plan, checked_slices
+from fnloop._step.placement import Plan
 from fnloop._step.statistics import checked
 from fnloop._step.train import TrainStep
 from fnloop._step.units import Blocks, units_of
@@ -164,8 +165,9 @@ def train_step(
             run alone at the same shape, its dropout drawn from the slice's
             seed, and the slices' gradients, losses, metrics and buffers are
             averaged in one fixed order across the ranks. The global batch size
-            must be divisible by ``G``, and the world size must divide it;
-            batches from ``fnloop.data.batches``. ``None`` (the default): each
+            must be divisible by ``G``, and the world size (under tensor
+            parallelism, the number of copies of the split model) must divide
+            it, checked at the first step; batches from ``fnloop.data.batches``. ``None`` (the default): each
             rank's batch at once, averaged by an all-reduce. See
             ``docs/distributed.md#the-same-run-at-any-world-size``.
         backend: what runs the traced step: ``"inductor"`` compiles it (the

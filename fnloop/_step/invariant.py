@@ -51,6 +51,7 @@ any world size, and (but block by block) the same as a whole state's.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -59,7 +60,9 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fnloop._compile import Draws
+from fnloop._core.messages import got
 from fnloop._core.shards import Shards
+from fnloop._core.tensor_parallel import TensorParallel
 from fnloop._step import collectives
 from fnloop._step.collectives import all_gather, all_to_all, done
 from fnloop._step.kernel import Gradient, Grads, _device
@@ -69,6 +72,8 @@ from fnloop._step.seeds import slice_seeded, slice_seeds, step_seed_of
 __all__ = [
     "WHOLE",
     "RowSquares",
+    "checked_slices",
+    "checked_world",
     "divisors",
     "pairwise_sum",
     "power_of_two",
@@ -358,3 +363,33 @@ def pairwise_sum(values: torch.Tensor) -> torch.Tensor:
 def power_of_two(n: int) -> bool:
     """Whether ``n`` (positive) is a power of two: slices whose ``slice_tree`` lets each be summed over the ranks alone."""
     return n & (n - 1) == 0
+
+
+def checked_world(slices: int, world: int, tensor: TensorParallel | None) -> None:
+    """The ``slices`` shared out equally over the ``world`` data-parallel ranks (a ``tensor``-parallel copy is one)."""
+    if slices % world == 0:
+        return
+    fit = divisors(slices)
+    ranks = f"{world} ranks" if tensor is None else f"{world} data-parallel copies of T={tensor.degree}"
+    size, sizes = (
+        ("world size", "world sizes") if tensor is None else ("number of copies", "numbers of copies")
+    )
+    raise ValueError(
+        f"train_step(invariant={slices}) at {ranks}: the {slices} slices of a batch cannot be "
+        f"shared out equally, so this run runs at {sizes} {fit} only. Run at one of those, or "
+        f"choose an invariant that every {size} the run will meet divides (here "
+        f"{math.lcm(slices, world)}, the same in every launch)."
+    )
+
+
+def checked_slices(slices: object, accumulate: int) -> int:
+    """``train_step(invariant=...)`` checked against ``accumulate`` (the world size is ``Plan.check``'s: a layout's)."""
+    if type(slices) is not int or slices < 1:
+        raise ValueError(f"'invariant' must be a positive int ({got(slices)}).")
+    if accumulate != 1:
+        raise ValueError(
+            f"train_step(invariant={slices}, accumulate={accumulate}): under invariant, a rank runs its "
+            "slices of the batch one after the other already, as micro-batches. Leave accumulate out, "
+            "and raise invariant for smaller slices."
+        )
+    return slices

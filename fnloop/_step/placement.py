@@ -19,6 +19,8 @@ running the gradient stage::
     tensor            value_and_grad(held in slices) -> accumulated [-> replicated]  tensor parallel [x copies]
     tensor, sharded   ... -> sharded_gradient (gather, reduce-scatter)          tensor parallel x shards, at once
     tensor blocks     value_and_grad(held in slices, by blocks) -> ... -> blockwise  tensor parallel x shards, "full", in blocks
+    tensor, sliced    value_and_grad(held in slices) -> sliced                  tensor parallel, invariant [x copies or shards]
+    tensor, sliced, gathered  ... -> on_whole_params                            tensor parallel, invariant, "full"
 
 and hands out the rest from the same record: the update stage (the
 optimizer's, with its sums over the model, ``total``; the statistics'
@@ -30,7 +32,6 @@ module plus one row here (see ``docs/architecture.md#adding-a-parallelism``).
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -38,12 +39,11 @@ from typing import Any
 import attrs
 import torch
 
-from fnloop._core.messages import got
 from fnloop._core.shards import Shards
 from fnloop._step.accumulate import accumulated
 from fnloop._step.blocks import blockwise, held_by_blocks
 from fnloop._step.collectives import Groups, all_ranks, groups_of, summed
-from fnloop._step.invariant import WHOLE, RowSquares, divisors, power_of_two, ranks_tree, sliced
+from fnloop._step.invariant import WHOLE, RowSquares, checked_world, power_of_two, ranks_tree, sliced
 from fnloop._step.kernel import Gradient, Kernel, UpdateStage, value_and_grad
 from fnloop._step.layout import Layout
 from fnloop._step.members import member_finite, member_gradient, member_rows, member_update
@@ -55,7 +55,7 @@ from fnloop._step.tensor import TensorSquares, tensor_hold, tensor_parallel_grou
 from fnloop._step.units import Units
 from fnloop.distributed import world_size
 
-__all__ = ["Placement", "Plan", "checked_slices"]
+__all__ = ["Placement", "Plan"]
 
 
 _WHOLE_UNDER_INVARIANT = (
@@ -64,6 +64,13 @@ _WHOLE_UNDER_INVARIANT = (
     "so a rank's peak holds the whole model (and its slices' gradients until they are exchanged). "
     "Choose invariant=2**k (for 1, 2, 4, ... ranks) to gather block by block, or pass "
     "train_step(..., blocks=()) to say that gathering at once is meant."
+)
+
+_TENSOR_WHOLE_UNDER_INVARIANT = (
+    "train_step(invariant={slices}) on a tensor-parallel state sharded 'full': the slices run on this "
+    "rank's slices of every layer gathered all at once, not block by block, so a rank's peak holds its "
+    "1/T of the whole model. Pass train_step(..., blocks=()) to say that gathering at once is meant, "
+    "or shard='optimizer' in init to keep the parameters' slices whole."
 )
 
 _GENERATOR_SLICES = (
@@ -89,15 +96,11 @@ class Plan:
     slices: int | None = None
 
     def check(self, layout: Layout) -> None:
-        """A world-size-invariant step runs a single run's whole state, or one sharded over every rank; refuse the rest."""
+        """A world-size-invariant step runs a single run's whole state, one sharded over every data-parallel rank, or split (``tensor=``) in either; refuse the rest."""
         if self.slices is None:
             return
-        if layout.tensor is not None:
-            raise ValueError(
-                f"train_step(invariant={self.slices}) on a tensor-parallel state (init(..., tensor="
-                f"{layout.tensor.degree})): the invariant mode runs whole or sharded states, not "
-                "layers split across ranks. Leave invariant out, or tensor out of init."
-            )
+        tensor = layout.tensor
+        checked_world(self.slices, world_size() // (1 if tensor is None else tensor.degree), tensor)
         if layout.members is not None:
             raise ValueError(
                 f"train_step(invariant={self.slices}) on a population: a population runs in one "
@@ -159,8 +162,9 @@ class Placement:
         else:
             groups = Groups()
         placement = cls(plan, layout, group, groups)
-        if placement.row == "sliced, gathered" and plan.units:
-            warnings.warn(_WHOLE_UNDER_INVARIANT.format(slices=plan.slices), stacklevel=3)
+        if placement.row in ("sliced, gathered", "tensor, sliced, gathered") and plan.units:
+            whole = _WHOLE_UNDER_INVARIANT if tensor is None else _TENSOR_WHOLE_UNDER_INVARIANT
+            warnings.warn(whole.format(slices=plan.slices), stacklevel=3)
         return placement
 
     @property
@@ -177,6 +181,8 @@ class Placement:
             return "members"
         gathers = shards is not None and shards.params and many  # a "full" state's chunks, gathered
         if self.layout.tensor is not None:
+            if slices is not None:  # the same masks and slices at any number of copies
+                return "tensor, sliced, gathered" if gathers else "tensor, sliced"
             if shards is None:
                 return "tensor"
             return "tensor blocks" if gathers and self.plan.units else "tensor, sharded"
@@ -212,10 +218,12 @@ class Placement:
     @functools.cached_property
     def _sums(self) -> tuple[Callable[[torch.Tensor], torch.Tensor] | None, Squares]:
         """How this placement adds over the model: the update's ``total``, and the statistics' ``Squares``."""
-        if self.plan.slices is not None:  # each tensor's rows' squares, in one order at any world size
+        tensor, shards = self.layout.tensor, self.layout.shards
+        if (
+            self.plan.slices is not None and tensor is None
+        ):  # each tensor's rows' squares, in one order at any W
             rows = RowSquares(self.chunks, None if self.layout.shards is None else self.group)
             return rows, Squares(rows.statistics)
-        tensor, shards = self.layout.tensor, self.layout.shards
         if tensor is not None:  # this rank's slices (or their chunks), and the whole tensors counted once
             squares = TensorSquares(tensor.names, tensor.rank == 0, self.groups.tensor)
             if shards is not None:
@@ -323,6 +331,16 @@ def _tensor_blocks(p: Placement, kernel: Kernel) -> Gradient:
     return blockwise(_held_in_slices(p, kernel, by_blocks=True), p.layout.shards, p.groups)
 
 
+def _tensor_sliced(p: Placement, kernel: Kernel) -> Gradient:
+    assert p.plan.slices is not None
+    return sliced(_held_in_slices(p, kernel), p.plan.slices, p.groups.every, p.chunks)
+
+
+def _tensor_sliced_gathered(p: Placement, kernel: Kernel) -> Gradient:
+    assert p.layout.shards is not None
+    return on_whole_params(_tensor_sliced(p, kernel), p.layout.shards, p.groups)
+
+
 def _sliced(p: Placement, kernel: Kernel) -> Gradient:
     assert p.plan.slices is not None
     return sliced(_value_and_grad(kernel), p.plan.slices, p.group, p.chunks, low_bits=p.in_blocks)
@@ -355,6 +373,8 @@ _GRADIENTS: dict[str, Callable[[Placement, Kernel], Gradient]] = {
     "tensor": _tensor,
     "tensor, sharded": _tensor_sharded,
     "tensor blocks": _tensor_blocks,
+    "tensor, sliced": _tensor_sliced,
+    "tensor, sliced, gathered": _tensor_sliced_gathered,
 }
 """The table: each row's gradient stage."""
 
@@ -366,25 +386,3 @@ def _given_total(update: UpdateStage, total: Callable[[torch.Tensor], torch.Tens
         return update(grads, opt_state, params, iteration, total)
 
     return update_with_total
-
-
-def checked_slices(slices: object, accumulate: int) -> int:
-    """``train_step(invariant=...)`` checked against ``accumulate`` and this run's world size."""
-    if type(slices) is not int or slices < 1:
-        raise ValueError(f"'invariant' must be a positive int ({got(slices)}).")
-    if accumulate != 1:
-        raise ValueError(
-            f"train_step(invariant={slices}, accumulate={accumulate}): under invariant, a rank runs its "
-            "slices of the batch one after the other already, as micro-batches. Leave accumulate out, "
-            "and raise invariant for smaller slices."
-        )
-    world = world_size()
-    if slices % world:
-        fit = divisors(slices)
-        raise ValueError(
-            f"train_step(invariant={slices}) at {world} ranks: the {slices} slices of a batch cannot be "
-            f"shared out equally, so this run runs at world sizes {fit} only. Run at one of those, or "
-            f"choose an invariant that every world size the run will meet divides (here "
-            f"{math.lcm(slices, world)}, the same in every launch)."
-        )
-    return slices
