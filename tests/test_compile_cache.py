@@ -17,6 +17,7 @@ from torch.nn import functional as F
 import fnloop as fl
 from fnloop._compile import cache as cache_module
 from fnloop._compile.cache import CompileCache, default_cache, graph_key
+from fnloop._compile.keys import start_key
 from fnloop._compile.probes import remembered_probes
 
 pytestmark = pytest.mark.inductor("the compile cache keeps and loads what inductor builds")
@@ -242,6 +243,26 @@ def test_the_key_changes_with_a_closure_tensor_an_input_an_option_and_aliasing()
 
     y = torch.ones(3, 2)
     assert graph_key(traced(pair, x, y), [x, y], {}) != graph_key(traced(pair, x, x), [x, x], {})
+
+
+def test_the_ranks_rows_of_one_batch_find_one_graph_where_they_start_aligned() -> None:
+    """A rank's rows of a batch are a view at its own offset: the key does not hold the offset, only whether
+    the view starts aligned (inductor's assumption) and where it lies against a leaf sharing its storage."""
+    batch = torch.ones(8, 4)
+    first, second = batch.chunk(2)  # offsets 0 and 16 floats
+    graph = traced(lambda t: [t.sin()], first)
+    assert graph_key(graph, [first], {}) == graph_key(graph, [second], {})
+    assert start_key("f", "s", [first], {}, None) == start_key("f", "s", [second], {}, None)
+    odd = torch.ones(33)[1:].view(8, 4)  # 4 bytes in: not aligned
+    assert graph_key(graph, [first], {}) != graph_key(graph, [odd], {})
+
+    def pair(a: torch.Tensor, b: torch.Tensor) -> list[torch.Tensor]:
+        return [a + b]
+
+    rows = torch.ones(12, 4)
+    near, far = (rows[:4], rows[4:8]), (rows[:4], rows[8:])  # two views of one storage, 16 or 32 floats apart
+    aliased = traced(pair, *near)
+    assert graph_key(aliased, list(near), {}) != graph_key(aliased, list(far), {})
 
 
 def test_the_environment_relocates_or_turns_off_the_cache(

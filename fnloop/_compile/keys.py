@@ -48,10 +48,9 @@ def graph_key(graph: torch.fx.GraphModule, leaves: Sequence[torch.Tensor], optio
     put(GRAPH_FORMAT, torch.__version__, torch.version.git_version, torch.version.cuda, torch.version.hip)
     put(sys.version, platform.machine(), sys.platform)
     _put_graph(put, hasher, graph, "")
-    storages: dict[tuple[str, int], int] = {}
+    storages: dict[tuple[str, int], tuple[int, int]] = {}
     for index, leaf in enumerate(leaves):
-        shares = _storage(leaf, storages, index)
-        put(tuple(leaf.shape), leaf.stride(), leaf.storage_offset(), leaf.dtype, leaf.requires_grad, shares)
+        put(tuple(leaf.shape), leaf.stride(), *_placed(leaf, storages, index), leaf.dtype, leaf.requires_grad)
         put(*_device(leaf.device))
     # Inductor lowers some ops otherwise under torch's deterministic algorithms (an accumulating index_put).
     put(_inductor_config(options), torch.are_deterministic_algorithms_enabled())
@@ -84,10 +83,9 @@ def start_key(
 
     put(START_FORMAT, identity, structure, no_random, installed(), local_files(), settings())
     put(platform.machine(), sys.platform)
-    storages: dict[tuple[str, int], int] = {}
+    storages: dict[tuple[str, int], tuple[int, int]] = {}
     for index, leaf in enumerate(leaves):
-        shares = _storage(leaf, storages, index)
-        put(tuple(leaf.shape), leaf.stride(), leaf.storage_offset(), leaf.dtype, leaf.requires_grad, shares)
+        put(tuple(leaf.shape), leaf.stride(), *_placed(leaf, storages, index), leaf.dtype, leaf.requires_grad)
         put(*_device(leaf.device))
     put(_inductor_config(options))
     return hasher.hexdigest()
@@ -132,13 +130,29 @@ def _opaque(value: object) -> tuple[object, ...]:
     return tuple(described)
 
 
-def _storage(leaf: torch.Tensor, seen: dict[tuple[str, int], int], index: int) -> int:
-    """The index of the first leaf sharing ``leaf``'s storage: aliasing shapes the graph, addresses must not."""
+ALIGNMENT = 16
+"""Bytes: inductor assumes an input that starts at a multiple of this stays so (and copies one that does not)."""
+
+
+def _placed(
+    leaf: torch.Tensor, seen: dict[tuple[str, int], tuple[int, int]], index: int
+) -> tuple[object, ...]:
+    """Where ``leaf`` lies in its storage, as far as a graph depends on it; addresses must not enter a key.
+
+    Whether its start is aligned (what inductor assumes of it), the first
+    leaf sharing its storage and how far from that leaf's start it begins
+    (aliasing shapes the graph). Not the offset itself: the compiled graph
+    takes a tensor wherever it starts, as the in-memory signature does, so
+    the ranks of a job given their rows of one batch (views at other
+    offsets) find one graph, and one rank builds it.
+    """
+    offset = int(leaf.storage_offset())
     try:
         pointer = leaf.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
-        return index
-    return seen.setdefault((str(leaf.device), pointer), index)
+        return offset, index
+    first, start = seen.setdefault((str(leaf.device), pointer), (index, offset))
+    return offset * leaf.element_size() % ALIGNMENT == 0, first, offset - start
 
 
 def _device(device: torch.device) -> tuple[object, ...]:
