@@ -31,6 +31,11 @@ highest of the rounds' own ratios (each round compares loops that ran side by si
 - ``fnloop k=4``: ``train_step(..., steps_per_call=4)`` (GPT-2 only).
 
 For the ResNet, the cold compile of the loop graph of ``steps_per_call=4`` against the single step's.
+For each workload, the cold first step of a data-parallel job of 4 ranks (torchrun, one thread each,
+each rank its rows of the global batch) against one rank's, taking turns (``--cold-ranks``: that
+row alone):
+
+    python benchmarks/bench_models.py --only gpt2 --cold-ranks
 On glibc, a conv net's speed can depend on how the allocator served its first blocks (see the
 step's page on glibc's malloc); pin it for steady numbers:
 
@@ -63,10 +68,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.utils import _pytree as pytree
 
 import fnloop as fl
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+RANKS = "-ranks"
+"""A probe's loop name ending so runs as a data-parallel job of ``JOB_RANKS`` ranks under torchrun."""
+JOB_RANKS = 4
 X = "\u00d7"
 Batch = Any
 Train = Callable[..., None]
@@ -212,6 +221,9 @@ def fnloop_loop(w: Workload, s: Settings, *, compile: bool = True, k: int = 1, d
     """
     model = _model(w, s)
     data = w.batches(s.device)
+    if fl.distributed.world_size() > 1:  # a rank of a data-parallel job: its rows of each global batch
+        rank, world = fl.distributed.rank(), fl.distributed.world_size()
+        data = [pytree.tree_map(lambda t: t[rank::world], b) for b in data]
     opt = fl.optim.adamw(1e-3, weight_decay=0.01)
     step = fl.train_step(model, w.loss, opt, compile=compile, autocast=s.dtype, steps_per_call=k)
     state = fl.init(model, opt, seed=0, max_iter=0)
@@ -321,12 +333,20 @@ def probe(w: Workload, s: Settings, loop: str, steps: int) -> dict[str, float]:
     import psutil
     from peers import peak_rss_mb, reset_peak_rss
 
+    ranks = loop.endswith(RANKS)
+    if ranks:
+        fl.distributed.setup()
+        loop = loop.removesuffix(RANKS)
     train = build_loop(w, s, loop)
     begun = time.perf_counter()
     train(4 if loop == "fnloop-k4" else 1)  # one call: of four steps for the loop graph
     _sync(s)
     first = time.perf_counter() - begun
     since_start = time.time() - psutil.Process().create_time()
+    if ranks:  # the job's first step: its slowest rank's
+        every: list[Any] = [None] * fl.distributed.world_size()
+        torch.distributed.all_gather_object(every, (first, since_start))
+        return {"first_step_s": max(f for f, _ in every), "process_s": max(p for _, p in every)}
     if loop == "fnloop-k4":
         return {"first_step_s": first, "process_s": since_start}
     _sync(s)
@@ -376,12 +396,32 @@ def run_probe(name: str, loop: str, args: argparse.Namespace, caches: str) -> di
         "FNLOOP_CACHE_DIR": os.path.join(caches, "fnloop"),
         "TORCHINDUCTOR_CACHE_DIR": os.path.join(caches, "inductor"),
     }
-    cmd = [sys.executable, __file__, "--probe", name, loop, "--device", args.device, "--dtype", args.dtype]
+    runner = [sys.executable]
+    if loop.endswith(RANKS):
+        runner += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={JOB_RANKS}"]
+        env["OMP_NUM_THREADS"] = "1"
+    cmd = [*runner, __file__, "--probe", name, loop, "--device", args.device, "--dtype", args.dtype]
     cmd += ["--steps", str(args.steps)] + (["--quick"] if args.quick else [])
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"probe {name} {loop} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])  # a job's ranks print the same line
+
+
+def cold_ranks(w: Workload, args: argparse.Namespace, n: int) -> list[str]:
+    """The cold first step of a data-parallel job of ``JOB_RANKS`` ranks against one rank's, taking turns."""
+    one: list[float] = []
+    job: list[float] = []
+    for _ in range(n):
+        with tempfile.TemporaryDirectory() as caches:
+            one.append(run_probe(w.name, "fnloop", args, caches)["first_step_s"])
+        with tempfile.TemporaryDirectory() as caches:
+            job.append(run_probe(w.name, "fnloop" + RANKS, args, caches)["first_step_s"])
+    return [
+        f"A data-parallel job of {JOB_RANKS} ranks (torchrun, gloo, one thread each), cold, rounds: {n}, "
+        f"taking turns with one rank: its first step (the slowest rank's) {spread(job, 1, ' s')}, against "
+        f"one rank's {spread(one, 1, ' s')}: {spread([j / o for j, o in zip(job, one)])} per round.",
+    ]
 
 
 # --------------------------------------------------------------------------- the table
@@ -430,7 +470,7 @@ def measure(w: Workload, args: argparse.Namespace, s: Settings) -> list[str]:
         per_call = [a / b for a, b in zip(times["fnloop"], times["fnloop k=4"])]
         lines += ["", f"`steps_per_call=4` against single steps: {spread(per_call)}."]
     if not args.skip_processes:
-        lines += ["", *processes(w, args, kind, layout)]
+        lines += ["", *processes(w, args, kind, layout), "", *cold_ranks(w, args, args.process_repeats)]
     return lines
 
 
@@ -511,6 +551,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--process-repeats", type=int, default=None, help="rounds of fresh processes (default 3, quick 1)"
     )
+    parser.add_argument(
+        "--cold-ranks", action="store_true", help=f"only the cold first step of {JOB_RANKS} ranks against 1"
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--probe", nargs=2, metavar=("WORKLOAD", "LOOP"), help=argparse.SUPPRESS)
@@ -527,6 +570,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.probe:
         name, loop = args.probe
         print(json.dumps(probe(chosen[name], settings, loop, args.steps)))
+        return
+    if args.cold_ranks:  # that row alone
+        for name in args.only or list(chosen):
+            print(
+                "\n".join(
+                    [f"#### {chosen[name].label}", *cold_ranks(chosen[name], args, args.process_repeats)]
+                )
+            )
         return
     print(f"device {args.device}, {args.dtype}, torch {torch.__version__}, one thread")
     for name in args.only or list(chosen):
