@@ -69,7 +69,8 @@ def four(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory) -> Path:
-    jobs = ("llama", "quiet", "eager", "resume", "compose", "llama@optimizer", "sequence", "slices")
+    jobs = ("llama", "quiet", "eager", "resume", "compose", "llama@optimizer", "sequence")
+    jobs += ("slices", "slices@optimizer")  # the invariant mode: gathered at once, and on whole slices
     return _launched(tmp_path_factory.mktemp("sharded"), 4, "--shard", "full", *jobs)
 
 
@@ -109,6 +110,7 @@ RUNS = [
     ("sharded", "llama"),
     ("sharded", "quiet"),
     ("sharded", "slices"),
+    ("sharded", "slices@optimizer"),
     ("sharded", "eager"),
     ("sharded", "llama@optimizer"),
     ("sharded", "sequence"),

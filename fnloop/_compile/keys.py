@@ -150,7 +150,7 @@ def _placed(
     try:
         pointer = leaf.untyped_storage().data_ptr()
     except (RuntimeError, NotImplementedError):  # a tensor subclass without storage
-        return offset, index
+        return offset, index, 0
     first, start = seen.setdefault((str(leaf.device), pointer), (index, offset))
     return offset * leaf.element_size() % ALIGNMENT == 0, first, offset - start
 

@@ -167,8 +167,9 @@ def train_step(
             averaged in one fixed order across the ranks. The global batch size
             must be divisible by ``G``, and the world size (under tensor
             parallelism, the number of copies of the split model) must divide
-            it, checked at the first step; batches from ``fnloop.data.batches``. ``None`` (the default): each
-            rank's batch at once, averaged by an all-reduce. See
+            it, checked at the first step; batches from
+            ``fnloop.data.batches``. ``None`` (the default): each rank's batch
+            at once, averaged by an all-reduce. See
             ``docs/distributed.md#the-same-run-at-any-world-size``.
         backend: what runs the traced step: ``"inductor"`` compiles it (the
             default); ``"graph"`` runs the traced graph as it is, op by op,
