@@ -556,6 +556,34 @@ def test_the_invariant_mode_shares_the_slices_over_the_copies_of_a_split_model(m
         Plan(slices=6).check(Layout())
 
 
+def test_the_placement_table_gives_each_layout_its_row() -> None:
+    """Which gradient stage each layout runs (placement.py's table), the invariant mode's two tensor rows too."""
+    from fnloop._core.shards import Shards
+    from fnloop._step.collectives import Groups
+    from fnloop._step.placement import Placement
+    from fnloop._step.units import units_of
+
+    split = TensorParallel(2, 0, (("0", "colwise", 1),), (), (("0.weight", 0, 1),))
+    full, optimizer = Shards("full", world=2, rank=0, rows={"0.weight": 2}), Shards("optimizer", 2, 0, {})
+    blocks = units_of(torch.nn.Sequential(torch.nn.ModuleList(torch.nn.Linear(2, 2) for _ in range(2))))
+    assert blocks  # a model in blocks: a "full" state gathers them one at a time
+
+    def row(layout: Layout, slices: int | None = None, group: object = "group", units=blocks) -> str:
+        return Placement(Plan(units, slices), layout, group, Groups()).row
+
+    assert row(Layout(), group=None) == "whole"
+    assert row(Layout()) == "replicas"
+    assert row(Layout(shards=full)) == "blocks"
+    assert row(Layout(shards=full), units=Plan().units) == "sharded"
+    assert row(Layout(), slices=2) == "sliced"
+    assert row(Layout(tensor=split)) == "tensor"
+    assert row(Layout(tensor=split, shards=full)) == "tensor blocks"
+    assert row(Layout(tensor=split, shards=full), units=Plan().units) == "tensor, sharded"
+    assert row(Layout(tensor=split), slices=2) == "tensor, sliced"
+    assert row(Layout(tensor=split, shards=optimizer), slices=2) == "tensor, sliced"
+    assert row(Layout(tensor=split, shards=full), slices=2) == "tensor, sliced, gathered"
+
+
 def test_a_hook_state_of_slices_is_refused_where_a_whole_checkpoint_would_keep_rank0s_alone(tmp_path) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     state = fl.init(model, fl.optim.sgd(0.1), seed=0, max_iter=1)
