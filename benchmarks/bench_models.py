@@ -3,6 +3,7 @@
     python benchmarks/bench_models.py                      # the three workloads, every row (~45 min)
     python benchmarks/bench_models.py --only gpt2          # one workload (repeatable)
     python benchmarks/bench_models.py --skip-processes     # speed only: no memory, no cold/warm compile
+    python benchmarks/bench_models.py --skip-cold-ranks    # every row but the 4-rank job's cold start
     python benchmarks/bench_models.py --quick              # tiny sizes, few steps: a smoke run
     python benchmarks/bench_models.py --device cuda --dtype bf16   # on a GPU, under bf16 autocast
 
@@ -23,6 +24,8 @@ highest of the rounds' own ratios (each round compares loops that ran side by si
 
 - ``fnloop``: ``fl.run`` over ``train_step(...)`` (the whole step compiled, donated); each round is a
   run of its own, given its state (``donate_input=True``), as one long run threads it;
+- ``fnloop model``: the same with ``compile="model"`` (the forward and backward compiled, the update
+  outside the graph with torch's fused AdamW kernel, as ``torch.compile(model)`` leaves it);
 - ``fnloop eager``: the same with ``compile=False``;
 - ``eager``: ``zero_grad(set_to_none=True)`` / ``backward`` / ``step``, with the faster of
   ``torch.optim.AdamW(foreach=True)`` and ``AdamW(fused=True)`` (measured, named in the table);
@@ -210,7 +213,9 @@ def _autocast(s: Settings) -> contextlib.AbstractContextManager[Any]:
     return torch.autocast(s.device.type, dtype=s.dtype)
 
 
-def fnloop_loop(w: Workload, s: Settings, *, compile: bool = True, k: int = 1, donate: bool = False) -> Train:
+def fnloop_loop(
+    w: Workload, s: Settings, *, compile: bool | str = True, k: int = 1, donate: bool = False
+) -> Train:
     """``fl.run`` over ``train_step``; each ``train(n)`` is a run of its own, from the last one's state.
 
     ``donate``: each run is given its state to write into from its first step
@@ -379,6 +384,8 @@ def build_loop(w: Workload, s: Settings, loop: str) -> Train:
         return fnloop_loop(w, s)
     if loop == "fnloop-eager":
         return fnloop_loop(w, s, compile=False)
+    if loop == "fnloop-model":
+        return fnloop_loop(w, s, compile="model")
     if loop == "fnloop-k4":
         return fnloop_loop(w, s, k=4)
     if loop.startswith("eager-"):
@@ -439,6 +446,7 @@ def measure(w: Workload, args: argparse.Namespace, s: Settings) -> list[str]:
     layout, compiled = fastest(compiled_candidates, s, steps)
     loops = {
         "fnloop": fnloop_loop(w, s, donate=True),
+        "fnloop model": fnloop_loop(w, s, compile="model", donate=True),
         "fnloop eager": fnloop_loop(w, s, compile=False, donate=True),
         "eager": torch_loop(w, s, kind=kind),
         "torch.compile": compiled,
@@ -470,13 +478,16 @@ def measure(w: Workload, args: argparse.Namespace, s: Settings) -> list[str]:
         per_call = [a / b for a, b in zip(times["fnloop"], times["fnloop k=4"])]
         lines += ["", f"`steps_per_call=4` against single steps: {spread(per_call)}."]
     if not args.skip_processes:
-        lines += ["", *processes(w, args, kind, layout), "", *cold_ranks(w, args, args.process_repeats)]
+        lines += ["", *processes(w, args, kind, layout)]
+        if not args.skip_cold_ranks:
+            lines += ["", *cold_ranks(w, args, args.process_repeats)]
     return lines
 
 
 def processes(w: Workload, args: argparse.Namespace, kind: str, layout: str) -> list[str]:
     loops = {
         "fnloop": "fnloop",
+        "fnloop model": "fnloop-model",
         "fnloop eager": "fnloop-eager",
         "eager": f"eager-{kind}",
         "torch.compile": f"compile-{kind}-{layout}",
@@ -513,7 +524,7 @@ def processes(w: Workload, args: argparse.Namespace, kind: str, layout: str) -> 
     for label in loops:
         cold_s, rss = each(label, 0, "first_step_s"), each(label, 1, "peak_rss_mb")
         against_compile = [c / t for c, t in zip(cold_s, each("torch.compile", 0, "first_step_s"))]
-        compiles = label in ("fnloop", "torch.compile")
+        compiles = label in ("fnloop", "fnloop model", "torch.compile")
         against_eager = [r / e for r, e in zip(rss, each("eager", 1, "peak_rss_mb"))]
         rows.append(
             f"| {label} | {spread(cold_s, 1, ' s')} | {spread(against_compile) if compiles else '-'} "
@@ -553,6 +564,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--cold-ranks", action="store_true", help=f"only the cold first step of {JOB_RANKS} ranks against 1"
+    )
+    parser.add_argument(
+        "--skip-cold-ranks", action="store_true", help=f"leave out the cold first step of {JOB_RANKS} ranks"
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])

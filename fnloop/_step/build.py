@@ -22,6 +22,7 @@ from fnloop._step.errors import (
     RecompileError,
 )
 from fnloop._step.eval import plain_module
+from fnloop._step.gradients import CompiledGradient
 from fnloop._step.init import init
 from fnloop._step.invariant import checked_slices
 from fnloop._step.kernel import Kernel, LossFn
@@ -69,7 +70,7 @@ def train_step(
     loss_fn: LossFn,
     optimizer: Optimizer,
     *,
-    compile: bool = True,
+    compile: bool | str = True,
     donate: bool = True,
     accumulate: int = 1,
     autocast: torch.dtype | None = None,
@@ -110,6 +111,16 @@ def train_step(
         optimizer: a pure optimizer from ``fnloop.optim``.
         compile: trace the step once into one graph and compile it with
             inductor (see ``docs/step.md``); ``False`` runs it eagerly.
+            ``"model"`` compiles the forward and the backward (and the check
+            that the loss and gradients are finite) and runs the update
+            outside the graph, in place, as ``torch.compile(model)`` with
+            ``AdamW(fused=True)`` does: ``adam`` and ``adamw`` with torch's
+            fused kernels. Its first compile is shorter (the update's
+            element-wise ops are most of what inductor's scheduler works on);
+            the whole step in one graph is as fast or faster once compiled.
+            It needs a state held whole or replicated (no ``shard=`` or
+            ``tensor=``, no ``invariant`` or ``stats``). See
+            ``docs/step.md#compiling-the-model-alone``.
         donate: offer the fold an in-place variant for the states it owns
             (bit-identical results, no second copy of params and optimizer state).
         accumulate: split each batch into this many micro-batches and average
@@ -212,6 +223,17 @@ def train_step(
     steps_per_call = _check_positive("steps_per_call", steps_per_call)
     if type(deterministic) is not bool:
         raise TypeError(f"'deterministic' must be a bool ({got(deterministic)}).")
+    if compile not in (True, False, "model") or type(compile) not in (bool, str):
+        raise ValueError(
+            f"'compile' must be True (the whole step in one graph), 'model' (the forward and backward "
+            f"compiled, the update outside the graph) or False (eager) ({got(compile)})."
+        )
+    if compile == "model" and (stats is not None or invariant is not None):
+        which = f"stats={stats!r}" if stats is not None else f"invariant={invariant!r}"
+        raise ValueError(
+            f"train_step(..., compile='model') runs the update outside the graph, in place, and cannot "
+            f"take {which}, which the whole step's graph computes; use compile=True."
+        )
     if invariant is not None:
         invariant = checked_slices(invariant, accumulate)
     backend = default_backend(backend)
@@ -251,7 +273,7 @@ def step_of(
     kernel: Kernel,
     *,
     plan: Plan | None = None,
-    compile: bool,
+    compile: bool | str,
     donate: bool = True,
     recompiles: int = 0,
     options: Mapping[str, Any] | None = None,
@@ -267,8 +289,10 @@ def step_of(
     """
     group = _group()
     plan = Plan() if plan is None else plan
-    jit = multi = members = None
-    if compile:  # one step per call, several, and a population's (traced when such a state first comes)
+    jit = multi = members = gradient = None
+    if compile == "model":  # the gradient stage alone compiled, the update in place after it
+        gradient = CompiledGradient(kernel, plan, group, 1 + recompiles, options, backend)
+    elif compile:  # one step per call, several, and a population's (traced when such a state first comes)
         jit, members = (
             compile_step(kernel, plan, group, 1 + recompiles, options, 1, backend) for _ in range(2)
         )
@@ -281,7 +305,7 @@ def step_of(
         recompiles,
         kernel,
         plan,
-        in_place(kernel, plan, group),
+        in_place(kernel, plan, group, gradient),
         jit,
         multi,
         members,
@@ -291,6 +315,7 @@ def step_of(
         world_size(),
         steps_per_call,
         deterministic,
+        gradient,
     )
     return step if donate else _Undonated(step)
 

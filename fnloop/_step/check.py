@@ -30,6 +30,8 @@ from fnloop._core.state import TrainState
 from fnloop._step.calls import ONE_RUN, call_of
 from fnloop._step.determinism import VaryingOrder
 from fnloop._step.kernel import Kernel, Updated, UpdateStage
+from fnloop._step.layout import Layout
+from fnloop._step.seeds import seeded
 from fnloop._step.train import TrainStep
 
 __all__ = ["ParameterCheck", "StepCheck", "check_step"]
@@ -176,7 +178,8 @@ def check_step(
     difference is (inductor's, or the trace's) and the fix.
 
     Args:
-        step: a compiled step from ``fnloop.train_step`` (the one you train with).
+        step: a compiled step from ``fnloop.train_step`` (the one you train with;
+            for ``compile="model"``, the gradients are its own graph's).
         state: a single run's state, as ``fnloop.init`` makes it (in one process).
         batch: one batch, as the step takes it.
         rtol: the tolerance of a gradient: ``||compiled - reference|| /
@@ -212,7 +215,7 @@ def check_step(
     if rtol is None:
         rtol = RTOL if kernel.autocast is None else RTOL_AUTOCAST
     rtol, update_rtol = _tolerance("rtol", rtol), _tolerance("update_rtol", update_rtol)
-    jit = step.jit
+    jit = step.jit if step.gradient is None else step.gradient.jit
     assert jit is not None
     backend = jit.backend
 
@@ -247,11 +250,14 @@ def check_step(
             warnings.simplefilter("ignore", VaryingOrder)
             return _params(made, state, batch, trained)
 
-    compiled_step = built(grads_of, "compiled")
-    compiled = ran(compiled_step)
-    assert compiled_step.jit is not None
-    assert compiled_step.jit.last is not None
-    random = compiled_step.jit.last.random
+    if step.gradient is None:
+        compiled_step = built(grads_of, "compiled")
+        compiled = ran(compiled_step)
+        assert compiled_step.jit is not None
+        assert compiled_step.jit.last is not None
+        random = compiled_step.jit.last.random
+    else:  # compile="model": the step's own graph gives the gradients
+        compiled, random = _outside(step, state, batch, trained)
     graph = compiled if backend == "graph" else ran(built(grads_of, "graph"))
     eager = ran(built(grads_of, "eager"))
     reference = graph if random else eager
@@ -277,6 +283,22 @@ def check_step(
         trace = None if random else _relative(graph[name], eager[name], floor)
         rows.append(ParameterCheck(name, gradient, update, trace, ok))
     return StepCheck(tuple(rows), "the graph run op by op" if random else "eager", rtol, update_rtol, backend)
+
+
+def _outside(
+    step: TrainStep, state: TrainState, batch: Any, names: list[str]
+) -> tuple[dict[str, torch.Tensor], bool]:
+    """The gradients of a ``compile="model"`` step's graph, seeded as its step on ``state``, and whether it draws."""
+    assert step.gradient is not None
+    device = next(iter(state.params.values())).device
+    iteration = torch.tensor(state.iteration, device=device)
+    scale = step.kernel.loss_scale(state.opt_state)
+    with seeded(device, state.rng, state.iteration), warnings.catch_warnings():
+        warnings.simplefilter("ignore", VaryingOrder)
+        found, _ = step.gradient(dict(state.params), dict(state.buffers), batch, scale, Layout(), iteration)
+    last = step.gradient.jit.last
+    assert last is not None
+    return {k: found.grads[k].to(state.params[k].dtype) for k in names}, last.random
 
 
 def _tolerance(name: str, value: object) -> float:
@@ -321,7 +343,7 @@ def _compiled_step(step: object) -> TrainStep:
             f"check_step() expected a step from fnloop.train_step ({got(step)}); it compares that "
             "step's compiled gradients with its eager run."
         )
-    if found.jit is None:
+    if found.jit is None and found.gradient is None:
         raise TypeError(
             "check_step() compares a compiled step with its eager run, and this step runs eagerly "
             "(train_step(..., compile=False)): pass the compiled step you train with."

@@ -14,7 +14,7 @@ it uses). This module says what is traced: the step for a ``Form``.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -29,7 +29,7 @@ from fnloop._step.kernel import Kernel, Update, state_of
 from fnloop._step.layout import Layout
 from fnloop._step.placement import Placement, Plan
 
-__all__ = ["UNROLL", "Form", "compile_step", "leaf_name"]
+__all__ = ["UNROLL", "Form", "compile_step", "leaf_name", "ranks_of"]
 
 
 class Form(NamedTuple):
@@ -110,15 +110,21 @@ def compile_step(
             update = updates[layout] = transformed(kernel, Placement.of(plan, layout, group))
         return (one if layout.steps == 1 else several)(update, form)
 
-    def identity() -> object:  # what the traced step reads besides its closures and inputs: the ranks
+    no_random = _RANDOM_STEPS.format(n=steps) if steps > 1 else None
+    return Jit(make, budget, options, no_random=no_random, backend=backend, identity=ranks_of(group))
+
+
+def ranks_of(group: Any) -> Callable[[], object]:
+    """What a traced step reads besides its closures and inputs: the ranks of ``group``, read when asked."""
+
+    def identity() -> object:
         return (
             None
             if group is None
             else (dist.get_backend(group), dist.get_world_size(group), dist.get_rank(group))
         )
 
-    no_random = _RANDOM_STEPS.format(n=steps) if steps > 1 else None
-    return Jit(make, budget, options, no_random=no_random, backend=backend, identity=identity)
+    return identity
 
 
 def _guarded(

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from fnloop._step.kernel import Gradient, Kernel, Stepped, Update, UpdateStage, state_of
+from fnloop._step.kernel import Gradient, Grads, Kernel, Stepped, Update, UpdateStage, state_of
 from fnloop._step.layout import Layout
 from fnloop._step.members import only_training
 from fnloop._step.placement import Placement, Plan
@@ -56,7 +56,9 @@ def _composed(
     return step
 
 
-def in_place(kernel: Kernel, plan: Plan, group: Any) -> Callable[..., Any]:
+def in_place(
+    kernel: Kernel, plan: Plan, group: Any, compiled: Callable[..., tuple[Grads, torch.Tensor]] | None = None
+) -> Callable[..., Any]:
     """The step run eagerly on a single run's state it may write into: ``(..., batch, layout) -> (loss, finite, metrics)``.
 
     Whether the step is finite is read on the host (free on a CPU; one sync
@@ -66,13 +68,17 @@ def in_place(kernel: Kernel, plan: Plan, group: Any) -> Callable[..., Any]:
     that (``Placement.writes_in_place``: a sharded state, a kernel with sums
     of its own over the model), the pure step runs, its results written
     into the state.
+
+    ``compiled``: the gradient stage and the guard compiled
+    (``gradients.CompiledGradient``, ``train_step(..., compile="model")``),
+    run in place of the eager ones; a layout that cannot update in place is
+    then refused, naming what to do instead.
     """
     # Per layout, built once: whether the step writes in place, and what it runs (the gradient
     # stage then, else the pure step).
     places: dict[Layout, tuple[bool, Callable[..., Any]]] = {}
 
-    def placed(layout: Layout) -> tuple[bool, Callable[..., Any]]:
-        key = Layout(shards=layout.shards, tensor=layout.tensor)  # what the eager step depends on
+    def placed(key: Layout) -> tuple[bool, Callable[..., Any]]:
         found = places.get(key)
         if found is None:
             placement = Placement.of(plan, key, group)
@@ -91,7 +97,10 @@ def in_place(kernel: Kernel, plan: Plan, group: Any) -> Callable[..., Any]:
         batch: Any,
         layout: Layout,
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        writes, run = placed(layout)
+        key = Layout(shards=layout.shards, tensor=layout.tensor)  # what the eager step depends on
+        writes, run = placed(key)
+        if not writes and compiled is not None:
+            raise ValueError(_NOT_IN_PLACE)
         if not writes:  # the pure step, written into the state
             stepped = run(params, buffers, opt_state, iteration, batch)
             if stepped.finite:
@@ -101,8 +110,11 @@ def in_place(kernel: Kernel, plan: Plan, group: Any) -> Callable[..., Any]:
                         before.copy_(after)
             return stepped.loss, stepped.finite, stepped.metrics
         scale = kernel.loss_scale(opt_state)
-        found = run(params, {k: v.clone() for k, v in buffers.items()}, batch, scale)
-        finite = kernel.finite(found.loss, found.grads)
+        if compiled is not None:
+            found, finite = compiled(params, buffers, batch, scale, key, iteration)
+        else:
+            found = run(params, {k: v.clone() for k, v in buffers.items()}, batch, scale)
+            finite = kernel.finite(found.loss, found.grads)
         if not finite:
             return found.loss, finite, {**kernel.rates(iteration, opt_state), **found.metrics}
         slot = kernel.optimizer.loss_slot(opt_state)
@@ -114,3 +126,12 @@ def in_place(kernel: Kernel, plan: Plan, group: Any) -> Callable[..., Any]:
         return found.loss, finite, {**rates, **found.metrics}
 
     return step
+
+
+_NOT_IN_PLACE = (
+    "train_step(..., compile='model') compiles the forward and backward and runs the update outside "
+    "the graph, in place, which needs a state held whole or replicated on each rank and no "
+    "transformation of the update summing over the model, where this state is held in parts across "
+    "the ranks (init(..., shard=...) or init(..., tensor=...)). Build the step with compile=True: the "
+    "whole step in one graph, which places every layout."
+)

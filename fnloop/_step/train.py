@@ -8,6 +8,7 @@ layout, goes this one way.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,7 +16,7 @@ import attrs
 import torch
 from torch.utils import _pytree as pytree
 
-from fnloop._compile import CompileFailed, Entry, Jit, OverBudget, RandomInGraph, TraceError, TraceFailed
+from fnloop._compile import Entry, Jit
 from fnloop._core.failure import StepFailed, unwrapped
 from fnloop._core.population import member_metric
 from fnloop._core.state import TrainState, unchecked
@@ -24,7 +25,7 @@ from fnloop._step.calls import Call, Inputs, Jits, Outputs, Recording, call_of
 from fnloop._step.compiler import Form, leaf_name
 from fnloop._step.determinism import deterministic_algorithms, warn_varying
 from fnloop._step.donation import Targets, opt_containers, shared
-from fnloop._step.errors import _RECOMPILED, RecompileError, public_error
+from fnloop._step.gradients import CompiledGradient, entry_of
 from fnloop._step.kernel import Kernel, LossFn, _device
 from fnloop._step.layout import Layout
 from fnloop._step.placement import Plan
@@ -107,6 +108,8 @@ class TrainStep(Applied):
     """How many iterations the fold runs in one call (``steps``), at call boundaries."""
     deterministic: bool = False
     """Compile and run the step under torch's deterministic algorithms (``fnloop/_step/determinism.py``)."""
+    gradient: CompiledGradient | None = None
+    """The gradient stage compiled alone, which ``function`` runs before its update (``compile="model"``)."""
     _memo: Memo = attrs.field(factory=Memo, alias="_memo")
     _how: Recording = attrs.field(
         default=attrs.Factory(
@@ -272,26 +275,11 @@ class TrainStep(Applied):
         return Outputs(out[0], out[1], dict(zip(names, out[2:])), every)
 
     def _entry(self, jit: Jit, form: Form, flat: list[torch.Tensor], iteration: int) -> Entry:
-        try:
-            entry = jit.entry(form, flat)
-            if entry.accumulates and not self._memo.looked:  # once a step: see fnloop/_step/determinism.py
-                self._memo.looked = True
-                warn_varying(entry.accumulates, flat[0].device)
-            return entry
-        except OverBudget as over:
-            index, before, after = over.change
-            what = (
-                "the structure of the state or batch changed"
-                if index is None
-                else f"{leaf_name(form, index)} was {before}, is now {after}"
-            )
-            raise RecompileError(
-                _RECOMPILED.format(i=iteration, n=jit.compiles, budget=self.recompiles, change=what)
-            ) from None
-        except RandomInGraph as random:
-            raise ValueError(str(random)) from None
-        except (CompileFailed, TraceFailed, TraceError) as failed:
-            raise public_error(failed) from failed.__cause__
+        entry = entry_of(jit, form, flat, iteration, functools.partial(leaf_name, form))
+        if entry.accumulates and not self._memo.looked:  # once a step: see fnloop/_step/determinism.py
+            self._memo.looked = True
+            warn_varying(entry.accumulates, flat[0].device)
+        return entry
 
     def _targets(self, state: TrainState) -> tuple[list[torch.Tensor], Targets, pytree.TreeSpec]:
         # Donation keeps the same containers from step to step, so the optimizer
@@ -308,8 +296,8 @@ class TrainStep(Applied):
 
     @property
     def compiled(self) -> bool:
-        """Whether the step is traced and compiled (``train_step(..., compile=True)``)."""
-        return self.jit is not None
+        """Whether the step is traced and compiled (``train_step(..., compile=True)``, or ``"model"``)."""
+        return self.jit is not None or self.gradient is not None
 
     @property
     def compiles(self) -> int:
@@ -317,7 +305,8 @@ class TrainStep(Applied):
 
         A step that has trained both single runs and a population has compiled one graph for each.
         """
-        return sum(0 if jit is None else jit.compiles for jit in (self.jit, self.multi, self.members))
+        jits = (self.jit, self.multi, self.members, None if self.gradient is None else self.gradient.jit)
+        return sum(0 if jit is None else jit.compiles for jit in jits)
 
     def __repr__(self) -> str:
         return f"train_step({type(self.model).__name__}, {getattr(self.loss_fn, '__name__', self.loss_fn)!r}, {self.optimizer!r})"
