@@ -9,11 +9,13 @@ one, which compiles it with inductor.
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 import pytest
 import torch
 
 import fnloop as fl
+from fnloop._compile.cache import CompileCache
 from fnloop._step.errors import NonFiniteLoss, RecompileError
 from fnloop._step.layout import Layout
 from fnloop._step.seeds import seeded
@@ -179,11 +181,25 @@ def test_what_it_cannot_take_is_refused_when_the_step_is_built(options, message)
         fl.train_step(_model(), loss_fn, OPT, **options)
 
 
-@pytest.mark.inductor("the gradient stage compiles with inductor and trains as its traced graph does")
-def test_compiled_with_inductor_it_trains_as_the_traced_graph(outside) -> None:
-    compiled = _run("model", backend="inductor")
+@pytest.mark.inductor("the gradient graph inductor builds, and its start file found again by a restart")
+def test_compiled_with_inductor_it_trains_as_its_traced_graph_and_restarts_without_a_trace(
+    outside, tmp_path
+) -> None:
+    def restart() -> tuple[fl.TrainState, Any]:  # a new step sees only the folder, as a new process
+        model = _model()
+        step = fl.train_step(model, loss_fn, OPT, compile="model", backend="inductor")
+        step.gradient.jit.cache = CompileCache(tmp_path)
+        return fl.run(
+            fl.init(model, OPT, seed=0, max_iter=STEPS), step, fl.data.resumable(DATA)
+        ), step.gradient.jit
+
+    compiled, jit = restart()
+    assert (jit.traces, jit.started) == (1, 0) and len(list(tmp_path.glob("*.start"))) == 1
     for k in outside.params:
         assert torch.allclose(compiled.params[k], outside.params[k], rtol=1e-4, atol=1e-5), k
+    again, jit = restart()
+    assert (jit.traces, jit.started, jit.compiles) == (0, 1, 1)
+    assert _same(again, compiled)
 
 
 def test_a_population_member_is_its_solo_run_bit_for_bit() -> None:

@@ -168,7 +168,7 @@ def _flat(kernel: Kernel, gradient: Callable[..., Grads], form: GradientForm) ->
     """The gradient stage and the guard as a function of ``form``'s flat inputs."""
     a, b = len(form.params), len(form.params) + len(form.buffers)
 
-    def flat(draws: Draws, *leaves: torch.Tensor) -> tuple[list[torch.Tensor], tuple[Any, ...]]:
+    def flat(draws: Draws, *leaves: torch.Tensor) -> tuple[list[torch.Tensor], list[list[str]]]:
         params = dict(zip(form.params, leaves[:a]))
         buffers = {k: v.clone() for k, v in zip(form.buffers, leaves[a:b])}  # the forward writes into them
         rest = leaves[b:]
@@ -184,6 +184,7 @@ def _flat(kernel: Kernel, gradient: Callable[..., Grads], form: GradientForm) ->
             finite,
             *found.metrics.values(),
         ]
-        return outputs, (tuple(found.grads), tuple(found.buffers), tuple(found.metrics))
+        # Lists: the context goes into the start file as JSON, and comes back as it went.
+        return outputs, [list(found.grads), list(found.buffers), list(found.metrics)]
 
     return flat
