@@ -67,7 +67,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -214,7 +214,7 @@ def _autocast(s: Settings) -> contextlib.AbstractContextManager[Any]:
 
 
 def fnloop_loop(
-    w: Workload, s: Settings, *, compile: bool | str = True, k: int = 1, donate: bool = False
+    w: Workload, s: Settings, *, compile: bool | Literal["model"] = True, k: int = 1, donate: bool = False
 ) -> Train:
     """``fl.run`` over ``train_step``; each ``train(n)`` is a run of its own, from the last one's state.
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import torch
@@ -70,7 +70,7 @@ def train_step(
     loss_fn: LossFn,
     optimizer: Optimizer,
     *,
-    compile: bool | str = True,
+    compile: bool | Literal["model"] = True,
     donate: bool = True,
     accumulate: int = 1,
     autocast: torch.dtype | None = None,
@@ -273,7 +273,7 @@ def step_of(
     kernel: Kernel,
     *,
     plan: Plan | None = None,
-    compile: bool | str,
+    compile: bool | Literal["model"],
     donate: bool = True,
     recompiles: int = 0,
     options: Mapping[str, Any] | None = None,
