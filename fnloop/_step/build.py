@@ -116,8 +116,10 @@ def train_step(
             outside the graph, in place, as ``torch.compile(model)`` with
             ``AdamW(fused=True)`` does: ``adam`` and ``adamw`` with torch's
             fused kernels. Its first compile is shorter (the update's
-            element-wise ops are most of what inductor's scheduler works on);
-            the whole step in one graph is as fast or faster once compiled.
+            element-wise ops are most of what inductor's scheduler works on,
+            on a CPU); once compiled the two ran level on the benchmarks'
+            models. A step reads whether it was finite on the host (on a GPU,
+            a sync), where the whole step's graph decides inside.
             It needs a state held whole or replicated (no ``shard=`` or
             ``tensor=``, no ``invariant`` or ``stats``). See
             ``docs/step.md#compiling-the-model-alone``.
