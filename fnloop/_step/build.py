@@ -225,7 +225,7 @@ def train_step(
     steps_per_call = _check_positive("steps_per_call", steps_per_call)
     if type(deterministic) is not bool:
         raise TypeError(f"'deterministic' must be a bool ({got(deterministic)}).")
-    if compile not in (True, False, "model") or type(compile) not in (bool, str):
+    if type(compile) is not bool and compile != "model":
         raise ValueError(
             f"'compile' must be True (the whole step in one graph), 'model' (the forward and backward "
             f"compiled, the update outside the graph) or False (eager) ({got(compile)})."
