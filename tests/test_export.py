@@ -208,3 +208,109 @@ def test_a_module_moved_to_meta_after_init_trains_the_same_bits(backend: str | N
     assert all(torch.equal(after.params[k], before.params[k]) for k in before.params)
     assert all(torch.equal(after.buffers[k], before.buffers[k]) for k in before.buffers)
     assert list(fl.state_dict(after, model)) == list(fl.state_dict(before))
+
+
+class _Tied(nn.Module):
+    """A model with a weight used twice and a buffer ``state_dict`` leaves out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(5, 4)
+        self.norm = nn.BatchNorm1d(4)
+        self.head = nn.Linear(4, 5, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("scale", torch.full((4,), 0.5), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.embed(tokens)) * self.scale)
+
+
+def _tied() -> _Tied:
+    torch.manual_seed(0)
+    return _Tied()
+
+
+def test_donate_model_gives_the_state_the_modules_memory_and_leaves_the_module_on_meta() -> None:
+    model = _tied()
+    weight, mean, scale = model.embed.weight, model.norm.running_mean, model.scale
+    memory = {"embed.weight": weight.data_ptr(), "norm.running_mean": mean.data_ptr()}
+    values = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    state = fl.init(model, fl.optim.adamw(1e-2), seed=0, max_iter=1, donate_model=True)
+    # No copy: the state's tensors are the module's memory, with its values.
+    assert state.params["embed.weight"].data_ptr() == memory["embed.weight"]
+    assert state.buffers["norm.running_mean"].data_ptr() == memory["norm.running_mean"]
+    assert "head.weight" not in state.params  # tied: one tensor, under its first name
+    assert all(torch.equal(state.params[k], values[k]) for k in state.params)
+    # The module keeps its structure, tied as before, on meta; the Parameter objects are new ones.
+    assert model.embed.weight.is_meta and model.head.weight is model.embed.weight
+    assert not weight.is_meta and weight.data_ptr() == memory["embed.weight"]
+    assert model.norm.running_mean.is_meta and model.norm.num_batches_tracked.is_meta
+    # A buffer state_dict leaves out stays the module's, and the state holds a copy of it.
+    assert model.scale is scale and not scale.is_meta
+    assert (
+        torch.equal(state.buffers["scale"], scale) and state.buffers["scale"].data_ptr() != scale.data_ptr()
+    )
+
+
+@pytest.mark.parametrize("backend", [None, "graph"], ids=["eager", "traced"])
+def test_a_donated_model_trains_the_same_bits_as_a_copied_one(backend: str | None) -> None:
+    optimizer = fl.optim.adamw(1e-2)
+    tokens = torch.randint(0, 5, (24,))
+
+    def loss_fn(forward, batch):
+        return F.cross_entropy(forward(batch), batch)
+
+    def trained(donate_model: bool) -> fl.TrainState:
+        model = _tied()
+        state = fl.init(model, optimizer, seed=0, max_iter=6, donate_model=donate_model)
+        options = {"compile": False} if backend is None else {"backend": backend}
+        step = fl.train_step(model, loss_fn, optimizer, **options)
+        return fl.run(state, step, fl.data.batches(tokens, batch_size=8, seed=0))
+
+    copied, donated = trained(False), trained(True)
+    testing.assert_identical(donated.params, copied.params)
+    testing.assert_identical(donated.buffers, copied.buffers)
+    testing.assert_identical(donated.opt_state, copied.opt_state)
+
+
+def test_a_donated_model_is_refused_a_second_init_until_its_weights_are_back() -> None:
+    model = _tied()
+    optimizer = fl.optim.sgd(0.1)
+    state = fl.init(model, optimizer, seed=0, max_iter=1, donate_model=True)
+    # Without the refusal the meta model would be made afresh: new random weights, silently.
+    with pytest.raises(ValueError, match=r"donate_model=True.*assign=True"):
+        fl.init(model, optimizer, seed=0, max_iter=1)
+    assert model.embed.weight.is_meta
+
+    model.load_state_dict(fl.state_dict(state, model), assign=True)
+    # assign=True gives each name a Parameter of its own: tie them again (transformers: model.tie_weights()).
+    assert model.head.weight is not model.embed.weight
+    model.head.weight = model.embed.weight
+    tokens = torch.arange(5)
+    model.eval()
+    expected = fl.eval_step(model, lambda f, b: f(b), compile=False)(state, tokens)["value"]
+    torch.testing.assert_close(model(tokens), expected, rtol=0, atol=0)
+    again = fl.init(model, optimizer, seed=0, max_iter=1)
+    testing.assert_identical(again.params, state.params)
+
+
+def test_a_refused_init_leaves_a_donating_model_as_it_was() -> None:
+    model = _tied()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="seed"):
+        fl.init(model, fl.optim.sgd(0.1), seed=-1, max_iter=1, donate_model=True)
+    with pytest.raises(TypeError, match="donate_model"):
+        fl.init(model, fl.optim.sgd(0.1), seed=0, max_iter=1, donate_model="yes")  # type: ignore[arg-type]
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_a_tied_model_moved_to_meta_after_init_is_refused_not_trained_on_nothing() -> None:
+    # model.to("meta") makes a meta tensor for each tied name; the state holds the first name's only.
+    model = _tied()
+    optimizer = fl.optim.sgd(0.1)
+    state = fl.init(model, optimizer, seed=0, max_iter=1)
+    model.to("meta")
+    assert model.head.weight is not model.embed.weight
+    step = fl.train_step(model, lambda f, b: F.cross_entropy(f(b), b), optimizer, compile=False)
+    with pytest.raises(ValueError, match=r"\['head.weight'\] on the meta device.*donate_model=True"):
+        fl.run(state, step, [torch.arange(5)])

@@ -40,7 +40,8 @@ from fnloop._step.collectives import (
     by_dtype,
     reduce_scatter,
 )
-from fnloop._step.kernel import Gradient, Grads, _holding
+from fnloop._step.holding import holding
+from fnloop._step.kernel import Gradient, Grads
 from fnloop._step.units import Units
 
 __all__ = ["Reduction", "blockwise", "gathered_together", "held_by_blocks"]
@@ -149,7 +150,7 @@ def _held_by_blocks(
         {k: v for k, v in tensors.items() if k in split and k not in in_blocks}, shards, group, reduce
     )
     outer = {k: root.get(k, v) for k, v in tensors.items() if k not in in_blocks}
-    with _holding(model, outer), contextlib.ExitStack() as stack:
+    with holding(model, outer), contextlib.ExitStack() as stack:
         for block, names in units.blocks:
             module = model.get_submodule(block)
             stack.enter_context(_gathering(module, block, names, shards, group, tensors, reduce))
@@ -181,7 +182,7 @@ def _gathering(
         def forward(*args: Any, **kwargs: Any) -> Any:
             split = {n: tensors[n] for n in names if n in shards.names}
             whole = {**{n: tensors[n] for n in names}, **gathered_together(split, shards, group, reduce)}
-            held.enter_context(_holding(module, {n[prefix:]: v for n, v in whole.items()}))
+            held.enter_context(holding(module, {n[prefix:]: v for n, v in whole.items()}))
             return original(*args, **kwargs)
 
         module.forward = forward  # type: ignore[method-assign]

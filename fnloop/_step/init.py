@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -39,12 +40,13 @@ def init(
     init_weights: InitWeights | None = None,
     tensor: int = 1,
     tensor_plan: TensorPlan | Mapping[str, Any] | None = None,
+    donate_model: bool = False,
 ) -> TrainState:
     """A state for training ``model`` with ``optimizer`` from iteration 0.
 
     ``params`` and ``buffers`` are detached copies keyed like
     ``model.named_parameters()`` and ``model.named_buffers()``; the model itself
-    is never changed by fnloop. ``opt_state`` is the optimizer's for the
+    is never changed by fnloop, unless ``donate_model``. ``opt_state`` is the optimizer's for the
     parameters to train: those the model marks ``requires_grad=False`` are
     kept in ``params`` and never trained (see ``train_step``).
 
@@ -93,6 +95,14 @@ def init(
             ``"gathered"``, ``"vocab"``, or torch's ``ColwiseParallel()`` /
             ``RowwiseParallel()``); ``None``: the built-in plan of a
             ``transformers`` Llama, Mistral, Qwen2 or GPT-2.
+        donate_model: the state takes the model's parameters and buffers
+            instead of copying them, and the model is left on the meta device
+            (its structure, no memory), which is all a step needs of it: the
+            weights are held once, and never twice, not even while ``init``
+            runs. Buffers not in ``state_dict`` (``persistent=False``) are
+            copied and stay in the model. To run the module itself again,
+            ``model.load_state_dict(fnloop.state_dict(state, model), assign=True)``.
+            See ``docs/concepts.md#memory-the-modules-own-tensors``.
 
     Examples:
         >>> import fnloop as fl
@@ -102,6 +112,9 @@ def init(
     """
     model = plain_module(model, "init")
     _refuse_fsdp(model)
+    _refuse_donated(model)
+    if type(donate_model) is not bool:
+        raise TypeError(f"init(donate_model=...) must be a bool ({got(donate_model)}).")
     if not isinstance(optimizer, Optimizer):
         kind = type(optimizer)
         where = "torch.optim" if isinstance(optimizer, torch.optim.Optimizer) else kind.__module__
@@ -119,15 +132,15 @@ def init(
         raise TypeError(f"init(init_weights=...) must be a function of a module ({got(init_weights)}).")
     split = tensor_layout(model, tensor, tensor_plan)
     shards = state_shards(shard, replicate, dict(model.named_parameters()), split)
-    if is_meta(model):  # made here, module by module, each rank's part kept
+    made = is_meta(model)
+    if made:  # made here, module by module, each rank's part kept
         params, buffers, trained = _materialized(model, seed, init_weights, shards, split)
     else:
-        params = {name: p.detach().clone() for name, p in model.named_parameters()}
-        buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+        params, buffers = _taken(model) if donate_model else _copied(model)
         # Data parallel: every rank starts from rank 0's initialization, as DistributedDataParallel does.
         broadcast_tensors([*params.values(), *buffers.values()])
         params, trained = parts(params if split is None else tensor_slices(params, split), shards)
-    return TrainState(
+    state = TrainState(
         max_iter=max_iter,
         params=params,
         buffers=buffers,
@@ -138,6 +151,74 @@ def init(
         shards=shards,
         tensor=split,
     )
+    if donate_model and not made:  # last: a refusal above leaves the model as it was
+        _left_on_meta(model)
+    return state
+
+
+_DONATED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+"""The modules ``init(..., donate_model=True)`` left on the meta device."""
+
+
+def _copied(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The model's parameters and buffers, copied."""
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
+    return params, buffers
+
+
+def _taken(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The model's parameters and buffers as they are (their memory, no copy); a buffer ``state_dict`` leaves out copied."""
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    kept = _not_saved(model)
+    buffers = {name: b.detach().clone() if name in kept else b.detach() for name, b in model.named_buffers()}
+    return params, buffers
+
+
+def _not_saved(model: torch.nn.Module) -> set[str]:
+    """The names of ``model``'s buffers that ``state_dict`` leaves out (``persistent=False``)."""
+    return {
+        f"{prefix}.{name}" if prefix else name
+        for prefix, module in model.named_modules()
+        for name in module._non_persistent_buffers_set
+    }
+
+
+def _left_on_meta(model: torch.nn.Module) -> None:
+    """``model``'s parameters and saved buffers replaced by meta tensors of their shapes (the state holds their memory).
+
+    A parameter used by several modules (tied) is replaced by one meta
+    ``Parameter`` in all of them, so the names still resolve as one tensor.
+    """
+    meta: dict[int, torch.Tensor] = {}
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in meta:
+            made = torch.empty_like(t, device="meta")
+            meta[id(t)] = (
+                torch.nn.Parameter(made, t.requires_grad) if isinstance(t, torch.nn.Parameter) else made
+            )
+        return meta[id(t)]
+
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                module._parameters[name] = empty(p)  # type: ignore[assignment]
+        for name, b in module._buffers.items():
+            if b is not None and name not in module._non_persistent_buffers_set:
+                module._buffers[name] = empty(b)
+    _DONATED.add(model)
+
+
+def _refuse_donated(model: torch.nn.Module) -> None:
+    """Refuse a module whose weights an earlier ``init(..., donate_model=True)`` gave to its state, with the fix."""
+    if model in _DONATED and is_meta(model):
+        raise ValueError(
+            "init(): this model's weights were given to a state by init(..., donate_model=True), and the "
+            "model holds meta tensors (no values) in their place; a second init would make new random "
+            "weights. Start from that state (fl.run(state, ...), or fl.load_state_dict(state, ...)), or "
+            "give the weights back first: model.load_state_dict(fl.state_dict(state, model), assign=True)."
+        )
 
 
 def _materialized(

@@ -34,6 +34,7 @@ from torch.utils import _pytree as pytree
 
 from fnloop._step.errors import _NUMBER_METRIC, GraphBreakError, _number
 from fnloop._step.guard import all_finite
+from fnloop._step.holding import holding, holding_all
 from fnloop._step.remat import gradients, reentrant_refused
 from fnloop.optim import Optimizer, learning_rates
 from fnloop.optim._fused import fused_update, fused_update_
@@ -166,7 +167,9 @@ class Kernel:
 
     def holding(self, tensors: dict[str, torch.Tensor]) -> contextlib.AbstractContextManager[None]:
         """The model with ``tensors`` in place of its parameters and buffers for the block."""
-        return _holding(self.model, tensors)
+        if self._checked:
+            return holding(self.model, tensors)
+        return holding_all(self.model, tensors)  # the first forward: every tensor the model uses given
 
     def update(
         self,
@@ -324,15 +327,6 @@ def _split(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
                 "metric is one number per step: reduce it (for example .mean()) or leave it out."
             )
     return loss.reshape(()), dict(metrics)
-
-
-@contextlib.contextmanager
-def _holding(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> Iterator[None]:
-    """``model`` with ``tensors`` in place of its parameters and buffers for the block (tied weights kept tied)."""
-    from torch.nn.utils.stateless import _reparametrize_module  # what functional_call uses
-
-    with _reparametrize_module(model, tensors, tie_weights=True, strict=False):
-        yield
 
 
 def _by_name(leaves: dict[str, torch.Tensor], fixed: frozenset[str], found: Any) -> dict[str, torch.Tensor]:

@@ -57,7 +57,7 @@ from torch.nn.utils._named_member_accessor import swap_tensor
 from fnloop._core.shards import Shards
 from fnloop._core.tensor_parallel import TensorParallel, local_slice
 from fnloop._step.collectives import Groups, done, summed
-from fnloop._step.kernel import _holding
+from fnloop._step.holding import holding as plain_holding
 from fnloop._step.tensor_functions import (
     Copy,
     GatherLast,
@@ -109,7 +109,7 @@ def tensor_hold(model: torch.nn.Module, tp: TensorParallel, group: Any, hold: Ho
     """
     modules = dict(model.named_modules())
     degree, rank = tp.degree, tp.rank
-    holding = hold or functools.partial(_holding, model)
+    holding = hold or functools.partial(plain_holding, model)
 
     # Under sequence parallelism the row-wise outputs are scattered on the sequence, and the inputs of the
     # modules that hold the column-wise layers ("gather", and the head) gathered on it.
