@@ -261,3 +261,23 @@ def test_a_start_file_round_trips_and_a_partial_or_damaged_one_is_ignored(tmp_pa
     assert cache.start("k") is None
     assert cache.start("missing") is None
     assert not cache.keep_start("tuple", {**record, "context": ("loss",)})  # would come back a list
+
+
+def test_which_files_are_installed_is_the_same_read_as_written_or_with_links_resolved(tmp_path: Path) -> None:
+    import os
+
+    from fnloop._compile import loaded
+
+    def resolved(path: str | None) -> bool:  # the plain answer: every link resolved
+        return bool(path) and os.path.realpath(path).startswith(loaded._installed_roots())
+
+    paths = [getattr(m, "__file__", None) for m in list(sys.modules.values())]
+    assert [loaded.is_installed(p) for p in paths] == [resolved(p) for p in paths]
+    site = os.path.dirname(os.path.dirname(torch.__file__))
+    link = tmp_path / "linked"
+    link.symlink_to(site)
+    escaped = os.path.join(site, "..", "..", "..", "..", "not_installed.py")  # written under it, outside it
+    for path in (str(link / "torch" / "__init__.py"), escaped, str(tmp_path / "mine.py")):
+        assert loaded.is_installed(path) == resolved(path), path
+    assert loaded.is_installed(str(link / "torch" / "__init__.py"))
+    assert not loaded.is_installed(str(tmp_path / "mine.py"))
