@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -25,6 +26,7 @@ from fnloop._compile.cache import CompileCache, start_key
 from fnloop._compile.identity import fingerprint
 from fnloop._step.kernel import Kernel
 
+ROOT = Path(__file__).resolve().parent.parent
 _g = torch.Generator().manual_seed(0)
 BATCH = (torch.randn(8, 4, generator=_g), torch.randint(0, 3, (8,), generator=_g))
 
@@ -82,6 +84,45 @@ def test_a_restart_loads_its_graph_without_tracing_and_trains_the_same_bits(tmp_
         outputs.append(evaluate(first, BATCH)["logits"])
         assert (evaluate.jit.traces, evaluate.jit.started) == traces_started
     assert torch.equal(*outputs)
+
+
+_RESTART = """
+import json, sys
+from fnloop._compile.cache import CompileCache
+from tests.test_warm_start import loss, run
+final, jit = run(loss, CompileCache(sys.argv[1]))
+print(json.dumps([jit.traces, jit.started, final.params["0.weight"].tolist()]))
+"""
+
+
+@pytest.mark.inductor("a restarted process loads the C++ inductor built, and builds none again")
+def test_a_restarted_process_builds_no_cpp_again(tmp_path: Path) -> None:
+    # In one process the loaded code stays in memory, so only a new process shows a build that a
+    # changed build flag (a key of its own) would start again: a C++ wrapper's takes 25 s.
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "FNLOOP_CACHE_DIR": "off"}
+
+    def process() -> list[Any]:
+        done = subprocess.run(
+            [sys.executable, "-c", _RESTART, str(tmp_path / "fnloop")],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    def libraries() -> set[Path]:
+        return set((tmp_path / "inductor").rglob("*.so"))
+
+    first = process()
+    built = libraries()
+    assert first[:2] == [1, 0] and built
+    again = process()
+    assert again[:2] == [0, 1] and again[2] == first[2]
+    assert libraries() == built
 
 
 _FIELD = """

@@ -236,18 +236,13 @@ def _checked(data: bytes, header: bytes = _FORMAT) -> bytes | None:
 
 
 def _deserialize(payload: bytes) -> Any:
-    import torch._inductor.config as inductor_config
     from torch._inductor import CompiledArtifact
 
     with tempfile.TemporaryDirectory() as scratch:
         raw = os.path.join(scratch, "artifact")
         Path(raw).write_bytes(payload)
         try:
-            # Loading a kernel whose library is built precompiles inductor's C++ header all the same
-            # (a preprocessor run and a hash: 0.2 s of a warm start); the libraries' keys leave the
-            # header out, so a missing one is built without it, to the same library.
-            with inductor_config.patch(cpp_cache_precompile_headers=False):
-                return CompiledArtifact.load(path=raw, format="binary")
+            return CompiledArtifact.load(path=raw, format="binary")
         except Exception as exc:  # noqa: BLE001 -- another torch's file, or one its checks refuse: compile instead
             _log.warning("fnloop: torch could not load a compile cache file: %s", exc)
             return None

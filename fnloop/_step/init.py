@@ -216,8 +216,8 @@ def _refuse_donated(model: torch.nn.Module) -> None:
         raise ValueError(
             "init(): this model's weights were given to a state by init(..., donate_model=True), and the "
             "model holds meta tensors (no values) in their place; a second init would make new random "
-            "weights. Start from that state (fl.run(state, ...), or fl.load_state_dict(state, ...)), or "
-            "give the weights back first: model.load_state_dict(fl.state_dict(state, model), assign=True)."
+            "weights. Go on from that state (fl.run(state, ...)), or give the model the weights back "
+            "first: model.load_state_dict(fl.state_dict(state, model), assign=True)."
         )
 
 
