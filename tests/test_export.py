@@ -314,3 +314,24 @@ def test_a_tied_model_moved_to_meta_after_init_is_refused_not_trained_on_nothing
     step = fl.train_step(model, lambda f, b: F.cross_entropy(f(b), b), optimizer, compile=False)
     with pytest.raises(ValueError, match=r"\['head.weight'\] on the meta device.*donate_model=True"):
         fl.run(state, step, [torch.arange(5)])
+
+
+def test_donate_model_leaves_an_lstm_holding_none_of_its_weights() -> None:
+    # An LSTM keeps its own list of its parameters (_flat_weights): replaced in the module's dict
+    # alone, the list would go on holding the weights, memory nobody reads.
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.LSTM(4, 8, batch_first=True)
+
+    def loss_fn(forward, batch):
+        return forward(batch)[0].square().mean()
+
+    x = torch.randn(3, 5, 4)
+    finals = []
+    for donate_model in (False, True):
+        model, optimizer = make(), fl.optim.adamw(1e-2)
+        state = fl.init(model, optimizer, seed=0, max_iter=3, donate_model=donate_model)
+        assert all(w.is_meta for w in model._flat_weights) == donate_model
+        step = fl.train_step(model, loss_fn, optimizer, compile=False)
+        finals.append(fl.run(state, step, [x] * 3))
+    testing.assert_identical(finals[1].params, finals[0].params)

@@ -201,12 +201,13 @@ def _left_on_meta(model: torch.nn.Module) -> None:
         return meta[id(t)]
 
     for module in model.modules():
-        for name, p in module._parameters.items():
+        # Set as attributes, so a module that keeps its own list of them (an LSTM's _flat_weights) lets go too.
+        for name, p in list(module._parameters.items()):
             if p is not None:
-                module._parameters[name] = empty(p)  # type: ignore[assignment]
-        for name, b in module._buffers.items():
+                setattr(module, name, empty(p))
+        for name, b in list(module._buffers.items()):
             if b is not None and name not in module._non_persistent_buffers_set:
-                module._buffers[name] = empty(b)
+                setattr(module, name, empty(b))
     _DONATED.add(model)
 
 
