@@ -314,6 +314,12 @@ def test_a_tied_model_moved_to_meta_after_init_is_refused_not_trained_on_nothing
     step = fl.train_step(model, lambda f, b: F.cross_entropy(f(b), b), optimizer, compile=False)
     with pytest.raises(ValueError, match=r"\['head.weight'\] on the meta device.*donate_model=True"):
         fl.run(state, step, [torch.arange(5)])
+    # torch would compute with it all the same: a CPU input times a meta weight is a CPU tensor of
+    # whatever the memory held. The evaluation refuses it too.
+    assert F.linear(torch.ones(1, 4), torch.empty(5, 4, device="meta")).device.type == "cpu"
+    evaluate = fl.eval_step(model, lambda f, b: f(b), compile=False)
+    with pytest.raises(ValueError, match=r"eval_step\(\): the model holds \['head.weight'\]"):
+        evaluate(state, torch.arange(5))
 
 
 def test_donate_model_leaves_an_lstm_holding_none_of_its_weights() -> None:

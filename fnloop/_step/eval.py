@@ -25,6 +25,7 @@ from fnloop._core.state import TrainState
 from fnloop._export import whole_params
 from fnloop._step.calls import call_of
 from fnloop._step.errors import public_error
+from fnloop._step.holding import holding_all
 
 __all__ = ["EvalStep", "eval_step", "plain_module"]
 
@@ -125,10 +126,16 @@ def eval_step(
         ['out']
     """
     model = plain_module(model, "eval_step")
+    checked: list[bool] = []  # the first forward checks that the state gives every tensor the model uses
 
     def kernel(params: dict, buffers: dict, batch: Any) -> dict[str, torch.Tensor]:
         def forward(*args: Any, **kwargs: Any) -> Any:
-            return functional_call(model, (params, buffers), args, kwargs)
+            if checked:
+                return functional_call(model, (params, buffers), args, kwargs)
+            with holding_all(model, {**params, **buffers}, "eval_step"):
+                out = model(*args, **kwargs)
+            checked.append(True)
+            return out
 
         out = fn(forward, batch)
         return dict(out) if isinstance(out, Mapping) else {"value": out}

@@ -20,8 +20,14 @@ def holding(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> Iterato
 
 
 @contextlib.contextmanager
-def holding_all(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> Iterator[None]:
-    """``holding``, refusing a model left with a meta tensor (no values) that ``tensors`` has none for."""
+def holding_all(
+    model: torch.nn.Module, tensors: dict[str, torch.Tensor], where: str = "train_step"
+) -> Iterator[None]:
+    """``holding``, refusing a model left with a meta tensor (no values) that ``tensors`` has none for.
+
+    torch computes such a tensor with real ones without a word (a CPU input times a meta weight is a
+    CPU tensor of whatever the memory held), so the refusal is the only sign.
+    """
     with holding(model, tensors):
         named = (
             *model.named_parameters(remove_duplicate=False),
@@ -30,7 +36,7 @@ def holding_all(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> Ite
         empty = sorted(name for name, t in named if t.device.type == "meta")
         if empty:
             raise ValueError(
-                f"train_step(): the model holds {empty[:3]} on the meta device (no values) and the state "
+                f"{where}(): the model holds {empty[:3]} on the meta device (no values) and the state "
                 "has no tensor for them, so the step would compute with nothing there. A weight tied to "
                 "another and untied by model.to('meta')? Leave the module's weights to the state with "
                 "fnloop.init(model, ..., donate_model=True), which keeps ties; else build the state from "
