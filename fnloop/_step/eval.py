@@ -8,7 +8,6 @@ from typing import Any
 
 import attrs
 import torch
-from torch.func import functional_call
 
 from fnloop._compile import (
     CompileFailed,
@@ -25,7 +24,7 @@ from fnloop._core.state import TrainState
 from fnloop._export import whole_params
 from fnloop._step.calls import call_of
 from fnloop._step.errors import public_error
-from fnloop._step.holding import holding_all
+from fnloop._step.holding import holding, holding_all
 
 __all__ = ["EvalStep", "eval_step", "plain_module"]
 
@@ -126,15 +125,15 @@ def eval_step(
         ['out']
     """
     model = plain_module(model, "eval_step")
-    checked: list[bool] = []  # the first forward checks that the state gives every tensor the model uses
+    # Whether a forward has run: the first checks that the state gives every tensor the model uses.
+    checked: list[bool] = []
 
     def kernel(params: dict, buffers: dict, batch: Any) -> dict[str, torch.Tensor]:
         def forward(*args: Any, **kwargs: Any) -> Any:
-            if checked:
-                return functional_call(model, (params, buffers), args, kwargs)
-            with holding_all(model, {**params, **buffers}, "eval_step"):
+            tensors = {**params, **buffers}
+            with holding(model, tensors) if checked else holding_all(model, tensors, "eval_step"):
                 out = model(*args, **kwargs)
-            checked.append(True)
+            checked[:] = [True]
             return out
 
         out = fn(forward, batch)

@@ -141,7 +141,8 @@ class Kernel:
     ``"blocks"`` or ``"parameters"``."""
     fixed: frozenset[str] = attrs.field()
     _checked: list[bool] = attrs.field(factory=list, alias="_checked", eq=False)
-    """Whether a forward has run: the first checks the model's activation checkpointing."""
+    """Whether a forward has run: the first checks the model's activation checkpointing, and that the
+    state gives every tensor the model uses (``holding_all``)."""
 
     @fixed.default
     def _fixed(self) -> frozenset[str]:
