@@ -124,10 +124,14 @@ def _leave() -> None:
 
     A gloo group left to the interpreter's teardown can abort the process
     after all its work is done (SIGABRT, "terminate called without an active
-    exception": its worker threads outlive the interpreter, and free a
-    collective's tensors without it). After an
-    unhandled exception the group is left as it is: another rank may still be
-    inside a collective, and leaving could wait on it.
+    exception"): a worker thread of the group that frees a collective's
+    tensors late, once the interpreter is finalizing, cannot take the GIL
+    and is ended inside a destructor. Leaving frees the group, whose
+    destructor joins those threads while the interpreter still runs, so
+    nothing it holds outlives it: unless the script's own objects (a step at
+    module level) still hold the group. After an unhandled exception the
+    group is left as it is: another rank may still be inside a collective,
+    and leaving could wait on it.
     """
     unfinished = current_run()
     if unfinished is not None:  # a run that never reached its end: its signs of life stop first
@@ -137,8 +141,26 @@ def _leave() -> None:
     # Garbage first: a step (often in a reference cycle) holds the group in its compiled graph's
     # collectives, and a group freed only by the interpreter's final collection aborts the same way.
     _meshes.clear()
+    _forget_defaults_that_hold_groups()
     gc.collect()
     dist.destroy_process_group()
+
+
+def _forget_defaults_that_hold_groups() -> None:
+    """Set to ``None`` the default arguments of ``torch.distributed.nn.functional`` that hold a group.
+
+    That module's functions take ``group=group.WORLD``, evaluated when it is
+    imported, and the functional collectives import it on their first eager
+    call: after the group was joined, so the defaults hold the group itself
+    and ``destroy_process_group`` can no longer free it (its gloo threads then
+    live on into the interpreter's teardown). ``None`` is what those
+    functions read as the default group, so they mean the same after.
+    """
+    module = sys.modules.get("torch.distributed.nn.functional")
+    for function in vars(module).values() if module is not None else ():
+        defaults = getattr(function, "__defaults__", None)
+        if defaults and any(isinstance(value, dist.ProcessGroup) for value in defaults):
+            function.__defaults__ = tuple(None if isinstance(v, dist.ProcessGroup) else v for v in defaults)
 
 
 def _group() -> Any:

@@ -313,6 +313,55 @@ def test_the_group_fnloop_joined_is_left_at_a_clean_exit_and_kept_after_an_error
         assert written == ["rank-0-0.txt", "rank-1-1.txt"], written
 
 
+TRAINED = """
+import atexit, os, sys
+from pathlib import Path
+import torch
+import fnloop as fl
+
+out = Path(sys.argv[1])
+
+def after() -> None:  # registered before fnloop's own, so it runs after it (last in, first out)
+    names = [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")]
+    (out / f"threads-{os.environ['RANK']}.txt").write_text("\\n".join(sorted(names)))
+
+def main() -> None:
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 2)
+    opt = fl.optim.sgd(0.1)
+    state = fl.init(net, opt, seed=0, max_iter=3)
+    step = fl.train_step(net, lambda forward, batch: forward(batch).square().mean(), opt, compile=False)
+    data = torch.randn(16, 4)
+    fl.run(state, step, fl.data.batches(data, batch_size=4, seed=0))
+
+atexit.register(after)
+main()
+"""
+
+
+def test_a_clean_exit_frees_the_group_and_joins_its_threads_before_the_interpreter_ends(
+    tmp_path: Path,
+) -> None:
+    # An eager step's functional collectives import torch.distributed.nn.functional, whose defaults
+    # then hold the group: destroy_process_group alone left its gloo threads running into the
+    # interpreter's teardown, where one freeing a collective's tensors late aborted a finished rank
+    # (SIGABRT, "terminate called without an active exception"; CI saw it in a two-machine job).
+    script = tmp_path / "trained.py"
+    script.write_text(TRAINED)
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    done = subprocess.run(
+        [*launch, str(script), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=LIMIT,
+        env={**os.environ, **ONE_CORE_EACH},
+    )
+    ok(done)
+    for rank in (0, 1):
+        threads = (tmp_path / f"threads-{rank}.txt").read_text().split()
+        assert threads and not [name for name in threads if "gloo" in name], (rank, threads)
+
+
 @pytest.mark.parametrize("kill", ["1:3", "0:7", "1:12", "0:14"])
 def test_torchrun_restarts_after_a_sigkill_and_ends_bit_exact(
     tmp_path: Path, two_ranks: Path, kill: str
