@@ -59,6 +59,14 @@ def jobs(tmp: Path, ranks: int, *runs: tuple[Path, list[str]]) -> subprocess.Com
     return subprocess.run([*runner, WORKER, *argv], capture_output=True, text=True, timeout=LIMIT, env=env)
 
 
+def on_two_ranks(*argv: str) -> subprocess.CompletedProcess[str]:
+    """``torchrun --standalone --nproc_per_node=2 *argv``: a script of a test's own on two ranks."""
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    return subprocess.run(
+        [*launch, *argv], capture_output=True, text=True, timeout=LIMIT, env={**os.environ, **ONE_CORE_EACH}
+    )
+
+
 def results(tmp: Path, rank: int = 0) -> dict:
     return torch.load(tmp / "results" / f"rank{rank}.pt")
 
@@ -215,14 +223,7 @@ def _no_leftovers(tmp_path: Path):
 
 def test_every_rank_loads_the_checkpoint_rank_zero_chose_while_saves_land(tmp_path: Path) -> None:
     worker = str(Path(__file__).with_name("dist_latest_worker.py"))
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    done = subprocess.run(
-        [*launch, worker, str(tmp_path / "ckpt"), "20", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=LIMIT,
-        env={**os.environ, **ONE_CORE_EACH},
-    )
+    done = on_two_ranks(worker, str(tmp_path / "ckpt"), "20", str(tmp_path))
     ok(done)
     loaded = [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in (0, 1)]
     assert loaded[0] == loaded[1], loaded
@@ -256,14 +257,7 @@ def test_a_checkpoint_directory_the_ranks_do_not_share_stops_the_resume_on_every
     # Not a fresh start on rank 1 beside a resume on rank 0, nor a damaged checkpoint skipped.
     script = tmp_path / "apart.py"
     script.write_text(APART)
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    done = subprocess.run(
-        [*launch, str(script), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=LIMIT,
-        env={**os.environ, **ONE_CORE_EACH},
-    )
+    done = on_two_ranks(str(script), str(tmp_path))
     ok(done)
     said = [(tmp_path / f"rank-{r}.txt").read_text() for r in (0, 1)]
     for text in said:
@@ -296,14 +290,7 @@ def test_the_group_fnloop_joined_is_left_at_a_clean_exit_and_kept_after_an_error
     # unhandled exception it is kept, since another rank may still wait in a collective.
     script = tmp_path / "leaving.py"
     script.write_text(LEAVING)
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    done = subprocess.run(
-        [*launch, str(script), str(tmp_path), how],
-        capture_output=True,
-        text=True,
-        timeout=LIMIT,
-        env={**os.environ, **ONE_CORE_EACH},
-    )
+    done = on_two_ranks(str(script), str(tmp_path), how)
     written = sorted(p.name for p in tmp_path.glob("rank-*.txt"))
     if how == "clean":
         ok(done)
@@ -348,14 +335,7 @@ def test_a_clean_exit_frees_the_group_and_joins_its_threads_before_the_interpret
     # (SIGABRT, "terminate called without an active exception"; CI saw it in a two-machine job).
     script = tmp_path / "trained.py"
     script.write_text(TRAINED)
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    done = subprocess.run(
-        [*launch, str(script), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=LIMIT,
-        env={**os.environ, **ONE_CORE_EACH},
-    )
+    done = on_two_ranks(str(script), str(tmp_path))
     ok(done)
     for rank in (0, 1):
         threads = (tmp_path / f"threads-{rank}.txt").read_text().split()
@@ -403,14 +383,7 @@ def test_a_restarted_attempt_sees_none_of_the_keys_the_killed_one_left(tmp_path:
     # nobody listened on. The group fnloop joins keeps its keys under the attempt's own prefix.
     script = tmp_path / "restarted.py"
     script.write_text(RESTARTED)
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    done = subprocess.run(
-        [*launch, "--max-restarts=1", str(script), str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=LIMIT,
-        env={**os.environ, **ONE_CORE_EACH},
-    )
+    done = on_two_ranks("--max-restarts=1", str(script), str(tmp_path))
     ok(done)
     seen = {p.name: p.read_text() for p in tmp_path.glob("attempt-*.txt")}
     assert seen == {f"attempt-{a}-rank-{r}.txt": "False" for a in (0, 1) for r in (0, 1)}, seen
