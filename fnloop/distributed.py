@@ -157,7 +157,9 @@ def _forget_defaults_that_hold_groups() -> None:
     functions read as the default group, so they mean the same after.
     """
     module = sys.modules.get("torch.distributed.nn.functional")
-    for function in vars(module).values() if module is not None else ():
+    if module is None:  # not imported: no defaults were evaluated
+        return
+    for function in vars(module).values():
         defaults = getattr(function, "__defaults__", None)
         if defaults and any(isinstance(value, dist.ProcessGroup) for value in defaults):
             function.__defaults__ = tuple(None if isinstance(v, dist.ProcessGroup) else v for v in defaults)
